@@ -1,0 +1,179 @@
+"""Typed engine configuration, validated at construction and never mutated afterwards.
+
+Sizes measured at start-up (how many KV blocks fit) are returned by the model runner
+to whoever asked, not written back here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PretrainedConfig
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+}
+DEFAULT_CUDAGRAPH_SIZES = [1, 2, 4, 8] + list(range(16, 257, 16))
+
+
+def resolve_dtype(dtype: str | torch.dtype, hf_config: PretrainedConfig, device: torch.device) -> torch.dtype:
+    """``auto`` takes the checkpoint's dtype (bf16 when it says float32 on a GPU, like vLLM);
+    on the CPU half precision is slow and inexact, so ``auto`` gives float32 there."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype != "auto":
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
+        return _DTYPES[dtype]
+    if device.type == "cpu":
+        return torch.float32
+    cfg_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(cfg_dtype, str):
+        cfg_dtype = _DTYPES.get(cfg_dtype, torch.bfloat16)
+    return cfg_dtype if cfg_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str
+    hf_config: PretrainedConfig
+    dtype: torch.dtype
+    max_model_len: int
+    tokenizer: str
+    trust_remote_code: bool = False
+    load_dummy: bool = False
+    seed: int = 0
+
+    def __post_init__(self):
+        limit = getattr(self.hf_config, "max_position_embeddings", None)
+        if self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if limit is not None and self.max_model_len > limit:
+            raise ValueError(
+                f"max_model_len ({self.max_model_len}) is larger than the model's "
+                f"max_position_embeddings ({limit})"
+            )
+
+    @property
+    def architecture(self) -> str:
+        return (getattr(self.hf_config, "architectures", None) or ["<none>"])[0]
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_dtype: str = "bf16"
+    enable_prefix_caching: bool = False
+    gpu_memory_utilization: float = 0.9
+    # CPU: bytes of KV cache (the GPU measures free memory instead); None = 2 GiB
+    kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks_override: int | None = None
+
+    def __post_init__(self):
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.kv_cache_dtype not in ("bf16", "auto", "fp8"):
+            raise ValueError(f"kv_cache_dtype must be 'bf16' (alias 'auto') or 'fp8', got {self.kv_cache_dtype!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override <= 0:
+            raise ValueError(f"num_gpu_blocks_override must be positive, got {self.num_gpu_blocks_override}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 16384
+    max_num_seqs: int = 512
+    max_model_len: int = 4096
+    scheduler_delay_factor: float = 0.0
+
+    def __post_init__(self):
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.scheduler_delay_factor < 0:
+            raise ValueError(f"scheduler_delay_factor must be >= 0, got {self.scheduler_delay_factor}")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    enable_dp_attention: bool = False
+    port: int = 8006
+
+    def __post_init__(self):
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class CompilationConfig:
+    level: int = 3
+    enforce_eager: bool = False
+    cudagraph_capture_sizes: tuple[int, ...] = tuple(DEFAULT_CUDAGRAPH_SIZES)
+
+    def __post_init__(self):
+        if self.level not in (0, 1, 2, 3):
+            raise ValueError(f"level must be 0, 1, 2 or 3, got {self.level}")
+        if not self.cudagraph_capture_sizes or min(self.cudagraph_capture_sizes) <= 0:
+            raise ValueError(f"cudagraph_capture_sizes must be positive sizes, got {self.cudagraph_capture_sizes}")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str | None = None
+    num_speculative_tokens: int = 1
+
+    def __post_init__(self):
+        if self.method not in (None, "mtp"):
+            raise ValueError(f"method must be None or 'mtp', got {self.method!r}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+
+
+@dataclass(frozen=True)
+class Config:
+    model_config: ModelConfig
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
+    speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    torch_profiler_dir: str | None = field(default_factory=lambda: os.environ.get("ATOM_TORCH_PROFILER_DIR"))
+
+    def __post_init__(self):
+        if self.scheduler_config.max_model_len != self.model_config.max_model_len:
+            raise ValueError("scheduler_config.max_model_len must equal model_config.max_model_len")
+        self._refuse_unbuilt()
+
+    def _refuse_unbuilt(self) -> None:
+        """Arguments whose feature is not built yet fail loudly rather than being ignored."""
+        unbuilt = {
+            "tensor_parallel_size > 1": self.parallel_config.tensor_parallel_size > 1,
+            "data_parallel_size > 1": self.parallel_config.data_parallel_size > 1,
+            "enable_expert_parallel": self.parallel_config.enable_expert_parallel,
+            "enable_dp_attention": self.parallel_config.enable_dp_attention,
+            "kv_cache_dtype='fp8'": self.cache_config.kv_cache_dtype == "fp8",
+            "method='mtp' (speculative decoding)": self.speculative_config.method is not None,
+        }
+        missing = [name for name, used in unbuilt.items() if used]
+        if missing:
+            raise NotImplementedError(f"not implemented yet in atom: {', '.join(missing)}")

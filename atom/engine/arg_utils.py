@@ -1,0 +1,185 @@
+"""``EngineArgs``: every engine argument of the serving guide (table 7.4), as CLI flags and
+as keyword arguments of ``LLMEngine``; turned into a validated ``Config``."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AutoConfig, GenerationConfig, PretrainedConfig
+
+from atom.config import (
+    DEFAULT_CUDAGRAPH_SIZES,
+    CacheConfig,
+    CompilationConfig,
+    Config,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    resolve_dtype,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def _bool(v: str | bool) -> bool:
+    if isinstance(v, bool):
+        return v
+    if v.lower() in ("1", "true", "yes", "on"):
+        return True
+    if v.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected a boolean, got {v!r}")
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None  # None: the embedded default model
+    tokenizer: str | None = None
+    trust_remote_code: bool = False
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    enforce_eager: bool = False
+    enable_prefix_caching: bool = False
+    port: int = 8006
+    kv_cache_dtype: str = "bf16"
+    block_size: int = 16
+    max_model_len: int | None = None
+    max_num_batched_tokens: int = 16384
+    max_num_seqs: int = 512
+    gpu_memory_utilization: float = 0.9
+    scheduler_delay_factor: float = 0.0
+    cudagraph_capture_sizes: list[int] = field(default_factory=lambda: list(DEFAULT_CUDAGRAPH_SIZES))
+    level: int = 3
+    load_dummy: bool = False
+    enable_expert_parallel: bool = False
+    enable_dp_attention: bool = False
+    torch_profiler_dir: str | None = None
+    method: str | None = None
+    num_speculative_tokens: int = 1
+    # beyond the guide's table: what vLLM users expect
+    dtype: str = "auto"
+    seed: int = 0
+    device: str = "auto"
+    kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks_override: int | None = None
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        d = EngineArgs()
+        a = parser.add_argument
+        a("--model", type=str, default=d.model, help="HF model directory or .gguf file (default: embedded model)")
+        a("--tokenizer", type=str, default=None, help="tokenizer path (default: the model's)")
+        a("--trust-remote-code", action="store_true", help="trust remote code from Hugging Face")
+        a("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size)
+        a("--data-parallel-size", "-dp", type=int, default=d.data_parallel_size)
+        a("--enforce-eager", action="store_true", help="disable CUDA graphs; run eagerly")
+        a("--enable_prefix_caching", "--enable-prefix-caching", action="store_true")
+        a("--port", type=int, default=d.port, help="internal engine communication port")
+        a("--kv_cache_dtype", "--kv-cache-dtype", type=str, default=d.kv_cache_dtype, choices=["bf16", "auto", "fp8"])
+        a("--block-size", type=int, default=d.block_size)
+        a("--max-model-len", type=int, default=None, help="maximum context length (default: from the HF config)")
+        a("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+        a("--max-num-seqs", type=int, default=d.max_num_seqs)
+        a("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
+        a("--scheduler-delay-factor", type=float, default=d.scheduler_delay_factor)
+        a("--cudagraph-capture-sizes", type=str, default=json.dumps(d.cudagraph_capture_sizes),
+          help="batch sizes captured as CUDA graphs, e.g. '[1,2,4,8]'")
+        a("--level", type=int, default=d.level, choices=[0, 1, 2, 3], help="compilation level; 3 = torch.compile")
+        a("--load_dummy", "--load-dummy", action="store_true", help="random weights (no checkpoint needed)")
+        a("--enable-expert-parallel", action="store_true")
+        a("--enable-dp-attention", action="store_true")
+        a("--torch-profiler-dir", type=str, default=None)
+        a("--method", type=str, default=None, choices=["mtp"], help="speculative decoding method")
+        a("--num-speculative-tokens", type=int, default=d.num_speculative_tokens)
+        a("--dtype", type=str, default=d.dtype, choices=["auto", "bfloat16", "float16", "float32"])
+        a("--seed", type=int, default=d.seed)
+        a("--device", type=str, default=d.device, help="auto, cuda or cpu")
+        a("--kv-cache-memory-bytes", type=int, default=None, help="KV cache size (CPU default 2 GiB)")
+        a("--num-gpu-blocks-override", type=int, default=None)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        kwargs = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+        sizes = kwargs.get("cudagraph_capture_sizes")
+        if isinstance(sizes, str):
+            kwargs["cudagraph_capture_sizes"] = [int(x) for x in sizes.strip("[]").split(",") if x.strip()]
+        return cls(**kwargs)
+
+    def resolved_model(self) -> str:
+        if self.model is not None:
+            return self.model
+        from atom.model_loader.default_model import default_model_path
+
+        return default_model_path()
+
+    def create_engine_config(self) -> Config:
+        model = self.resolved_model()
+        hf_config = load_hf_config(model, self.trust_remote_code)
+        device = torch.device("cuda" if self.device == "auto" and torch.cuda.is_available() else
+                              ("cpu" if self.device == "auto" else self.device))
+        max_len = self.max_model_len or getattr(hf_config, "max_position_embeddings", 4096)
+        model_config = ModelConfig(
+            model=model,
+            hf_config=hf_config,
+            dtype=resolve_dtype(self.dtype, hf_config, device),
+            max_model_len=max_len,
+            tokenizer=self.tokenizer or model,
+            trust_remote_code=self.trust_remote_code,
+            load_dummy=self.load_dummy,
+            seed=self.seed,
+        )
+        return Config(
+            model_config=model_config,
+            cache_config=CacheConfig(self.block_size, self.kv_cache_dtype, self.enable_prefix_caching,
+                                     self.gpu_memory_utilization, self.kv_cache_memory_bytes,
+                                     self.num_gpu_blocks_override),
+            scheduler_config=SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs, max_len,
+                                             self.scheduler_delay_factor),
+            parallel_config=ParallelConfig(self.tensor_parallel_size, self.data_parallel_size,
+                                           self.enable_expert_parallel, self.enable_dp_attention, self.port),
+            compilation_config=CompilationConfig(self.level, self.enforce_eager, tuple(self.cudagraph_capture_sizes)),
+            speculative_config=SpeculativeConfig(self.method, self.num_speculative_tokens),
+            device=device,
+            torch_profiler_dir=self.torch_profiler_dir or os.environ.get("ATOM_TORCH_PROFILER_DIR"),
+        )
+
+    def create_engine(self):
+        from atom.engine.llm_engine import LLMEngine
+
+        return LLMEngine(**dataclasses.asdict(self))
+
+
+def load_hf_config(model: str, trust_remote_code: bool = False) -> PretrainedConfig:
+    from atom.model_loader.gguf import find_gguf_file, load_gguf_config
+
+    gguf_file = find_gguf_file(model)
+    if gguf_file is not None:
+        return load_gguf_config(gguf_file)
+    if not os.path.isdir(model):
+        raise FileNotFoundError(f"model {model!r} is not a local directory or .gguf file (atom does not download)")
+    return AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+
+
+def eos_token_ids(model: str, hf_config: PretrainedConfig, tokenizer) -> tuple[int, ...]:
+    """EOS ids as ``generate`` uses them: generation_config.json's, else the config's and the
+    tokenizer's."""
+    ids: list[int] = []
+    try:
+        gen = GenerationConfig.from_pretrained(model)
+        ids += [gen.eos_token_id] if isinstance(gen.eos_token_id, int) else list(gen.eos_token_id or [])
+    except (OSError, ValueError):
+        pass
+    if not ids:
+        cfg = getattr(hf_config, "eos_token_id", None)
+        ids += [cfg] if isinstance(cfg, int) else list(cfg or [])
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            ids.append(tokenizer.eos_token_id)
+    return tuple(dict.fromkeys(ids))

@@ -1,0 +1,154 @@
+"""``LLMEngine``: the offline API (serving guide section 2), driving an in-process core."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable, Sequence
+
+from tqdm.auto import tqdm
+from transformers import AutoTokenizer
+
+from atom.engine.arg_utils import EngineArgs, eos_token_ids
+from atom.engine.engine_core import EngineCore, EngineCoreRequest
+from atom.engine.output_processor import RequestOutput, RequestState
+from atom.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    from atom.model_loader.gguf import find_gguf_file, load_gguf_tokenizer
+
+    gguf_file = find_gguf_file(path)
+    if gguf_file is not None:
+        return load_gguf_tokenizer(gguf_file)
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
+class LLMEngine:
+    def __init__(self, model: str | None = None, **kwargs):
+        self.args = EngineArgs(model=model, **kwargs)
+        self.config = self.args.create_engine_config()
+        mc = self.config.model_config
+        if self.config.device.type != "cuda" and not self.args.enforce_eager:
+            logger.info("CUDA graphs and torch.compile (level %d) apply to CUDA devices; running eagerly on %s",
+                        self.config.compilation_config.level, self.config.device)
+        self.tokenizer = load_tokenizer(mc.tokenizer, mc.trust_remote_code)
+        self.eos_token_ids = eos_token_ids(mc.model, mc.hf_config, self.tokenizer)
+        self.core = EngineCore(self.config)
+        self.states: dict[str, RequestState] = {}
+        self._ids = itertools.count()
+
+    # requests
+    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        ids = list(prompt)
+        if not all(isinstance(t, int) for t in ids):
+            raise ValueError("a token-id prompt must be a list of ints")
+        return None, ids
+
+    def add_request(
+        self,
+        prompt_or_tokens_list: Prompt | Sequence[Prompt],
+        sampling_params_list: SamplingParams | Sequence[SamplingParams] | None = None,
+        stream_callback: Callable[[RequestOutput], None] | None = None,
+        request_ids: Sequence[str] | None = None,
+    ) -> list[str]:
+        """Queue prompts (strings or token-id lists); returns their request ids. Every prompt
+        is validated before any is queued, so a bad one adds nothing."""
+        prompts = _as_prompt_list(prompt_or_tokens_list)
+        params = sampling_params_list if sampling_params_list is not None else SamplingParams()
+        params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        ids = list(request_ids) if request_ids is not None else [str(next(self._ids)) for _ in prompts]
+        tokenized = [self.tokenize(p) for p in prompts]
+        self._check_lengths([t for _, t in tokenized])
+        for rid, (text, token_ids), sp in zip(ids, tokenized, params):
+            self.core.add_request(EngineCoreRequest(rid, token_ids, sp, self.eos_token_ids))
+            self.states[rid] = RequestState(rid, text, token_ids, sp, self.tokenizer, stream_callback)
+        return ids
+
+    def _check_lengths(self, token_lists: list[list[int]]) -> None:
+        limit = self.core.scheduler.max_seq_len
+        for ids in token_lists:
+            if not ids:
+                raise ValueError("prompt is empty: at least one token is needed")
+            if len(ids) > limit:
+                raise ValueError(f"prompt of {len(ids)} tokens exceeds the limit of {limit} tokens "
+                                 f"(max_model_len={self.config.model_config.max_model_len}, "
+                                 f"KV cache capacity={self.core.block_manager.num_blocks * self.core.block_manager.block_size})")
+
+    def abort_request(self, request_ids: str | Sequence[str]) -> None:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        self.core.abort_requests(ids)
+        for rid in ids:
+            self.states.pop(rid, None)
+
+    def is_finished(self) -> bool:
+        return not self.core.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; stream new tokens to callbacks and return finished requests."""
+        finished = []
+        for out in self.core.step():
+            state = self.states.get(out.request_id)
+            if state is None:
+                continue
+            try:
+                result, stopped = state.update(out)
+            except Exception as e:  # a request failing here must not take down the others
+                logger.exception("request %s failed while processing its output", out.request_id)
+                self.abort_request(out.request_id)
+                raise RuntimeError(f"request {out.request_id} failed: {e}") from e
+            if stopped:
+                self.core.abort_requests([out.request_id])
+            if state.stream_callback is not None and (result.new_token_ids or result.finished):
+                state.stream_callback(result)
+            if result.finished:
+                self.states.pop(out.request_id, None)
+                finished.append(result)
+        return finished
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[dict]:
+        ids = self.add_request(prompts, sampling_params)
+        results: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="Generating", disable=not use_tqdm, dynamic_ncols=True) as bar:
+            while len(results) < len(ids):
+                if self.is_finished():
+                    raise RuntimeError("engine stopped with unfinished requests")
+                for out in self.step():
+                    results[out.request_id] = out
+                    bar.update(1)
+        return [results[i].to_dict() for i in ids]
+
+    # the serving guide's extras
+    def start_profile(self) -> None:
+        self.core.runner.start_profile()
+
+    def stop_profile(self) -> None:
+        self.core.runner.stop_profile()
+
+    def print_mtp_statistics(self) -> None:
+        if self.config.speculative_config.method is None:
+            logger.info("MTP statistics: speculative decoding is not enabled")
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # a single token-id prompt
+    return prompts

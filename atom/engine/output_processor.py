@@ -1,0 +1,159 @@
+"""Turn the core's token ids into text: incremental detokenization, stop strings, timing.
+
+Used in-process by ``LLMEngine`` and in the API process by ``AsyncLLM``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from atom.engine.engine_core import EngineCoreOutput
+from atom.sampling_params import SamplingParams
+from atom.worker.model_runner import TokenLogprobs
+
+# tokens of context decoded before the new ones, so that a word's leading space and
+# multi-byte characters split across tokens come out right
+_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    """vLLM's prefix/read-offset scheme: decode a short window and emit only the text that
+    is complete (no trailing U+FFFD from an unfinished multi-byte character)."""
+
+    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self.read_offset = len(self.token_ids)
+        self.prefix_offset = 0
+
+    def add(self, token_ids: list[int]) -> str:
+        self.token_ids.extend(token_ids)
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        prefix_text = decode(self.token_ids[self.prefix_offset : self.read_offset])
+        new_text = decode(self.token_ids[self.prefix_offset :])
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        return new_text[len(prefix_text) :]
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # all output tokens so far
+    text: str  # all output text so far (stop string and held-back text excluded)
+    new_token_ids: list[int]
+    delta_text: str
+    finished: bool
+    finish_reason: str | None
+    latency: float
+    ttft: float
+    tpot: float
+    logprobs: list[TokenLogprobs] | None = None
+    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    num_cached_tokens: int = 0
+    stop_reason: str | int | None = None
+
+    def to_dict(self) -> dict:
+        """The serving guide's result dict."""
+        return {
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "latency": self.latency,
+            "finish_reason": self.finish_reason,
+            "num_tokens_input": len(self.prompt_token_ids),
+            "num_tokens_output": len(self.token_ids),
+            "ttft": self.ttft,
+            "tpot": self.tpot,
+        }
+
+
+class RequestState:
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 params: SamplingParams, tokenizer, stream_callback=None, arrival_time: float | None = None):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids) if tokenizer else None
+        self.stream_callback = stream_callback
+        self.token_ids: list[int] = []
+        self.text = ""  # full decoded text, before stop-string truncation
+        self.emitted = 0  # characters of text already streamed
+        self.arrival = arrival_time if arrival_time is not None else time.time()
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = (
+            [None] if params.prompt_logprobs is not None else None)
+        self.stop_reason: str | int | None = None
+        self.hold = max((len(s) for s in params.stop), default=1) - 1
+
+    def update(self, out: EngineCoreOutput) -> tuple[RequestOutput, bool]:
+        """Apply one core output; returns (output, stopped_by_string). When a stop string
+        matched, the caller must abort the request in the core."""
+        now = time.time()
+        if out.new_token_ids:
+            self.first_token_time = self.first_token_time or now
+            self.last_token_time = now
+            self.token_ids.extend(out.new_token_ids)
+        if self.logprobs is not None:
+            self.logprobs.extend(out.new_logprobs)
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs.extend(out.prompt_logprobs)
+        finish_reason = out.finish_reason
+        if out.finish_reason == "stop" and out.new_token_ids and out.new_token_ids[-1] in self.params.stop_token_ids:
+            self.stop_reason = out.new_token_ids[-1]
+        stopped = False
+        if self.detokenizer is not None and out.new_token_ids:
+            old_len = len(self.text)
+            self.text += self.detokenizer.add(out.new_token_ids)
+            if self.params.stop:
+                cut = self._find_stop(old_len)
+                if cut is not None:
+                    self.text = self.text[:cut]
+                    finish_reason, stopped = "stop", True
+        finished = finish_reason is not None
+        # hold back text that might be the start of a stop string, until it is decided
+        visible = len(self.text) if finished else max(self.emitted, len(self.text) - self.hold)
+        delta = self.text[self.emitted : visible]
+        self.emitted = visible
+        return self._output(out, delta, finish_reason, now), stopped
+
+    def _find_stop(self, old_len: int) -> int | None:
+        start = max(0, old_len - self.hold)
+        best = None
+        for s in self.params.stop:
+            idx = self.text.find(s, start)
+            if idx != -1 and (best is None or idx < best):
+                best, self.stop_reason = idx, s
+        return best
+
+    def _output(self, out: EngineCoreOutput, delta: str, finish_reason: str | None, now: float) -> RequestOutput:
+        n = len(self.token_ids)
+        ttft = (self.first_token_time - self.arrival) if self.first_token_time else 0.0
+        tpot = ((self.last_token_time - self.first_token_time) / (n - 1)) if n > 1 else 0.0
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            token_ids=list(self.token_ids),
+            text=self.text[: self.emitted],
+            new_token_ids=out.new_token_ids,
+            delta_text=delta,
+            finished=finish_reason is not None,
+            finish_reason=finish_reason,
+            latency=now - self.arrival,
+            ttft=ttft,
+            tpot=tpot,
+            logprobs=self.logprobs,
+            new_logprobs=out.new_logprobs,
+            prompt_logprobs=self.prompt_logprobs,
+            num_cached_tokens=out.num_cached_tokens,
+            stop_reason=self.stop_reason,
+        )

@@ -1,0 +1,51 @@
+"""The one forward context: attention metadata for the batch being run.
+
+The model runner builds an ``AttentionMetadata`` for each step and enters
+``set_forward_context`` around the model's forward; attention layers read it with
+``get_forward_context``. Models never take metadata arguments (vLLM passes metadata the
+same way, which keeps plugin mode thin).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token (-1: padding)
+    cu_seqlens_q: torch.Tensor  # [B+1] int32: query rows of each sequence
+    seq_lens: torch.Tensor  # [B] int32: tokens of each sequence after this step
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    max_seqlen_q: int
+    max_seqlen_k: int
+    num_decode_tokens: int = 0  # rows with q_len == 1, placed first
+
+
+@dataclass
+class ForwardContext:
+    attn_metadata: AttentionMetadata | None
+    positions: torch.Tensor | None = None
+
+
+_forward_context: ForwardContext | None = None
+
+
+def get_forward_context() -> ForwardContext:
+    if _forward_context is None:
+        raise RuntimeError("no forward context: run the model inside set_forward_context(...)")
+    return _forward_context
+
+
+@contextlib.contextmanager
+def set_forward_context(attn_metadata: AttentionMetadata | None, positions: torch.Tensor | None = None):
+    global _forward_context
+    prev = _forward_context
+    _forward_context = ForwardContext(attn_metadata, positions)
+    try:
+        yield _forward_context
+    finally:
+        _forward_context = prev

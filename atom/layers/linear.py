@@ -1,0 +1,110 @@
+"""Linear layers that shard over tensor parallelism and load their own weights.
+
+Each parameter carries ``weight_loader(param, loaded, shard_id=None)``: the checkpoint
+loader hands it the full tensor and the layer copies its shard into place.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from atom.distributed.parallel_state import SINGLE, TPInfo
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}")
+    param.data.copy_(loaded)
+
+
+def _param(*shape: int, loader) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(*shape), requires_grad=False)
+    p.weight_loader = loader
+    return p
+
+
+class LinearBase(nn.Module):
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp: TPInfo, shard_dim: int | None):
+        super().__init__()
+        self.tp = tp
+        self.shard_dim = shard_dim
+        self.input_size, self.output_size = input_size, output_size
+        self.weight = _param(output_size, input_size, loader=self.weight_loader)
+        self.bias = _param(output_size, loader=self.weight_loader) if bias else None
+
+    def _shard(self, param: nn.Parameter, loaded: torch.Tensor) -> torch.Tensor:
+        dim = self.shard_dim if param.dim() > 1 or self.shard_dim == 0 else None
+        if dim is None or self.tp.size == 1:
+            return loaded
+        size = param.shape[dim]
+        return loaded.narrow(dim, self.tp.rank * size, size)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        default_weight_loader(param, self._shard(param, loaded))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__(input_size, output_size, bias, SINGLE, None)
+
+
+class ColumnParallelLinear(LinearBase):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp: TPInfo = SINGLE):
+        if output_size % tp.size:
+            raise ValueError(f"output size {output_size} not divisible by tensor-parallel size {tp.size}")
+        super().__init__(input_size, output_size // tp.size, bias, tp, 0)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs in one matrix (gate/up -> gate_up_proj)."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, tp: TPInfo = SINGLE):
+        self.output_sizes = output_sizes
+        super().__init__(input_size, sum(output_sizes), bias, tp)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
+        offset = sum(self.output_sizes[:shard_id]) // self.tp.size
+        size = self.output_sizes[shard_id] // self.tp.size
+        target = param.data.narrow(0, offset, size)
+        loaded = loaded.narrow(0, self.tp.rank * size, size) if self.tp.size > 1 else loaded
+        default_weight_loader(target, loaded)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections in one matrix; KV heads are replicated when there are fewer
+    of them than ranks."""
+
+    def __init__(
+        self, hidden_size: int, head_size: int, num_heads: int, num_kv_heads: int,
+        bias: bool = False, tp: TPInfo = SINGLE,
+    ):
+        self.head_size = head_size
+        self.num_heads = num_heads // tp.size
+        self.num_kv_heads = max(1, num_kv_heads // tp.size)
+        self.kv_replicas = max(1, tp.size // num_kv_heads)
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_size * tp.size
+        super().__init__(hidden_size, out, bias, tp)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+        q, kv = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
+        offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
+        rank = self.tp.rank if shard_id == "q" else self.tp.rank // self.kv_replicas
+        target = param.data.narrow(0, offset, size)
+        default_weight_loader(target, loaded.narrow(0, rank * size, size) if self.tp.size > 1 else loaded)
+
+
+class RowParallelLinear(LinearBase):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp: TPInfo = SINGLE):
+        if input_size % tp.size:
+            raise ValueError(f"input size {input_size} not divisible by tensor-parallel size {tp.size}")
+        super().__init__(input_size // tp.size, output_size, bias, tp, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # bias added once, after the reduction
+        y = F.linear(x, self.weight, self.bias if self.tp.rank == 0 else None)
+        return self.tp.all_reduce(y)

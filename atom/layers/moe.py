@@ -1,0 +1,56 @@
+"""Mixture of experts: all experts' weights in two stacked parameters, routed by ops."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from atom import ops
+from atom.distributed.parallel_state import SINGLE, TPInfo
+
+
+class FusedMoE(nn.Module):
+    """``w13_weight`` [E, 2I, H] (gate rows, then up rows) and ``w2_weight`` [E, H, I].
+    Tensor parallelism shards the intermediate dim of every expert."""
+
+    def __init__(
+        self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
+        renormalize: bool, tp: TPInfo = SINGLE,
+    ):
+        super().__init__()
+        if intermediate_size % tp.size:
+            raise ValueError(f"moe intermediate size {intermediate_size} not divisible by tp size {tp.size}")
+        self.num_experts, self.top_k, self.renormalize, self.tp = num_experts, top_k, renormalize, tp
+        self.intermediate = intermediate_size // tp.size
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate, hidden_size),
+                                       requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate),
+                                      requires_grad=False)
+        self.w13_weight.weight_loader = self.weight_loader
+        self.w2_weight.weight_loader = self.weight_loader
+
+    @staticmethod
+    def expert_mapping(num_experts: int, prefix: str = "experts") -> list[tuple[str, str, int, str]]:
+        """(parameter name, checkpoint name fragment, expert, shard) for the loader."""
+        mapping = []
+        for e in range(num_experts):
+            for ckpt, shard in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")):
+                param = f"{prefix}.w2_weight" if shard == "w2" else f"{prefix}.w13_weight"
+                mapping.append((param, f"{prefix}.{e}.{ckpt}.weight", e, shard))
+        return mapping
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str, expert_id: int) -> None:
+        size = self.intermediate
+        if shard_id == "w2":
+            loaded = loaded.narrow(1, self.tp.rank * size, size)
+            target = param.data[expert_id]
+        else:
+            loaded = loaded.narrow(0, self.tp.rank * size, size)
+            target = param.data[expert_id].narrow(0, 0 if shard_id == "w1" else size, size)
+        if target.shape != loaded.shape:
+            raise ValueError(f"expert {expert_id} {shard_id}: shape {tuple(loaded.shape)}, expected {tuple(target.shape)}")
+        target.copy_(loaded)
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        weights, ids = ops.moe_topk(router_logits, self.top_k, self.renormalize)
+        return self.tp.all_reduce(ops.fused_moe(x, self.w13_weight, self.w2_weight, weights, ids))

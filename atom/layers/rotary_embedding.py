@@ -1,0 +1,38 @@
+"""Rotary position embedding tables, computed exactly as Hugging Face computes them."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+
+def rope_parameters(config: PretrainedConfig) -> dict:
+    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    return params
+
+
+def inv_freq_and_scaling(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:
+    params = rope_parameters(config)
+    if params["rope_type"] == "default":
+        base = params["rope_theta"]
+        exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        return 1.0 / (base**exponent), 1.0
+    if params["rope_type"] not in ROPE_INIT_FUNCTIONS:
+        raise NotImplementedError(f"rope_type {params['rope_type']!r} is not supported")
+    return ROPE_INIT_FUNCTIONS[params["rope_type"]](config, torch.device("cpu"))
+
+
+class RotaryEmbedding(nn.Module):
+    """Holds ``cos_sin_cache`` [max_positions, head_dim]: cos then sin of the half dim, fp32."""
+
+    def __init__(self, config: PretrainedConfig, head_dim: int, max_positions: int):
+        super().__init__()
+        inv_freq, scaling = inv_freq_and_scaling(config, head_dim)
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq.float())
+        cache = torch.cat((freqs.cos() * scaling, freqs.sin() * scaling), dim=-1)
+        self.register_buffer("cos_sin_cache", cache, persistent=False)

@@ -1,0 +1,85 @@
+"""Build a model and fill its weights: safetensors (single or sharded), GGUF, or dummy."""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+from collections.abc import Iterator
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from tqdm.auto import tqdm
+
+from atom.config import ModelConfig
+from atom.distributed.parallel_state import SINGLE, TPInfo
+from atom.models.registry import get_model_class
+
+logger = logging.getLogger(__name__)
+
+
+def safetensors_files(model_path: str) -> list[str]:
+    index = os.path.join(model_path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        files = [os.path.join(model_path, n) for n in names]
+        absent = [f for f in files if not os.path.exists(f)]
+        if absent:
+            raise FileNotFoundError(f"shards listed in {index} are missing: {absent}")
+        return files
+    files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {model_path}")
+    return files
+
+
+def iter_safetensors(model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    files = safetensors_files(model_path)
+    for path in tqdm(files, desc="Loading safetensors shards", disable=len(files) == 1):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def iter_weights(model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    from atom.model_loader.gguf import find_gguf_file, iter_gguf_weights
+
+    gguf_file = find_gguf_file(model_config.model)
+    if gguf_file is not None:
+        return iter_gguf_weights(gguf_file, model_config.dtype)
+    return iter_safetensors(model_config.model)
+
+
+def init_dummy_weights(model: nn.Module, seed: int) -> None:
+    """Random weights of a sane scale (norm weights stay 1), for benchmarks on real shapes."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            param.data.fill_(1.0)
+            continue
+        cpu = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, 0.02, generator=gen) \
+            if param.numel() < (1 << 24) else None
+        if cpu is not None:
+            param.data.copy_(cpu)
+        else:  # large tensors: generate on the device, seeded from the CPU generator
+            dev_gen = torch.Generator(device=param.device).manual_seed(int(torch.randint(1 << 30, (1,), generator=gen)))
+            param.data.normal_(0.0, 0.02, generator=dev_gen)
+
+
+def load_model(model_config: ModelConfig, device: torch.device, tp: TPInfo = SINGLE) -> nn.Module:
+    cls = get_model_class(model_config.architecture)
+    prev_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(model_config.dtype)
+    try:
+        with torch.device(device):
+            model = cls(model_config.hf_config, tp)
+    finally:
+        torch.set_default_dtype(prev_dtype)
+    if model_config.load_dummy:
+        init_dummy_weights(model, model_config.seed)
+    else:
+        model.load_weights(iter_weights(model_config))
+    return model.eval()

@@ -1,0 +1,192 @@
+"""Plain PyTorch definitions of every op atom's models use.
+
+They run on any device and are the definition of correct: each Triton kernel in
+``atom.ops.triton`` is tested against the function of the same name here.
+
+KV-cache layout (per layer): ``k_cache`` and ``v_cache`` are
+``[num_blocks, num_kv_heads, block_size, head_dim]`` ("HND"). A token's slot is
+``block_id * block_size + offset``. One (block, kv-head) tile is contiguous, which is
+what the paged-attention kernels load.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm over the last dim; with ``residual``, first ``x = x + residual`` and
+    return ``(normed, x)`` (the new residual), as Hugging Face does in the model dtype."""
+    if residual is not None:
+        x = x + residual
+        residual = x
+    orig_dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    out = weight * h.to(orig_dtype)
+    return out if residual is None else (out, residual)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[..., :d]) * x[..., d:]`` for ``x`` of last dim ``2 * d``."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _rotate_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return x * cos + rotated * sin
+
+
+def rotary_embedding(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style RoPE. ``q``: [T, Hq, D], ``k``: [T, Hk, D], ``cos_sin_cache``:
+    [max_pos, D] float32 holding ``cat(cos, sin)`` of the half dim. Returns new tensors."""
+    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
+    cos = torch.cat((cos, cos), dim=-1).unsqueeze(1).to(q.dtype)
+    sin = torch.cat((sin, sin), dim=-1).unsqueeze(1).to(q.dtype)
+    return _rotate_neox(q, cos, sin), _rotate_neox(k, cos, sin)
+
+
+def store_kv_cache(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write new keys/values ``[T, Hk, D]`` into the paged cache at ``slot_mapping`` ([T];
+    a negative slot means "do not store", used for padded rows)."""
+    block_size = k_cache.shape[2]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, :, offsets] = k[keep].to(k_cache.dtype)
+    v_cache[blocks, :, offsets] = v[keep].to(v_cache.dtype)
+
+
+def qk_norm_rope_store(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_norm_weight: torch.Tensor | None,
+    k_norm_weight: torch.Tensor | None,
+    eps: float,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor | None,
+    v_cache: torch.Tensor | None,
+    slot_mapping: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head RMSNorm of q and k (Qwen3; skipped when the weights are None), RoPE, and
+    the KV-cache write, as one op so a GPU kernel can fuse all four. Returns (q, k)."""
+    if q_norm_weight is not None:
+        q = rms_norm(q, q_norm_weight, eps)
+        k = rms_norm(k, k_norm_weight, eps)
+    q, k = rotary_embedding(positions, q, k, cos_sin_cache)
+    if k_cache is not None and k_cache.numel() > 0:
+        store_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+    return q, k
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of a mixed batch over the paged cache (new K/V already stored).
+
+    Sequence ``i`` owns query rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]``: the last
+    ``q_len`` of its ``seq_lens[i]`` tokens. A decode row is simply ``q_len == 1``.
+    ``q``: [T, Hq, D]; returns [T, Hq, D]. GQA when Hq is a multiple of Hk.
+    """
+    num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
+    group = q.shape[1] // num_kv_heads
+    out = torch.empty_like(q)
+    cu = cu_seqlens_q.tolist()
+    lens = seq_lens.tolist()
+    for i, seq_len in enumerate(lens):
+        start, end = cu[i], cu[i + 1]
+        q_len = end - start
+        if q_len == 0:
+            continue
+        n_blocks = (seq_len + block_size - 1) // block_size
+        blocks = block_tables[i, :n_blocks].long()
+        # [n_blocks, Hk, bs, D] -> [Hk, n_blocks * bs, D] -> first seq_len tokens
+        k = k_cache[blocks].transpose(0, 1).reshape(num_kv_heads, -1, k_cache.shape[3])[:, :seq_len]
+        v = v_cache[blocks].transpose(0, 1).reshape(num_kv_heads, -1, v_cache.shape[3])[:, :seq_len]
+        k = k.repeat_interleave(group, dim=0).to(q.dtype)
+        v = v.repeat_interleave(group, dim=0).to(q.dtype)
+        qi = q[start:end].transpose(0, 1)  # [Hq, q_len, D]
+        # query row j sits at absolute position seq_len - q_len + j
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+        o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale)
+        out[start:end] = o.transpose(0, 1)
+    return out
+
+
+def moe_topk(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax routing in float32, then top-k; returns (weights float32 [T, k], ids int64 [T, k])."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def fused_moe(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
+    """Mixture of SiLU-gated experts. ``x``: [T, H]; ``w13``: [E, 2I, H] (gate rows then up
+    rows); ``w2``: [E, H, I]. Each token's output is the routing-weighted sum of its
+    top-k experts (weights cast to ``x.dtype`` first, as Hugging Face does)."""
+    out = torch.zeros_like(x)
+    weights = topk_weights.to(x.dtype)
+    for e in torch.unique(topk_ids).tolist():
+        token_idx, slot = torch.where(topk_ids == e)
+        h = silu_and_mul(x[token_idx] @ w13[e].t()) @ w2[e].t()
+        out.index_add_(0, token_idx, h * weights[token_idx, slot, None])
+    return out
+
+
+def top_k_top_p_min_p(
+    logits: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    min_p: torch.Tensor | None,
+) -> torch.Tensor:
+    """Mask (set to -inf) the tokens each row may not sample. Per-row parameters:
+    ``top_k`` int [B] (0 = off), ``top_p`` float [B] (1 = off), ``min_p`` float [B] (0 = off).
+    ``logits`` are already temperature-scaled; returns a new tensor."""
+    logits = logits.clone()
+    if top_k is not None or top_p is not None:
+        sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+        remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
+        vocab = logits.shape[-1]
+        if top_k is not None:
+            k = torch.where(top_k <= 0, vocab, top_k).clamp(max=vocab)
+            ranks = torch.arange(vocab, device=logits.device)[None, :]
+            remove |= ranks >= k[:, None]
+        if top_p is not None:
+            # top-p over what top-k kept, renormalised (vLLM's order)
+            probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
+            # keep a token if the mass strictly before it is below top_p (the first always stays)
+            mass_before = probs.cumsum(dim=-1) - probs
+            remove |= mass_before >= top_p[:, None]
+        remove[:, 0] = False
+        logits.scatter_(-1, sorted_idx, sorted_logits.masked_fill(remove, float("-inf")))
+    if min_p is not None:
+        probs = logits.softmax(dim=-1)
+        threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+        logits.masked_fill_(probs < threshold, float("-inf"))
+    return logits

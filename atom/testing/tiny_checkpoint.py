@@ -1,0 +1,111 @@
+"""Build tiny Hugging Face checkpoints locally: a small config with unusual sizes, random
+weights saved as safetensors, and a byte-level BPE tokenizer trained on local text with a
+ChatML chat template. Nothing is downloaded.
+
+    python -m atom.testing.tiny_checkpoint /tmp/atom-tiny --arch qwen3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import GenerationConfig, PreTrainedTokenizerFast
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paged attention stores keys and values in fixed-size blocks of GPU memory.",
+    "Continuous batching lets new requests join a running batch at every step.",
+    "The capital of France is Paris; the capital of Italy is Rome.",
+    "Once upon a time, a small model learned to count: one, two, three, four, five.",
+    "def add(a, b):\n    return a + b\n",
+    "Prefix caching reuses the KV cache of a shared system prompt across requests.",
+    "机器学习 模型 推理 引擎 — naïve café, emoji 🙂🚀 and ünïcödé text.",
+]
+
+ARCHS = {
+    "qwen3": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], head_dim=24),
+    "llama": dict(
+        model_type="llama", architectures=["LlamaForCausalLM"], head_dim=16,
+        rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+                         "rope_theta": 500000.0},
+        tie_word_embeddings=True,
+    ),
+    "qwen3_moe": dict(
+        model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], head_dim=16, num_experts=6,
+        num_experts_per_tok=2, moe_intermediate_size=40, decoder_sparse_step=1, norm_topk_prob=True,
+        mlp_only_layers=[1],
+    ),
+}
+
+
+def train_tokenizer(vocab_size: int = 384) -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_CORPUS * 20, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   bos_token=None)
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build(out_dir: str, arch: str = "qwen3", seed: int = 0, num_layers: int = 3,
+          dtype: torch.dtype = torch.float32, max_position_embeddings: int = 2048) -> str:
+    """Write a tiny checkpoint of ``arch`` into ``out_dir`` and return the path."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    os.makedirs(out_dir, exist_ok=True)
+    tokenizer = train_tokenizer()
+    spec = dict(ARCHS[arch])
+    model_type = spec.pop("model_type")
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=len(tokenizer),
+        hidden_size=72,
+        intermediate_size=136,
+        num_hidden_layers=num_layers,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        max_position_embeddings=max_position_embeddings,
+        rms_norm_eps=1e-6,
+        # a wide init gives peaked logits, so greedy choices are well separated
+        initializer_range=0.35,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        pad_token_id=tokenizer.pad_token_id,
+        **spec,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                     bos_token_id=None).save_pretrained(out_dir)
+    with open(os.path.join(out_dir, "atom_tiny.json"), "w") as f:
+        json.dump({"arch": arch, "seed": seed}, f)
+    return out_dir
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out_dir")
+    parser.add_argument("--arch", choices=sorted(ARCHS), default="qwen3")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    print(build(args.out_dir, args.arch, args.seed))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,248 @@
+"""Runs the model for one scheduled batch: build inputs and the forward context, run the
+model (eagerly or through a captured CUDA graph), sample, and return token ids."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from atom.config import Config
+from atom.engine.scheduler import ScheduledBatch
+from atom.forward_context import AttentionMetadata, set_forward_context
+from atom.layers.attention import Attention
+from atom.model_loader.loader import load_model
+from atom.worker.sampler import SamplingTensors, sample, top_logprobs
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_BYTES = 2 << 30
+PROMPT_LOGPROBS_CHUNK = 512  # rows of logits materialised at a time for prompt logprobs
+
+
+@dataclass
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]  # (token id, logprob), best first
+
+
+@dataclass
+class RunnerOutput:
+    sampled: dict[int, int] = field(default_factory=dict)  # batch index -> token id
+    logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
+    # batch index -> logprobs of the prompt tokens this step's chunk predicts
+    prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
+
+
+class ModelRunner:
+    def __init__(self, config: Config):
+        self.config = config
+        self.device = config.device
+        mc = config.model_config
+        self.block_size = config.cache_config.block_size
+        torch.manual_seed(mc.seed)
+        self.model = load_model(mc, self.device)
+        self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.kv_cache: torch.Tensor | None = None
+        self.generators: dict[str, torch.Generator] = {}
+        self.graph_runner = None
+        self.profiler: torch.profiler.profile | None = None
+
+    # profiling (serving guide section 5)
+    def start_profile(self, rank_dir: str = "rank_0") -> None:
+        root = self.config.torch_profiler_dir
+        if root is None:
+            raise RuntimeError("profiling needs --torch-profiler-dir or ATOM_TORCH_PROFILER_DIR")
+        if self.profiler is not None:
+            raise RuntimeError("the profiler is already running")
+        more = os.environ.get("ATOM_PROFILER_MORE", "0") == "1"
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.profiler = torch.profiler.profile(
+            activities=activities, record_shapes=more, with_stack=more, profile_memory=more,
+            on_trace_ready=torch.profiler.tensorboard_trace_handler(os.path.join(root, rank_dir), use_gzip=True),
+        )
+        self.profiler.start()
+
+    def stop_profile(self) -> None:
+        if self.profiler is None:
+            raise RuntimeError("the profiler is not running")
+        self.profiler.stop()
+        self.profiler = None
+
+    # KV cache
+    def block_bytes(self) -> int:
+        layer = self.attn_layers[0]
+        elem = torch.empty((), dtype=self.config.model_config.dtype).element_size()
+        return 2 * len(self.attn_layers) * layer.num_kv_heads * self.block_size * layer.head_dim * elem
+
+    def determine_num_blocks(self) -> int:
+        cc, sc = self.config.cache_config, self.config.scheduler_config
+        if cc.num_gpu_blocks_override is not None:
+            return cc.num_gpu_blocks_override
+        if self.device.type == "cuda" and cc.kv_cache_memory_bytes is None:
+            budget = self._profile_free_memory()
+        else:
+            budget = cc.kv_cache_memory_bytes or CPU_DEFAULT_KV_BYTES
+        num_blocks = budget // self.block_bytes()
+        if self.device.type != "cuda":
+            # on the CPU, never allocate more than the scheduler can use
+            num_blocks = min(num_blocks, sc.max_num_seqs * -(-sc.max_model_len // self.block_size))
+        if num_blocks <= 0:
+            raise RuntimeError("no memory left for the KV cache: lower max_num_batched_tokens or raise "
+                               "gpu_memory_utilization")
+        return int(num_blocks)
+
+    @torch.inference_mode()
+    def _profile_free_memory(self) -> int:
+        """Run the largest batch once without a cache and return the bytes the KV cache may use."""
+        sc = self.config.scheduler_config
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        num_tokens = sc.max_num_batched_tokens
+        seq_len = min(sc.max_model_len, num_tokens)
+        num_seqs = max(1, num_tokens // seq_len)
+        cu = torch.arange(0, num_seqs + 1, dtype=torch.int32, device=self.device) * seq_len
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((num_seqs * seq_len,), -1, dtype=torch.int64, device=self.device),
+            cu_seqlens_q=cu, seq_lens=cu[1:] - cu[:-1], block_tables=torch.zeros(num_seqs, 1, dtype=torch.int32,
+                                                                                  device=self.device),
+            max_seqlen_q=seq_len, max_seqlen_k=seq_len,
+        )
+        input_ids = torch.zeros(num_seqs * seq_len, dtype=torch.int64, device=self.device)
+        positions = torch.arange(seq_len, device=self.device).repeat(num_seqs)
+        with set_forward_context(meta, positions):
+            hidden = self.model(input_ids, positions)
+        rows = min(sc.max_num_seqs, hidden.shape[0])
+        self.model.compute_logits(hidden[:rows]).float().softmax(-1)
+        del hidden
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        used = total - free
+        stats = torch.cuda.memory_stats()
+        peak, current = stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"]
+        return int(total * self.config.cache_config.gpu_memory_utilization - used - peak + current)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        layer = self.attn_layers[0]
+        shape = (len(self.attn_layers), 2, num_blocks, layer.num_kv_heads, self.block_size, layer.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.config.model_config.dtype, device=self.device)
+        for i, attn in enumerate(self.attn_layers):
+            attn.k_cache, attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+        gib = self.kv_cache.numel() * self.kv_cache.element_size() / (1 << 30)
+        logger.info("KV cache: %d blocks, %d tokens, %.2f GiB (%s)", num_blocks, num_blocks * self.block_size,
+                    gib, self.config.model_config.dtype)
+
+    # one step
+    def _tensor(self, data, dtype) -> torch.Tensor:
+        t = torch.as_tensor(np.asarray(data), dtype=dtype)
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t
+
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        bs = self.block_size
+        ids, pos, slots, cu, seq_lens = [], [], [], [0], []
+        max_blocks = max(len(s.block_table) for s in batch.seqs)
+        tables = np.zeros((len(batch.seqs), max_blocks), dtype=np.int32)
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            start = seq.num_computed_tokens
+            p = np.arange(start, start + n)
+            table = np.asarray(seq.block_table, dtype=np.int64)
+            ids.append(np.asarray(seq.token_ids[start : start + n], dtype=np.int64))
+            pos.append(p)
+            slots.append(table[p // bs] * bs + p % bs)
+            cu.append(cu[-1] + n)
+            seq_lens.append(start + n)
+            tables[i, : len(table)] = table
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(np.concatenate(slots), torch.int64),
+            cu_seqlens_q=self._tensor(cu, torch.int32),
+            seq_lens=self._tensor(seq_lens, torch.int32),
+            block_tables=self._tensor(tables, torch.int32),
+            max_seqlen_q=max(batch.num_new_tokens),
+            max_seqlen_k=max(seq_lens),
+            num_decode_tokens=sum(1 for n in batch.num_new_tokens if n == 1),
+        )
+        return self._tensor(np.concatenate(ids), torch.int64), self._tensor(np.concatenate(pos), torch.int64), meta
+
+    def sampling_tensors(self, seqs) -> SamplingTensors:
+        params = [s.sampling_params for s in seqs]
+        temps = [p.temperature for p in params]
+        gens = []
+        for seq, p in zip(seqs, params):
+            if p.seed is not None and p.temperature > 0:
+                if seq.request_id not in self.generators:
+                    self.generators[seq.request_id] = torch.Generator(device=self.device).manual_seed(p.seed)
+                gens.append(self.generators[seq.request_id])
+            else:
+                gens.append(None)
+        top_k = [p.top_k for p in params]
+        top_p = [p.top_p for p in params]
+        min_p = [p.min_p for p in params]
+        return SamplingTensors(
+            temperatures=self._tensor(temps, torch.float32),
+            top_k=self._tensor(top_k, torch.int32) if any(top_k) else None,
+            top_p=self._tensor(top_p, torch.float32) if any(x < 1 for x in top_p) else None,
+            min_p=self._tensor(min_p, torch.float32) if any(min_p) else None,
+            generators=gens,
+            all_greedy=all(t == 0 for t in temps),
+        )
+
+    def release(self, request_id: str) -> None:
+        self.generators.pop(request_id, None)
+
+    def run_model(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
+        if self.graph_runner is not None and self.graph_runner.can_run(meta, input_ids.shape[0]):
+            return self.graph_runner.run(input_ids, positions, meta)
+        with set_forward_context(meta, positions):
+            return self.model(input_ids, positions)
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> RunnerOutput:
+        input_ids, positions, meta = self.prepare(batch)
+        hidden = self.run_model(input_ids, positions, meta)
+        out = RunnerOutput()
+        rows = [i for i in range(len(batch.seqs)) if batch.samples(i)]
+        cu = np.cumsum([0] + batch.num_new_tokens)
+        if rows:
+            seqs = [batch.seqs[i] for i in rows]
+            logits = self.model.compute_logits(hidden[self._tensor(cu[1:][rows] - 1, torch.int64)])
+            tokens = sample(logits, self.sampling_tensors(seqs))
+            want = [s.sampling_params.logprobs for s in seqs]
+            lp = None
+            if any(n is not None for n in want):
+                lp = top_logprobs(logits, tokens, max(n or 0 for n in want))
+            for j, (i, tok) in enumerate(zip(rows, tokens.tolist())):
+                out.sampled[i] = tok
+                if lp is not None and want[j] is not None:
+                    out.logprobs[i] = _token_logprobs(lp, j, tok, want[j])
+        for i, seq in enumerate(batch.seqs):
+            if seq.sampling_params.prompt_logprobs is not None and seq.num_computed_tokens < seq.num_prompt_tokens:
+                out.prompt_logprobs[i] = self._prompt_logprobs(hidden, seq, int(cu[i]), batch.num_new_tokens[i])
+        return out
+
+    def _prompt_logprobs(self, hidden, seq, row0: int, n: int) -> list[TokenLogprobs]:
+        """Logprobs of prompt tokens ``start+1 .. start+n`` (each predicted by the row before)."""
+        start = seq.num_computed_tokens
+        count = min(n, seq.num_prompt_tokens - 1 - start)
+        result, top_n = [], seq.sampling_params.prompt_logprobs
+        for off in range(0, max(count, 0), PROMPT_LOGPROBS_CHUNK):
+            m = min(PROMPT_LOGPROBS_CHUNK, count - off)
+            logits = self.model.compute_logits(hidden[row0 + off : row0 + off + m])
+            targets = torch.tensor(seq.token_ids[start + off + 1 : start + off + 1 + m], device=logits.device)
+            lp = top_logprobs(logits, targets, top_n)
+            result.extend(_token_logprobs(lp, j, int(targets[j]), top_n) for j in range(m))
+        return result
+
+
+def _token_logprobs(lp, j: int, token_id: int, n: int) -> TokenLogprobs:
+    chosen, top_ids, top_vals, ranks = lp
+    top = list(zip(top_ids[j, :n].tolist(), top_vals[j, :n].tolist()))
+    return TokenLogprobs(token_id, float(chosen[j]), int(ranks[j]), top)
