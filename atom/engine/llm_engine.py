@@ -77,13 +77,14 @@ class LLMEngine:
 
     def _check_lengths(self, token_lists: list[list[int]]) -> None:
         limit = self.core.scheduler.max_seq_len
+        limit_kv = self.core.block_manager.num_blocks * self.core.block_manager.block_size
         for ids in token_lists:
             if not ids:
                 raise ValueError("prompt is empty: at least one token is needed")
             if len(ids) > limit:
                 raise ValueError(f"prompt of {len(ids)} tokens exceeds the limit of {limit} tokens "
                                  f"(max_model_len={self.config.model_config.max_model_len}, "
-                                 f"KV cache capacity={self.core.block_manager.num_blocks * self.core.block_manager.block_size})")
+                                 f"KV cache capacity={limit_kv})")
 
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)

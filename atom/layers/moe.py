@@ -48,7 +48,8 @@ class FusedMoE(nn.Module):
             loaded = loaded.narrow(0, self.tp.rank * size, size)
             target = param.data[expert_id].narrow(0, 0 if shard_id == "w1" else size, size)
         if target.shape != loaded.shape:
-            raise ValueError(f"expert {expert_id} {shard_id}: shape {tuple(loaded.shape)}, expected {tuple(target.shape)}")
+            raise ValueError(f"expert {expert_id} {shard_id}: shape {tuple(loaded.shape)}, "
+                             f"expected {tuple(target.shape)}")
         target.copy_(loaded)
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:

@@ -180,9 +180,10 @@ def top_k_top_p_min_p(
         if top_p is not None:
             # top-p over what top-k kept, renormalised (vLLM's order)
             probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
-            # keep a token if the mass strictly before it is below top_p (the first always stays)
+            # keep a token if the mass strictly before it is below top_p (the first always stays);
+            # top_p = 1 is off: the float cumsum can round up to 1 before the tail ends
             mass_before = probs.cumsum(dim=-1) - probs
-            remove |= mass_before >= top_p[:, None]
+            remove |= (mass_before >= top_p[:, None]) & (top_p[:, None] < 1)
         remove[:, 0] = False
         logits.scatter_(-1, sorted_idx, sorted_logits.masked_fill(remove, float("-inf")))
     if min_p is not None:

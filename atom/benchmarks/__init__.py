@@ -1,0 +1,1 @@
+"""Benchmarking tools for atom (online serving benchmark, adapted from vLLM's benchmarks)."""

@@ -1,0 +1,175 @@
+"""What the chat and completion endpoints share: errors in OpenAI's shape, model-name and
+length checks, sampling parameters, running n sub-requests per prompt, usage and SSE."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import AsyncIterator
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+
+from atom.engine.async_llm import AsyncLLM, merge_async_iterators
+from atom.engine.core_client import EngineDeadError
+from atom.engine.output_processor import RequestOutput
+from atom.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, SamplingRequest, UsageInfo
+from atom.sampling_params import SamplingParams
+
+DEFAULT_MAX_TOKENS = 256  # the serving guide's default
+
+
+class OpenAIError(Exception):
+    """An error that becomes an HTTP response with OpenAI's error body."""
+
+    def __init__(self, message: str, status: int = 400, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.info = ErrorInfo(message=message, type=type, param=param, code=code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(ErrorResponse(error=self.info).model_dump(), status_code=self.status)
+
+
+def engine_dead_error(e: Exception) -> OpenAIError:
+    return OpenAIError(str(e), status=503, type="service_unavailable_error", code="engine_dead")
+
+
+def sse(data: BaseModel | str) -> str:
+    payload = data if isinstance(data, str) else data.model_dump_json()
+    return f"data: {payload}\n\n"
+
+
+@dataclasses.dataclass
+class Prompt:
+    text: str | None  # None for a token-id prompt
+    token_ids: list[int]
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str]):
+        self.engine = engine
+        self.served_model_names = served_model_names
+        self.tokenizer = engine.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.served_model_names:
+            raise OpenAIError(f"The model `{name}` does not exist.", status=404, param="model",
+                              code="model_not_found")
+
+    def check_alive(self) -> None:
+        if not self.engine.is_healthy:
+            raise engine_dead_error(EngineDeadError("the engine core process is dead"))
+
+    def encode(self, prompt: str | list[int], add_special_tokens: bool = True, param: str = "prompt") -> Prompt:
+        try:
+            text, ids = self.engine.encode(prompt, add_special_tokens)
+        except ValueError as e:
+            raise OpenAIError(str(e), param=param) from e
+        return Prompt(text, ids)
+
+    def max_tokens(self, requested: int | None, prompt_len: int, param: str) -> int:
+        """The request's max_tokens, checked against the context length (400 if over)."""
+        limit = self.engine.max_seq_len
+        if prompt_len >= limit:
+            raise OpenAIError(f"The prompt has {prompt_len} tokens, but this model's maximum context length "
+                              f"is {limit} tokens. Please reduce the length of the prompt.",
+                              param=param, code="context_length_exceeded")
+        if requested is None:
+            return min(DEFAULT_MAX_TOKENS, limit - prompt_len)
+        if prompt_len + requested > limit:
+            raise OpenAIError(f"This model's maximum context length is {limit} tokens. However, you requested "
+                              f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} in the "
+                              "completion). Please reduce the length of the prompt or completion.",
+                              param="max_tokens", code="context_length_exceeded")
+        return requested
+
+    def sampling_params(self, request: SamplingRequest, max_tokens: int, logprobs: int | None = None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        try:
+            return SamplingParams(
+                temperature=request.temperature if request.temperature is not None else 1.0,
+                top_p=request.top_p if request.top_p is not None else 1.0,
+                top_k=request.top_k or 0,
+                min_p=request.min_p or 0.0,
+                max_tokens=max_tokens,
+                seed=request.seed,
+                stop=request.stop,
+                stop_token_ids=request.stop_token_ids or [],
+                ignore_eos=request.ignore_eos,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+            )
+        except ValueError as e:
+            raise OpenAIError(str(e)) from e
+
+    def generate(self, request_id: str, prompts: list[Prompt], params: list[SamplingParams],
+                 n: int) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """All choices of a request as (choice index, output); choice ``p * n + i`` is the
+        ``i``-th sample of prompt ``p``. Each is its own engine request; a seeded request
+        gives each sample its own seed, so that the samples differ."""
+        streams = []
+        for p, (prompt, sp) in enumerate(zip(prompts, params)):
+            for i in range(n):
+                sub = sp if sp.seed is None or i == 0 else dataclasses.replace(sp, seed=sp.seed + i)
+                streams.append(self.engine.generate(prompt.token_ids, sub, f"{request_id}-{p}-{i}",
+                                                    prompt_text=prompt.text))
+        return merge_async_iterators(*streams)
+
+    async def first_output(self, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> tuple[int, RequestOutput]:
+        """Wait for the first output, so that a request the engine refuses gets an HTTP error
+        status rather than a stream that ends in an error."""
+        try:
+            return await anext(outputs)
+        except ValueError as e:
+            raise OpenAIError(str(e)) from e
+        except EngineDeadError as e:
+            raise engine_dead_error(e) from e
+
+    async def collect(self, outputs: AsyncIterator[tuple[int, RequestOutput]], num_choices: int) -> list[RequestOutput]:
+        """The final output of every choice."""
+        finals: list[RequestOutput | None] = [None] * num_choices
+        try:
+            async for i, out in outputs:
+                if out.finished:
+                    finals[i] = out
+        except ValueError as e:
+            raise OpenAIError(str(e)) from e
+        except EngineDeadError as e:
+            raise engine_dead_error(e) from e
+        return finals
+
+    @staticmethod
+    def usage(prompt_lens: list[int], finals: list[RequestOutput]) -> UsageInfo:
+        """Token counts plus timing: TTFT of the first choice to start, TPOT averaged over
+        the choices, latency of the last choice to finish."""
+        prompt_tokens = sum(prompt_lens)
+        completion_tokens = sum(len(o.token_ids) for o in finals)
+        return UsageInfo(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            ttft_s=round(min(o.ttft for o in finals), 6),
+            tpot_s=round(sum(o.tpot for o in finals) / len(finals), 6),
+            latency_s=round(max(o.latency for o in finals), 6),
+        )
+
+    @functools.lru_cache(maxsize=65536)  # noqa: B019 - one serving object lives as long as the server
+    def token_str(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    async def stream_errors(self, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+        """Turn an error after the stream has started into a final error event."""
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except EngineDeadError as e:
+            yield sse(ErrorResponse(error=engine_dead_error(e).info))
+        except ValueError as e:
+            yield sse(ErrorResponse(error=OpenAIError(str(e)).info))
+        yield sse("[DONE]")

@@ -1,0 +1,287 @@
+"""Paged attention over a mixed batch of prefill chunks and decode rows.
+
+One kernel serves every row kind. A program owns a tile of ``BLOCK_M`` query rows that
+share one KV head: ``BLOCK_Q`` consecutive query tokens of one sequence times the
+``GROUP`` query heads that read that KV head (GQA packing). Decode rows are simply
+sequences with one query token, so a decode program's rows are its GQA group and the
+K/V it streams is read once for all of them.
+
+The grid's first axis enumerates query tiles without any host-side metadata: sequence
+``i`` owns tiles ``cu_seqlens_q[i] // BLOCK_Q + i`` onwards, which leaves room for its
+``cdiv(q_len, BLOCK_Q)`` tiles; a program finds its sequence by binary search over
+``cu_seqlens_q`` and exits if its tile is past the sequence's end.
+
+Split-K (flash decoding): with few sequences there are too few programs to fill the GPU,
+so the key range of each tile is cut into ``num_splits`` segments handled by separate
+programs that write unnormalised partial results; a second kernel merges them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _find_seq(cu_seqlens_q_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
+    """Largest sequence index ``i`` with ``cu_seqlens_q[i] // BLOCK_Q + i <= tile``."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_tile = tl.load(cu_seqlens_q_ptr + mid) // BLOCK_Q + mid
+        if first_tile <= tile:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr,
+    part_out_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    cu_seqlens_q_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    qk_scale,
+    num_seqs,
+    num_splits,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_ch,
+    stride_ct,
+    stride_bt,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq = _find_seq(cu_seqlens_q_ptr, tile, num_seqs, BLOCK_Q)
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    first_q = (tile - (q_start // BLOCK_Q + seq)) * BLOCK_Q
+    if first_q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len
+
+    # Row m is query token first_q + m // GROUP_PAD, query head kv_head * GROUP + m % GROUP_PAD.
+    offs_m = tl.arange(0, BLOCK_M)
+    q_idx = first_q + offs_m // GROUP_PAD
+    head = kv_head * GROUP + offs_m % GROUP_PAD
+    row_ok = (q_idx < q_len) & (offs_m % GROUP_PAD < GROUP)
+    offs_d = tl.arange(0, HEAD_DIM)
+    tok = (q_start + q_idx).to(tl.int64)
+    q = tl.load(
+        q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+        mask=row_ok[:, None],
+        other=0.0,
+    )
+    # Causal: row at absolute position context_len + q_idx sees keys up to and including it.
+    q_pos = context_len + q_idx
+    kv_end = tl.minimum(seq_len, context_len + first_q + BLOCK_Q)
+    num_tiles = tl.cdiv(kv_end, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    kv_head_off = kv_head.to(tl.int64) * stride_ch
+    for t in range(tile_lo, tile_hi):
+        offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < kv_end
+        page = tl.load(table + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
+        kv_off = page * stride_cb + kv_head_off + (offs_n % PAGE_SIZE) * stride_ct
+        k = tl.load(k_cache_ptr + kv_off[None, :] + offs_d[:, None], mask=n_ok[None, :], other=0.0)
+        s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale
+        s = tl.where((offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # A row may see no key of this tile yet (a split that starts past its causal
+        # limit); keep it at -inf without producing NaNs.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if SPLIT:
+        # Partial results [token, head, split, ...]; the merge kernel normalises.
+        row = (tok * tl.num_programs(1) * GROUP + head) * num_splits + split
+        tl.store(part_max_ptr + row, m_i, mask=row_ok)
+        tl.store(part_sum_ptr + row, l_i, mask=row_ok)
+        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None])
+    else:
+        out = acc / l_i[:, None]
+        tl.store(
+            out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None],
+        )
+
+
+@triton.jit
+def _merge_splits_kernel(
+    out_ptr,
+    part_out_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    num_heads,
+    num_splits,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_ok = offs_s < num_splits
+    row = (tok * num_heads + head) * num_splits + offs_s
+    m = tl.load(part_max_ptr + row, mask=s_ok, other=float("-inf"))
+    l = tl.load(part_sum_ptr + row, mask=s_ok, other=0.0)
+    acc = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None], other=0.0)
+    m_max = tl.max(m, axis=0)
+    # Splits that saw no key have m = -inf and l = 0, so they get weight 0.
+    w = tl.exp2(m - m_max)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _num_splits(q: torch.Tensor, num_seqs: int, num_kv_heads: int, max_seqlen_q: int, max_seqlen_k: int) -> int:
+    """Key-range splits for a decode-only batch whose (sequence, KV head) programs would not
+    fill the GPU; each split keeps at least 256 keys so the merge stays cheap."""
+    if max_seqlen_q > 1 or not q.is_cuda:
+        return 1
+    programs = num_seqs * num_kv_heads
+    target = 2 * _num_sms(q.device.index or 0)
+    if programs >= target:
+        return 1
+    return max(1, min(triton.cdiv(target, programs), max_seqlen_k // 256, 64))
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """See ``atom.ops.reference.paged_attention``. ``max_seqlen_q``/``max_seqlen_k`` pick
+    the tile shape and the split-K factor; when left out they are read from the device
+    (a host sync). ``num_splits`` overrides the split-K heuristic (1 = no split)."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, num_kv_heads, page_size, _ = k_cache.shape
+    num_seqs = seq_lens.shape[0]
+    out = torch.empty_like(q)
+    if num_tokens == 0:
+        return out
+    if max_seqlen_q is None:
+        max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    if num_splits is None:
+        if max_seqlen_k is None and max_seqlen_q == 1:
+            max_seqlen_k = int(seq_lens.max())
+        num_splits = _num_splits(q, num_seqs, num_kv_heads, max_seqlen_q, max_seqlen_k or 0)
+
+    group = num_q_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    # tl.dot needs at least 16 rows: pack query tokens until the tile has 16 (decode), or
+    # use 64-row tiles when prefill chunks are long enough to fill them.
+    block_m = 64 if max_seqlen_q * group_pad >= 64 else 16
+    block_q = max(block_m // group_pad, 1)
+    block_m = block_q * group_pad
+    block_n = 32 if head_dim >= 256 else 64
+    num_tiles = num_tokens // block_q + num_seqs
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    split = num_splits > 1
+    if split:
+        part_out = torch.empty(num_tokens, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        part_max = torch.empty(num_tokens, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
+        part_sum = torch.empty_like(part_max)
+    else:
+        part_out = part_max = part_sum = out  # unused: SPLIT is False
+    log2e = 1.4426950408889634
+    _paged_attention_kernel[(num_tiles, num_kv_heads, num_splits)](
+        out,
+        part_out,
+        part_max,
+        part_sum,
+        q,
+        k_cache,
+        v_cache,
+        cu_seqlens_q,
+        seq_lens,
+        block_tables,
+        scale * log2e,
+        num_seqs,
+        num_splits,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        BLOCK_Q=block_q,
+        BLOCK_N=block_n,
+        HEAD_DIM=head_dim,
+        PAGE_SIZE=page_size,
+        SPLIT=split,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=4 if block_m <= 16 else 8,
+        num_stages=2,
+    )
+    if split:
+        _merge_splits_kernel[(num_tokens, num_q_heads)](
+            out,
+            part_out,
+            part_max,
+            part_sum,
+            num_q_heads,
+            num_splits,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+            num_warps=4,
+        )
+    return out

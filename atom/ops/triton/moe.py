@@ -1,0 +1,276 @@
+"""Mixture-of-experts routing and the fused expert computation.
+
+``fused_moe`` follows the usual Triton recipe: the (token, slot) pairs of ``topk_ids`` are
+sorted by expert into segments padded to the GEMM row tile ``BLOCK_M``, so each row tile
+of the grouped GEMMs belongs to a single expert. The first GEMM fuses ``silu_and_mul``
+(each program computes matching gate and up columns); the second multiplies by the
+routing weight; the per-pair outputs are then summed over the top-k slots.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _moe_topk_kernel(
+    logits_ptr,
+    weights_ptr,
+    ids_ptr,
+    num_experts,
+    stride_l,
+    TOP_K: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs_e = tl.arange(0, BLOCK_E)
+    x = tl.load(logits_ptr + row * stride_l + offs_e, mask=offs_e < num_experts, other=float("-inf"))
+    x = x.to(tl.float32)
+    p = tl.exp(x - tl.max(x, axis=0))
+    p = p / tl.sum(p, axis=0)
+    # Padding experts get -1 so they are never picked, even over probabilities that underflow to 0.
+    p = tl.where(offs_e < num_experts, p, -1.0)
+    offs_k = tl.arange(0, BLOCK_K)
+    top_w = tl.zeros([BLOCK_K], tl.float32)
+    top_id = tl.zeros([BLOCK_K], tl.int64)
+    for j in tl.static_range(TOP_K):
+        best = tl.argmax(p, axis=0)
+        top_w = tl.where(offs_k == j, tl.max(p, axis=0), top_w)
+        top_id = tl.where(offs_k == j, best, top_id)
+        p = tl.where(offs_e == best, -2.0, p)
+    if RENORMALIZE:
+        top_w = top_w / tl.sum(top_w, axis=0)
+    tl.store(weights_ptr + row * TOP_K + offs_k, top_w, mask=offs_k < TOP_K)
+    tl.store(ids_ptr + row * TOP_K + offs_k, top_id, mask=offs_k < TOP_K)
+
+
+def moe_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    num_tokens, num_experts = router_logits.shape
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=router_logits.device)
+    if num_tokens == 0:
+        return weights, ids
+    logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
+    _moe_topk_kernel[(num_tokens,)](
+        logits,
+        weights,
+        ids,
+        num_experts,
+        logits.stride(0),
+        TOP_K=top_k,
+        RENORMALIZE=renormalize,
+        BLOCK_E=triton.next_power_of_2(num_experts),
+        BLOCK_K=triton.next_power_of_2(top_k),
+        num_warps=4,
+    )
+    return weights, ids
+
+
+@triton.jit
+def _count_experts_kernel(ids_ptr, counts_ptr, num_pairs, BLOCK: tl.constexpr):
+    # One program per expert; the id list is small and stays in L2.
+    expert = tl.program_id(0)
+    count = tl.zeros([BLOCK], tl.int32)
+    for start in range(0, num_pairs, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1)
+        count += (ids == expert).to(tl.int32)
+    tl.store(counts_ptr + expert, tl.sum(count, axis=0))
+
+
+@triton.jit
+def _sort_by_expert_kernel(
+    ids_ptr,
+    counts_ptr,
+    sorted_ids_ptr,
+    expert_ids_ptr,
+    num_padded_ptr,
+    num_pairs,
+    num_experts,
+    BLOCK: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """Expert e writes its pair indices, in order, to its segment of ``sorted_ids``
+    (segments are padded to ``BLOCK_M`` with the sentinel ``num_pairs``), and its expert
+    id for each of its row tiles."""
+    expert = tl.program_id(0)
+    offs_e = tl.arange(0, BLOCK_E)
+    counts = tl.load(counts_ptr + offs_e, mask=offs_e < num_experts, other=0)
+    padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M
+    seg_start = tl.sum(tl.where(offs_e < expert, padded, 0), axis=0)
+    count = tl.load(counts_ptr + expert)
+    seg_len = tl.cdiv(count, BLOCK_M) * BLOCK_M
+
+    pos = seg_start
+    for start in range(0, num_pairs, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        hit = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1) == expert
+        rank = tl.cumsum(hit.to(tl.int32), axis=0) - 1
+        tl.store(sorted_ids_ptr + pos + rank, offs, mask=hit)
+        pos += tl.sum(hit.to(tl.int32), axis=0)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    tail = count + offs_m
+    tl.store(sorted_ids_ptr + seg_start + tail, tl.full([BLOCK_M], 0, tl.int32) + num_pairs, mask=tail < seg_len)
+    first_tile = seg_start // BLOCK_M
+    for t in range(0, seg_len // BLOCK_M, BLOCK):
+        offs = t + tl.arange(0, BLOCK)
+        tl.store(expert_ids_ptr + first_tile + offs, tl.full([BLOCK], 0, tl.int32) + expert,
+                 mask=offs < seg_len // BLOCK_M)  # fmt: skip
+    if expert == 0:
+        tl.store(num_padded_ptr, tl.sum(padded, axis=0))
+
+
+def _sort_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """Returns (sorted pair indices padded per expert, expert of each row tile, [padded length])."""
+    num_pairs = topk_ids.numel()
+    ids = topk_ids.reshape(-1)
+    device = topk_ids.device
+    max_padded = num_pairs + num_experts * (block_m - 1)
+    counts = torch.empty(num_experts, dtype=torch.int32, device=device)
+    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=device)
+    expert_ids = torch.empty(triton.cdiv(max_padded, block_m), dtype=torch.int32, device=device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=device)
+    block = min(triton.next_power_of_2(num_pairs), 1024)
+    _count_experts_kernel[(num_experts,)](ids, counts, num_pairs, BLOCK=block, num_warps=4)
+    _sort_by_expert_kernel[(num_experts,)](
+        ids,
+        counts,
+        sorted_ids,
+        expert_ids,
+        num_padded,
+        num_pairs,
+        num_experts,
+        BLOCK=block,
+        BLOCK_E=triton.next_power_of_2(num_experts),
+        BLOCK_M=block_m,
+        num_warps=4,
+    )
+    return sorted_ids, expert_ids, num_padded
+
+
+@triton.jit
+def _moe_gemm_kernel(
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    weights_ptr,
+    sorted_ids_ptr,
+    expert_ids_ptr,
+    num_padded_ptr,
+    N,
+    K,
+    num_pairs,
+    stride_am,
+    stride_be,
+    stride_bn,
+    stride_cm,
+    A_ROW_DIV: tl.constexpr,
+    GATED: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """``c[pair] = a[pair // A_ROW_DIV] @ b[expert].T`` for the pairs of one row tile.
+    GATED: ``b`` holds gate rows then up rows (N each) and c gets ``silu(gate) * up``.
+    MUL_WEIGHT: c is scaled by the pair's routing weight."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    pairs = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = pairs < num_pairs
+    a_rows = (pairs // A_ROW_DIV).to(tl.int64)
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
+    # b[expert] is [N_total, K] row-major; load it as [BLOCK_K, BLOCK_N] tiles.
+    b_ptrs = b_ptr + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        if GATED:
+            b_up = tl.load(b_ptrs + N * stride_bn, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+
+    dtype = c_ptr.dtype.element_ty
+    # Round where the reference rounds: each GEMM output, silu, and the weighted product.
+    res = acc.to(dtype).to(tl.float32)
+    if GATED:
+        up = acc_up.to(dtype).to(tl.float32)
+        res = (res / (1.0 + tl.exp(-res))).to(dtype).to(tl.float32) * up
+    if MUL_WEIGHT:
+        w = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0).to(dtype).to(tl.float32)
+        res = res * w[:, None]
+    c_ptrs = c_ptr + pairs[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, res.to(dtype), mask=row_ok[:, None] & n_ok[None, :])
+
+
+def _gemm_config(num_pairs: int, num_experts: int) -> dict:
+    """Tile shapes by rows per expert: small (decode) batches are bound by reading expert
+    weights, so use thin row tiles; large batches want square tensor-core tiles."""
+    if num_pairs <= 2 * num_experts * 16:
+        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
+    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4)
+
+
+def _moe_gemm(a, b, c, weights, sorted_ids, expert_ids, num_padded, n, a_row_div, gated, config):
+    grid = (expert_ids.shape[0], triton.cdiv(n, config["BLOCK_N"]))
+    _moe_gemm_kernel[grid](
+        a,
+        b,
+        c,
+        weights,
+        sorted_ids,
+        expert_ids,
+        num_padded,
+        n,
+        b.shape[2],
+        c.shape[0],
+        a.stride(0),
+        b.stride(0),
+        b.stride(1),
+        c.stride(0),
+        A_ROW_DIV=a_row_div,
+        GATED=gated,
+        MUL_WEIGHT=not gated,
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        **config,
+    )
+
+
+def fused_moe(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
+    num_tokens, hidden = x.shape
+    num_experts, two_i, _ = w13.shape
+    inter_size = two_i // 2
+    top_k = topk_ids.shape[1]
+    num_pairs = num_tokens * top_k
+    if num_tokens == 0:
+        return torch.zeros_like(x)
+    x = x.contiguous()
+    w13, w2 = w13.contiguous(), w2.contiguous()
+    weights = topk_weights.contiguous().view(-1)
+    config = _gemm_config(num_pairs, num_experts)
+    sorted_ids, expert_ids, num_padded = _sort_by_expert(topk_ids, num_experts, config["BLOCK_M"])
+    inter = torch.empty(num_pairs, inter_size, dtype=x.dtype, device=x.device)
+    _moe_gemm(x, w13, inter, weights, sorted_ids, expert_ids, num_padded, inter_size, top_k, True, config)
+    out_pairs = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    _moe_gemm(inter, w2, out_pairs, weights, sorted_ids, expert_ids, num_padded, hidden, 1, False, config)
+    return out_pairs.view(num_tokens, top_k, hidden).sum(dim=1)

@@ -1,0 +1,183 @@
+"""Top-k / top-p / min-p masking without sorting the vocabulary.
+
+Each filter keeps the tokens at or above a per-row threshold value. Both top-k and top-p
+have the form "keep token v iff G(v) < W", where G(x) is the weight of the tokens strictly
+greater than x: weight 1 and W = k for top-k; weight exp(v - max) over the top-k survivors
+and W = top_p * (their total) for top-p. G only falls as x grows, so the threshold is the
+smallest token value with G(v) < W, found by a bracket search over the value range:
+each pass over the row evaluates G at NUM_PIVOTS evenly spaced pivots (and, for each, the
+smallest token above it) and narrows the bracket to one pivot interval. It stops exactly
+once no token lies strictly inside that interval, so the kept set equals the reference's
+except among tokens with equal values (which a sort orders arbitrarily).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _threshold(
+    row_ptr,
+    vocab,
+    lo,
+    hi,
+    floor,
+    row_max,
+    limit,
+    USE_MASS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    NUM_PIVOTS: tl.constexpr,
+):
+    """Smallest token value v with G(v) < limit, where G(x) sums the weight of the tokens
+    u > x with u >= floor (weight 1, or exp(u - row_max) if USE_MASS). ``lo`` must be a
+    token value (the answer if G(lo) < limit) and ``hi`` the row max."""
+    offs_p = tl.arange(0, NUM_PIVOTS)
+    t = hi
+    done = lo >= hi
+    passes = 0
+    # A row with NaNs could keep the bracket from closing; cap the passes (the interval
+    # shrinks NUM_PIVOTS - 1 fold per pass, so 64 is far more than finite floats need).
+    while (not done) and (passes < 64):
+        pivots = lo + (hi - lo) * (offs_p.to(tl.float32) / (NUM_PIVOTS - 1))
+        pivots = tl.where(offs_p == NUM_PIVOTS - 1, hi, pivots)
+        g = tl.zeros([BLOCK, NUM_PIVOTS], tl.float32)
+        above = tl.full([BLOCK, NUM_PIVOTS], float("inf"), tl.float32)
+        for start in range(0, vocab, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            u = tl.load(row_ptr + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
+            if USE_MASS:
+                w = tl.where(u >= floor, tl.exp(u - row_max), 0.0)
+            else:
+                w = tl.where(u >= floor, 1.0, 0.0)
+            gt = u[:, None] > pivots[None, :]
+            g += tl.where(gt, w[:, None], 0.0)
+            above = tl.minimum(above, tl.where(gt, u[:, None], float("inf")))
+        g_p = tl.sum(g, axis=0)
+        above_p = tl.min(above, axis=0)
+        # Pivots [0, j) have G >= limit (their tokens are dropped); pivot j and up keep theirs.
+        j = tl.sum((g_p >= limit).to(tl.int32), axis=0)
+        if j == 0:
+            # Only on the first pass (later, pivot 0 is a dropped bracket end): lo is kept.
+            t = lo
+            done = True
+        elif j == NUM_PIVOTS:
+            # limit <= 0 (top_p = 0): only the maximum survives.
+            t = hi
+            done = True
+        else:
+            new_lo = tl.max(tl.where(offs_p == j - 1, pivots, float("-inf")), axis=0)
+            new_hi = tl.max(tl.where(offs_p == j, pivots, float("-inf")), axis=0)
+            first_above = tl.max(tl.where(offs_p == j - 1, above_p, float("-inf")), axis=0)
+            # Tokens <= new_lo are dropped and tokens >= new_hi kept; if none lies in
+            # between, the smallest token above new_lo is the threshold.
+            if first_above >= new_hi:
+                t = first_above
+                done = True
+            lo = new_lo
+            hi = new_hi
+        passes += 1
+    return t
+
+
+@triton.jit
+def _top_k_top_p_min_p_kernel(
+    logits_ptr,
+    out_ptr,
+    top_k_ptr,
+    top_p_ptr,
+    min_p_ptr,
+    vocab,
+    stride_l,
+    stride_o,
+    HAS_TOP_K: tl.constexpr,
+    HAS_TOP_P: tl.constexpr,
+    HAS_MIN_P: tl.constexpr,
+    BLOCK: tl.constexpr,
+    NUM_PIVOTS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * stride_l
+
+    # Pass 1: max, smallest finite value, number of finite values.
+    row_max = tl.full([BLOCK], float("-inf"), tl.float32)
+    row_min = tl.full([BLOCK], float("inf"), tl.float32)
+    finite = tl.zeros([BLOCK], tl.int32)
+    for start in range(0, vocab, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        u = tl.load(row_ptr + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
+        ok = u > float("-inf")
+        row_max = tl.maximum(row_max, u)
+        row_min = tl.minimum(row_min, tl.where(ok, u, float("inf")))
+        finite += ok.to(tl.int32)
+    row_max = tl.max(row_max, axis=0)
+    row_min = tl.min(row_min, axis=0)
+    num_finite = tl.sum(finite, axis=0)
+
+    threshold = float("-inf")
+    if HAS_TOP_K:
+        k = tl.load(top_k_ptr + row)
+        if (k > 0) and (k < num_finite):
+            threshold = _threshold(
+                row_ptr, vocab, row_min, row_max, float("-inf"), row_max, k.to(tl.float32),
+                False, BLOCK, NUM_PIVOTS,
+            )  # fmt: skip
+    if HAS_TOP_P:
+        p = tl.load(top_p_ptr + row).to(tl.float32)
+        if p < 1.0:
+            # Top-p renormalises over what top-k kept.
+            total = tl.zeros([BLOCK], tl.float32)
+            for start in range(0, vocab, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                u = tl.load(row_ptr + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
+                total += tl.where(u >= threshold, tl.exp(u - row_max), 0.0)
+            threshold = _threshold(
+                row_ptr, vocab, tl.maximum(threshold, row_min), row_max, threshold, row_max,
+                p * tl.sum(total, axis=0), True, BLOCK, NUM_PIVOTS,
+            )  # fmt: skip
+    # min-p: prob >= min_p * max_prob  <=>  exp(v - max) >= min_p (the normaliser cancels).
+    min_p = 0.0
+    if HAS_MIN_P:
+        min_p = tl.load(min_p_ptr + row).to(tl.float32)
+
+    out_row = out_ptr + row * stride_o
+    for start in range(0, vocab, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        x = tl.load(row_ptr + offs, mask=offs < vocab, other=float("-inf"))
+        u = x.to(tl.float32)
+        keep = (u >= threshold) & (tl.exp(u - row_max) >= min_p)
+        tl.store(out_row + offs, tl.where(keep, x, float("-inf")), mask=offs < vocab)
+
+
+def top_k_top_p_min_p(
+    logits: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    min_p: torch.Tensor | None,
+) -> torch.Tensor:
+    """See ``atom.ops.reference.top_k_top_p_min_p``. Probabilities are computed in float32
+    whatever the logits dtype."""
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    out = torch.empty_like(logits)
+    num_rows, vocab = logits.shape
+    if num_rows == 0:
+        return out
+    _top_k_top_p_min_p_kernel[(num_rows,)](
+        logits,
+        out,
+        top_k if top_k is not None else logits,
+        top_p if top_p is not None else logits,
+        min_p if min_p is not None else logits,
+        vocab,
+        logits.stride(0),
+        out.stride(0),
+        HAS_TOP_K=top_k is not None,
+        HAS_TOP_P=top_p is not None,
+        HAS_MIN_P=min_p is not None,
+        BLOCK=256,
+        NUM_PIVOTS=16,
+        num_warps=8,
+    )
+    return out

@@ -1,0 +1,40 @@
+import pytest
+import torch
+
+from atom.ops import reference
+from atom.ops.triton import fused_moe, moe_topk
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("num_tokens, num_experts, top_k", [(1, 8, 2), (33, 16, 4), (7, 128, 8), (5, 60, 3)])
+def test_moe_topk(num_tokens, num_experts, top_k, renormalize, dtype):
+    logits = torch.randn(num_tokens, num_experts, dtype=dtype)
+    weights, ids = moe_topk(logits, top_k, renormalize)
+    ref_weights, ref_ids = reference.moe_topk(logits, top_k, renormalize)
+    assert ids.dtype == torch.int64 and weights.dtype == torch.float32
+    torch.testing.assert_close(weights, ref_weights, rtol=1e-5, atol=1e-6)
+    # Ties (common in bf16 logits) may pick different experts of equal probability.
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+    torch.testing.assert_close(probs.gather(1, ids), probs.gather(1, ref_ids))
+    assert (ids.sort(dim=1).values.diff(dim=1) > 0).all()
+
+
+@pytest.mark.parametrize(
+    "num_tokens, hidden, inter, num_experts, top_k",
+    [
+        (1, 64, 32, 8, 2),  # decode, single token
+        (13, 128, 96, 16, 4),  # inter not a multiple of the column tile
+        (150, 64, 64, 8, 2),  # enough pairs to pick the large-tile config
+        (6, 96, 48, 32, 8),  # hidden not a power of two; most experts unused
+    ],
+)
+def test_fused_moe(num_tokens, hidden, inter, num_experts, top_k, dtype, assert_close):
+    x = torch.randn(num_tokens, hidden, dtype=dtype)
+    w13 = (torch.randn(num_experts, 2 * inter, hidden) / hidden**0.5).to(dtype)
+    w2 = (torch.randn(num_experts, hidden, inter) / inter**0.5).to(dtype)
+    weights, ids = reference.moe_topk(torch.randn(num_tokens, num_experts), top_k, True)
+    out = fused_moe(x, w13, w2, weights, ids)
+    assert out.dtype == dtype
+    # Reference in float32 on the same inputs, with the routing weights rounded like the kernel's.
+    ref = reference.fused_moe(x.float(), w13.float(), w2.float(), weights.to(dtype).float(), ids)
+    assert_close(out, ref, dtype, scale=2)

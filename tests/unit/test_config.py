@@ -1,0 +1,44 @@
+import argparse
+
+import pytest
+
+from atom.config import CacheConfig, CompilationConfig, SchedulerConfig
+from atom.engine.arg_utils import EngineArgs
+
+
+def parse(argv):
+    return EngineArgs.from_cli_args(EngineArgs.add_cli_args(argparse.ArgumentParser()).parse_args(argv))
+
+
+def test_cli_defaults_follow_the_guide():
+    args = parse([])
+    assert (args.tensor_parallel_size, args.data_parallel_size, args.block_size) == (1, 1, 16)
+    assert (args.max_num_batched_tokens, args.max_num_seqs, args.gpu_memory_utilization) == (16384, 512, 0.9)
+    assert (args.kv_cache_dtype, args.level, args.port, args.num_speculative_tokens) == ("bf16", 3, 8006, 1)
+    assert args.cudagraph_capture_sizes[:4] == [1, 2, 4, 8] and args.cudagraph_capture_sizes[-1] == 256
+    assert not (args.enforce_eager or args.enable_prefix_caching or args.load_dummy)
+
+
+def test_cli_spellings():
+    args = parse(["--model", "m", "-tp", "2", "-dp", "3", "--enforce-eager", "--enable_prefix_caching",
+                  "--kv_cache_dtype", "fp8", "--block-size", "32", "--max-model-len", "99",
+                  "--cudagraph-capture-sizes", "[1,2,3]", "--load_dummy", "--method", "mtp",
+                  "--num-speculative-tokens", "2", "--torch-profiler-dir", "/tmp/p", "--level", "0"])
+    assert (args.model, args.tensor_parallel_size, args.data_parallel_size) == ("m", 2, 3)
+    assert args.enforce_eager and args.enable_prefix_caching and args.load_dummy
+    assert (args.kv_cache_dtype, args.block_size, args.max_model_len) == ("fp8", 32, 99)
+    assert args.cudagraph_capture_sizes == [1, 2, 3]
+    assert (args.method, args.num_speculative_tokens, args.torch_profiler_dir, args.level) == ("mtp", 2, "/tmp/p", 0)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: CacheConfig(block_size=12),
+    lambda: CacheConfig(gpu_memory_utilization=1.5),
+    lambda: CacheConfig(kv_cache_dtype="int4"),
+    lambda: SchedulerConfig(max_num_seqs=0),
+    lambda: SchedulerConfig(scheduler_delay_factor=-1),
+    lambda: CompilationConfig(level=5),
+])
+def test_invalid_config_rejected_at_construction(make):
+    with pytest.raises(ValueError):
+        make()

@@ -1,0 +1,159 @@
+"""LLMEngine's public API: outputs, streaming, stop conditions, bad input."""
+
+import json
+import os
+import shutil
+
+import pytest
+from safetensors.torch import load_file, save_file
+from transformers import AutoTokenizer
+
+from atom import LLMEngine, SamplingParams
+from atom.engine.output_processor import IncrementalDetokenizer
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    return LLMEngine(tiny_model("qwen3"), max_model_len=256, num_gpu_blocks_override=64)
+
+
+def test_generate_returns_guide_fields(engine):
+    out = engine.generate(["The quick brown fox", [5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=5),
+                          use_tqdm=False)
+    assert len(out) == 2
+    for o in out:
+        assert set(o) == {"text", "token_ids", "latency", "finish_reason", "num_tokens_input",
+                          "num_tokens_output", "ttft", "tpot"}
+        assert o["num_tokens_output"] == len(o["token_ids"]) == 5
+        assert o["finish_reason"] == "length"
+        assert 0 < o["ttft"] <= o["latency"]
+    assert out[1]["num_tokens_input"] == 4
+
+
+def test_stream_callback_gets_every_token_once_in_order(engine):
+    seen: dict[str, list[int]] = {}
+    texts: dict[str, str] = {}
+
+    def callback(out):
+        seen.setdefault(out.request_id, []).extend(out.new_token_ids)
+        texts[out.request_id] = texts.get(out.request_id, "") + out.delta_text
+
+    ids = engine.add_request(["Once upon a time", "def add(a, b):"], SamplingParams(temperature=0.7, max_tokens=12),
+                             stream_callback=callback)
+    finished = {}
+    while not engine.is_finished():
+        for out in engine.step():
+            finished[out.request_id] = out
+    for rid in ids:
+        assert seen[rid] == finished[rid].token_ids
+        assert texts[rid] == finished[rid].text
+
+
+def test_stop_string_spanning_tokens_is_cut(engine):
+    full = engine.generate(["The quick brown fox"], SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0]
+    text = full["text"]
+    stop = text[5:9]  # four characters, likely spanning tokens
+    assert len(stop) == 4
+    out = engine.generate(["The quick brown fox"], SamplingParams(temperature=0, max_tokens=20, stop=[stop]),
+                          use_tqdm=False)[0]
+    assert out["finish_reason"] == "stop"
+    assert out["text"] == text[: text.find(stop)]
+    assert stop not in out["text"]
+
+
+def test_stop_token_ids_and_eos(engine):
+    full = engine.generate(["The quick brown fox"], SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)[0]
+    stop_tok = full["token_ids"][3]
+    out = engine.generate(["The quick brown fox"],
+                          SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_tok]), use_tqdm=False)[0]
+    assert out["finish_reason"] == "stop"
+    assert out["token_ids"] == full["token_ids"][: full["token_ids"].index(stop_tok) + 1]
+
+
+def test_incremental_detokenizer_multibyte(tiny_model):
+    tok = AutoTokenizer.from_pretrained(tiny_model("qwen3"))
+    text = "机器学习 🙂🚀 naïve café"
+    ids = tok.encode(text)
+    detok = IncrementalDetokenizer(tok, [])
+    pieces = [detok.add([t]) for t in ids]
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -3), ("min_p", 2.0), ("max_tokens", 0),
+    ("stop", [""]), ("stop_token_ids", [-1]),
+])
+def test_invalid_sampling_params_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_bad_prompts_fail_alone(engine):
+    rid = engine.add_request(["Once upon a time"], SamplingParams(temperature=0, max_tokens=8))[0]
+    with pytest.raises(ValueError, match="300 tokens exceeds the limit of 256"):
+        engine.add_request([[1] * 300])
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request([""])
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request([[]])
+    done = []
+    while not engine.is_finished():
+        done += engine.step()
+    assert [o.request_id for o in done] == [rid] and len(done[0].token_ids) == 8
+
+
+def test_prompt_larger_than_kv_cache(tiny_model):
+    eng = LLMEngine(tiny_model("qwen3"), max_model_len=256, num_gpu_blocks_override=4)
+    with pytest.raises(ValueError, match="100 tokens exceeds the limit of 64"):
+        eng.add_request([[3] * 100])
+
+
+def test_abort_frees_blocks(engine):
+    free = engine.core.block_manager.num_free_blocks
+    rid = engine.add_request(["Once upon a time " * 5], SamplingParams(max_tokens=50))[0]
+    engine.step()
+    assert engine.core.block_manager.num_free_blocks < free
+    engine.abort_request(rid)
+    assert engine.core.block_manager.num_free_blocks == free and engine.is_finished()
+
+
+def test_missing_and_unexpected_weights_are_named(tiny_model, tmp_path):
+    src = tiny_model("llama")
+    bad = tmp_path / "bad"
+    shutil.copytree(src, bad)
+    weights = load_file(str(bad / "model.safetensors"))
+    del weights["model.layers.1.mlp.down_proj.weight"]
+    weights["model.layers.9.extra.weight"] = weights["model.norm.weight"].clone()
+    save_file(weights, str(bad / "model.safetensors"))
+    with pytest.raises(ValueError) as e:
+        LLMEngine(str(bad))
+    assert "model.layers.1.mlp.down_proj.weight" in str(e.value)
+    assert "model.layers.9.extra.weight" in str(e.value)
+
+
+def test_unsupported_architecture_lists_supported(tiny_model, tmp_path):
+    bad = tmp_path / "arch"
+    shutil.copytree(tiny_model("llama"), bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="LlamaForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM"):
+        LLMEngine(str(bad))
+
+
+def test_unbuilt_features_raise_not_implemented(tiny_model):
+    path = tiny_model("qwen3")
+    for kwargs in (dict(tensor_parallel_size=2), dict(method="mtp"), dict(kv_cache_dtype="fp8")):
+        with pytest.raises(NotImplementedError):
+            LLMEngine(path, **kwargs)
+
+
+def test_load_dummy_needs_only_config(tiny_model, tmp_path):
+    only_cfg = tmp_path / "cfg"
+    os.makedirs(only_cfg)
+    for f in os.listdir(tiny_model("qwen3")):
+        if not f.endswith(".safetensors"):
+            shutil.copy(os.path.join(tiny_model("qwen3"), f), only_cfg)
+    eng = LLMEngine(str(only_cfg), load_dummy=True, max_model_len=128)
+    assert eng.generate(["hi"], SamplingParams(max_tokens=3), use_tqdm=False)[0]["num_tokens_output"] == 3
