@@ -29,6 +29,8 @@ class AttentionMetadata:
 class ForwardContext:
     attn_metadata: AttentionMetadata | None
     positions: torch.Tensor | None = None
+    # attention layers by prefix, for the opaque attention op that torch.compile keeps whole
+    attn_layers: dict | None = None
 
 
 _forward_context: ForwardContext | None = None
@@ -41,10 +43,11 @@ def get_forward_context() -> ForwardContext:
 
 
 @contextlib.contextmanager
-def set_forward_context(attn_metadata: AttentionMetadata | None, positions: torch.Tensor | None = None):
+def set_forward_context(attn_metadata: AttentionMetadata | None, positions: torch.Tensor | None = None,
+                        attn_layers: dict | None = None):
     global _forward_context
     prev = _forward_context
-    _forward_context = ForwardContext(attn_metadata, positions)
+    _forward_context = ForwardContext(attn_metadata, positions, attn_layers)
     try:
         yield _forward_context
     finally:

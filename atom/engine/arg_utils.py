@@ -42,6 +42,7 @@ def _bool(v: str | bool) -> bool:
 class EngineArgs:
     model: str | None = None  # None: the embedded default model
     tokenizer: str | None = None
+    skip_tokenizer_init: bool = False  # token-id prompts only; no text in outputs
     trust_remote_code: bool = False
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
@@ -76,6 +77,7 @@ class EngineArgs:
         a = parser.add_argument
         a("--model", type=str, default=d.model, help="HF model directory or .gguf file (default: embedded model)")
         a("--tokenizer", type=str, default=None, help="tokenizer path (default: the model's)")
+        a("--skip-tokenizer-init", action="store_true", help="no tokenizer: token-id prompts, no output text")
         a("--trust-remote-code", action="store_true", help="trust remote code from Hugging Face")
         a("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size)
         a("--data-parallel-size", "-dp", type=int, default=d.data_parallel_size)

@@ -36,7 +36,7 @@ class LLMEngine:
         if self.config.device.type != "cuda" and not self.args.enforce_eager:
             logger.info("CUDA graphs and torch.compile (level %d) apply to CUDA devices; running eagerly on %s",
                         self.config.compilation_config.level, self.config.device)
-        self.tokenizer = load_tokenizer(mc.tokenizer, mc.trust_remote_code)
+        self.tokenizer = None if self.args.skip_tokenizer_init else load_tokenizer(mc.tokenizer, mc.trust_remote_code)
         self.eos_token_ids = eos_token_ids(mc.model, mc.hf_config, self.tokenizer)
         self.core = EngineCore(self.config)
         self.states: dict[str, RequestState] = {}
@@ -45,6 +45,8 @@ class LLMEngine:
     # requests
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer (the engine runs with skip_tokenizer_init)")
             if not prompt:
                 raise ValueError("prompt is empty")
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)

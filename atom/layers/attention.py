@@ -1,10 +1,11 @@
 """Attention over the paged KV cache.
 
-The layer gets q/k/v straight from the QKV projection and does the rest: per-head
-q/k RMSNorm (Qwen3), RoPE and the KV-cache write as one op, then paged attention, with
-the batch's metadata taken from the forward context. In plugin mode a host attention
-layer is attached (``attach_host_attention``) and gets the rotated q/k/v instead: the
-host framework owns the cache and the metadata.
+The layer gets q/k/v straight from the QKV projection and does the rest in one opaque op,
+``torch.ops.atom.unified_attention``: per-head q/k RMSNorm (Qwen3), RoPE and the KV-cache
+write as one fused kernel, then paged attention with the batch's metadata from the forward
+context. Being one custom op, it is where torch.compile splits the graph. In plugin mode
+a host attention layer is attached (``attach_host_attention``) and gets the rotated q/k/v
+instead: the host framework owns the cache and the metadata.
 """
 
 from __future__ import annotations
@@ -43,18 +44,23 @@ class Attention(nn.Module):
         q_norm: RMSNorm | None = None,
         k_norm: RMSNorm | None = None,
     ) -> torch.Tensor:
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
         qw = q_norm.weight if q_norm is not None else None
         kw = k_norm.weight if k_norm is not None else None
         eps = q_norm.eps if q_norm is not None else 0.0
         if self.host_attention is not None:
-            q, k = ops.qk_norm_rope_store(q, k, v, qw, kw, eps, positions, rotary_emb.cos_sin_cache,
-                                          None, None, None)
-            return self.host_attention(q.flatten(1), k.flatten(1), v.flatten(1))
+            q, k = ops.qk_norm_rope_store(self._heads(q, self.num_heads), self._heads(k), self._heads(v), qw, kw,
+                                          eps, positions, rotary_emb.cos_sin_cache, None, None, None)
+            return self.host_attention(q.flatten(1), k.flatten(1), v)
+        return torch.ops.atom.unified_attention(q, k, v, positions, rotary_emb.cos_sin_cache, qw, kw, eps,
+                                                self.prefix)
+
+    def _heads(self, x: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
+        return x.reshape(x.shape[0], num_heads or self.num_kv_heads, self.head_dim)
+
+    def run(self, q, k, v, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps: float) -> torch.Tensor:
         meta = get_forward_context().attn_metadata
-        q, k = ops.qk_norm_rope_store(q, k, v, qw, kw, eps, positions, rotary_emb.cos_sin_cache,
+        q, k, v = self._heads(q, self.num_heads), self._heads(k), self._heads(v)
+        q, k = ops.qk_norm_rope_store(q, k, v, q_norm_weight, k_norm_weight, eps, positions, cos_sin_cache,
                                       self.k_cache, self.v_cache, meta.slot_mapping)
         if self.k_cache is None:  # memory-profiling run: prompts only, no cache yet
             o = _prompt_attention(q, k, v, meta.cu_seqlens_q, self.scale)
@@ -62,6 +68,22 @@ class Attention(nn.Module):
             o = ops.paged_attention(q, self.k_cache, self.v_cache, meta.cu_seqlens_q, meta.seq_lens,
                                     meta.block_tables, self.scale, meta.max_seqlen_q, meta.max_seqlen_k)
         return o.flatten(1)
+
+
+@torch.library.custom_op("atom::unified_attention", mutates_args=())
+def unified_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+    q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None, eps: float, layer_name: str,
+) -> torch.Tensor:
+    """Writes the layer's KV cache (found by name in the forward context) as a side effect."""
+    ctx = get_forward_context()
+    layer = ctx.attn_layers[layer_name]
+    return layer.run(q, k, v, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps)
+
+
+@unified_attention.register_fake
+def _(q, k, v, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps, layer_name):
+    return torch.empty_like(q)
 
 
 def _prompt_attention(q, k, v, cu_seqlens_q: torch.Tensor, scale: float) -> torch.Tensor:

@@ -220,7 +220,13 @@ def load_gguf_config(gguf_file: str):
     config.rope_theta = float(rope_theta)
     logger.info(
         "GGUF config: %s, %d layers, hidden %d, %d heads / %d KV heads, head_dim %d, vocab %d, rope_theta %g",
-        hf_arch, fields["num_hidden_layers"], hidden_size, num_heads, num_kv_heads, head_dim, vocab_size,
+        hf_arch,
+        fields["num_hidden_layers"],
+        hidden_size,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        vocab_size,
         rope_theta,
     )
     return config
@@ -328,7 +334,10 @@ def iter_gguf_weights(gguf_file: str, dtype: torch.dtype = torch.float32) -> Ite
     types = Counter(tensor.tensor_type.name for tensor in reader.tensors)
     logger.info(
         "Loading %d GGUF tensors from %s (%s) as %s",
-        len(reader.tensors), gguf_file, ", ".join(f"{n} {t}" for t, n in types.most_common()), dtype,
+        len(reader.tensors),
+        gguf_file,
+        ", ".join(f"{n} {t}" for t, n in types.most_common()),
+        dtype,
     )
     start = time.perf_counter()
     name = os.path.basename(gguf_file)
@@ -378,7 +387,9 @@ def save_gguf_as_hf(gguf_file: str, out_dir: str, dtype: torch.dtype = torch.flo
     config.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     _make_tokenizer_config_portable(out_dir, tokenizer)
-    logger.info("Wrote %s as a Hugging Face checkpoint to %s in %.2f s", gguf_file, out_dir, time.perf_counter() - start)
+    logger.info(
+        "Wrote %s as a Hugging Face checkpoint to %s in %.2f s", gguf_file, out_dir, time.perf_counter() - start
+    )
 
 
 def _make_tokenizer_config_portable(out_dir: str, tokenizer) -> None:

@@ -62,14 +62,18 @@ def train_tokenizer(vocab_size: int = 384) -> PreTrainedTokenizerFast:
 
 
 def build(out_dir: str, arch: str = "qwen3", seed: int = 0, num_layers: int = 3,
-          dtype: torch.dtype = torch.float32, max_position_embeddings: int = 2048) -> str:
-    """Write a tiny checkpoint of ``arch`` into ``out_dir`` and return the path."""
+          dtype: torch.dtype = torch.float32, max_position_embeddings: int = 2048,
+          head_dim: int | None = None) -> str:
+    """Write a tiny checkpoint of ``arch`` into ``out_dir`` and return the path. ``head_dim``
+    overrides the architecture's (e.g. 32, a size vLLM's CPU attention supports)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     os.makedirs(out_dir, exist_ok=True)
     tokenizer = train_tokenizer()
     spec = dict(ARCHS[arch])
     model_type = spec.pop("model_type")
+    if head_dim is not None:
+        spec["head_dim"] = head_dim
     config = AutoConfig.for_model(
         model_type,
         vocab_size=len(tokenizer),

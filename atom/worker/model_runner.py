@@ -48,6 +48,8 @@ class ModelRunner:
         torch.manual_seed(mc.seed)
         self.model = load_model(mc, self.device)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.attn_layer_map = {m.prefix: m for m in self.attn_layers}
+        self.forward = self._maybe_compile()
         self.kv_cache: torch.Tensor | None = None
         self.generators: dict[str, torch.Generator] = {}
         self.graph_runner = None
@@ -117,7 +119,7 @@ class ModelRunner:
         )
         input_ids = torch.zeros(num_seqs * seq_len, dtype=torch.int64, device=self.device)
         positions = torch.arange(seq_len, device=self.device).repeat(num_seqs)
-        with set_forward_context(meta, positions):
+        with set_forward_context(meta, positions, self.attn_layer_map):
             hidden = self.model(input_ids, positions)
         rows = min(sc.max_num_seqs, hidden.shape[0])
         self.model.compute_logits(hidden[:rows]).float().softmax(-1)
@@ -199,10 +201,39 @@ class ModelRunner:
         self.generators.pop(request_id, None)
 
     def run_model(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
-        if self.graph_runner is not None and self.graph_runner.can_run(meta, input_ids.shape[0]):
-            return self.graph_runner.run(input_ids, positions, meta)
-        with set_forward_context(meta, positions):
-            return self.model(input_ids, positions)
+        with set_forward_context(meta, positions, self.attn_layer_map):
+            if self.graph_runner is not None and self.graph_runner.can_run(meta, input_ids.shape[0]):
+                return self.graph_runner.run(input_ids, positions, meta)
+            return self.forward(input_ids, positions)
+
+    # compilation
+    def _maybe_compile(self):
+        cc = self.config.compilation_config
+        if cc.level < 3 or self.device.type != "cuda":
+            return self.model.forward
+        logger.info("level 3: torch.compile of the model (attention stays one opaque op); "
+                    "the first batches compile, later runs hit the inductor cache")
+        return torch.compile(self.model.forward, dynamic=True)
+
+    def capture_cudagraphs(self) -> None:
+        """Capture decode graphs unless eager is asked for or the ops cannot be captured."""
+        from atom.ops import use_triton
+        from atom.worker.cuda_graph import CUDAGraphRunner
+
+        cc, mc = self.config.compilation_config, self.config.model_config
+        if cc.enforce_eager or self.device.type != "cuda":
+            return
+        if not use_triton(self.device):
+            logger.warning("CUDA graphs need the Triton ops (ATOM_FORCE_REFERENCE_OPS is set): running eagerly")
+            return
+        sizes = [s for s in cc.cudagraph_capture_sizes if s <= self.config.scheduler_config.max_num_seqs]
+        if not sizes:
+            return
+        runner = CUDAGraphRunner(self.model, self.forward, sizes, mc.max_model_len, self.block_size,
+                                 mc.hf_config.hidden_size, mc.dtype, self.device)
+        with set_forward_context(None, None, self.attn_layer_map):
+            runner.capture()
+        self.graph_runner = runner
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:

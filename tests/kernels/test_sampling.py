@@ -13,6 +13,27 @@ def distinct_logits(rows: int, vocab: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.stack([pool[torch.randperm(pool.numel())[:vocab]] for _ in range(rows)])
 
 
+def rounding_sensitive(logits, top_k, top_p, min_p, eps=1e-5):
+    """Tokens whose fate hinges on float rounding: top-p's mass before the token, or
+    min-p's probability ratio, within ``eps`` of the cut (computed in float64)."""
+    x = logits.double()
+    vocab = x.shape[-1]
+    sensitive = torch.zeros_like(x, dtype=torch.bool)
+    if top_k is not None:
+        k = torch.where(top_k <= 0, vocab, top_k).clamp(max=vocab)
+        kth = x.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None].long())
+        x = x.masked_fill(x < kth, float("-inf"))
+    if top_p is not None:
+        probs = x.softmax(dim=-1)
+        sorted_probs, idx = probs.sort(dim=-1, descending=True)
+        near = ((sorted_probs.cumsum(-1) - sorted_probs) - top_p.double()[:, None]).abs() < eps
+        sensitive |= torch.zeros_like(sensitive).scatter(1, idx, near & (top_p[:, None] < 1))
+    if min_p is not None:
+        ratio = (x - x.max(dim=-1, keepdim=True).values).exp()
+        sensitive |= (ratio - min_p.double()[:, None]).abs() < eps * min_p.double()[:, None]
+    return sensitive
+
+
 def check(logits, top_k, top_p, min_p):
     out = top_k_top_p_min_p(logits, top_k, top_p, min_p)
     # The kernel works in float32 whatever the dtype, so compare with the float32 reference
@@ -20,7 +41,8 @@ def check(logits, top_k, top_p, min_p):
     ref = reference.top_k_top_p_min_p(logits.float(), top_k, top_p, min_p)
     assert out.dtype == logits.dtype
     kept = ~out.isinf()
-    assert torch.equal(kept, ~ref.isinf()), f"kept per row {kept.sum(1)} vs {(~ref.isinf()).sum(1)}"
+    differ = kept != ~ref.isinf()
+    assert not (differ & ~rounding_sensitive(logits, top_k, top_p, min_p)).any(), f"differ per row {differ.sum(1)}"
     assert torch.equal(out[kept], logits[kept])
 
 

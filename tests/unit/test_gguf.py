@@ -163,9 +163,18 @@ def test_config(config):
 def test_config_matches_transformers(config, hf_model):
     reference = hf_model.config
     for name in (
-        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-        "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings",
-        "bos_token_id", "eos_token_id",
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "max_position_embeddings",
+        "rms_norm_eps",
+        "tie_word_embeddings",
+        "bos_token_id",
+        "eos_token_id",
     ):
         assert getattr(config, name) == getattr(reference, name), name
     assert _rope_theta(config) == _rope_theta(reference)
@@ -328,13 +337,27 @@ def write_tiny_gguf(path, arch: str, head_dim: int, moe_size: int = 32) -> dict[
         llama = arch == "llama"
         dense(blk + "attn_norm.weight", hf + "input_layernorm.weight", hidden, quantized=False)
         dense(blk + "ffn_norm.weight", hf + "post_attention_layernorm.weight", hidden, quantized=False)
-        dense(blk + "attn_q.weight", hf + "self_attn.q_proj.weight", num_heads * head_dim, hidden,
-              permute_heads=num_heads if llama else None)
-        dense(blk + "attn_k.weight", hf + "self_attn.k_proj.weight", num_kv_heads * head_dim, hidden,
-              permute_heads=num_kv_heads if llama else None)
+        dense(
+            blk + "attn_q.weight",
+            hf + "self_attn.q_proj.weight",
+            num_heads * head_dim,
+            hidden,
+            permute_heads=num_heads if llama else None,
+        )
+        dense(
+            blk + "attn_k.weight",
+            hf + "self_attn.k_proj.weight",
+            num_kv_heads * head_dim,
+            hidden,
+            permute_heads=num_kv_heads if llama else None,
+        )
         dense(blk + "attn_v.weight", hf + "self_attn.v_proj.weight", num_kv_heads * head_dim, hidden)
         dense(blk + "attn_output.weight", hf + "self_attn.o_proj.weight", hidden, num_heads * head_dim)
-        if arch != "llama":
+        if arch == "qwen2":
+            dense(blk + "attn_q.bias", hf + "self_attn.q_proj.bias", num_heads * head_dim, quantized=False)
+            dense(blk + "attn_k.bias", hf + "self_attn.k_proj.bias", num_kv_heads * head_dim, quantized=False)
+            dense(blk + "attn_v.bias", hf + "self_attn.v_proj.bias", num_kv_heads * head_dim, quantized=False)
+        if arch in ("qwen3", "qwen3moe"):
             dense(blk + "attn_q_norm.weight", hf + "self_attn.q_norm.weight", head_dim, quantized=False)
             dense(blk + "attn_k_norm.weight", hf + "self_attn.k_norm.weight", head_dim, quantized=False)
         if arch == "qwen3moe":
@@ -359,7 +382,7 @@ def write_tiny_gguf(path, arch: str, head_dim: int, moe_size: int = 32) -> dict[
     return source
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3moe"])
 def test_synthetic_gguf_roundtrip(tmp_path, arch):
     """Every tensor type (F32/F16/BF16/Q4_0/Q4_1/Q8_0) comes back close to what was written, under its
     HF name, with the llama q/k permutation undone and MoE experts split."""
@@ -372,7 +395,12 @@ def test_synthetic_gguf_roundtrip(tmp_path, arch):
         torch.testing.assert_close(weights[name], torch.from_numpy(values), atol=0.06, rtol=0, msg=name)
 
     config = load_gguf_config(str(path))
-    expected = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
+    expected = {
+        "llama": "LlamaForCausalLM",
+        "qwen2": "Qwen2ForCausalLM",
+        "qwen3": "Qwen3ForCausalLM",
+        "qwen3moe": "Qwen3MoeForCausalLM",
+    }
     assert config.architectures == [expected[arch]]
     # head_dim comes from the file (qwen3.attention.key_length), not from hidden_size / heads or a default
     assert config.head_dim == 32
@@ -383,15 +411,17 @@ def test_synthetic_gguf_roundtrip(tmp_path, arch):
         assert config.norm_topk_prob is True
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3moe"])
 def test_synthetic_gguf_matches_transformers(tmp_path, arch):
     pytest.importorskip("accelerate", reason="transformers needs accelerate to load a GGUF model")
     from transformers import AutoModelForCausalLM
 
-    # transformers reads neither qwen3.attention.key_length nor expert_feed_forward_length and takes
-    # its config defaults (head_dim 128, moe_intermediate_size 768), so write files with those sizes.
+    # transformers reads neither attention.key_length nor expert_feed_forward_length and takes its
+    # config defaults (Qwen2: hidden / heads; Qwen3: head_dim 128, moe_intermediate_size 768), so
+    # write files with those sizes.
+    head_dim = {"llama": 32, "qwen2": 16, "qwen3": 128, "qwen3moe": 128}[arch]
     path = tmp_path / f"{arch}.gguf"
-    write_tiny_gguf(path, arch, head_dim=128 if arch != "llama" else 32, moe_size=768)
+    write_tiny_gguf(path, arch, head_dim=head_dim, moe_size=768)
     weights = dict(iter_gguf_weights(str(path), torch.float32))
     reference = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32)
     reference = reference.state_dict()
@@ -401,8 +431,10 @@ def test_synthetic_gguf_matches_transformers(tmp_path, arch):
         for name in ("gate_up_proj", "down_proj"):
             if f"{prefix}.{name}" not in reference:
                 pytest.skip("this transformers version stores MoE experts differently")
-        experts = [{p: weights.pop(f"{prefix}.{e}.{p}.weight") for p in ("gate_proj", "up_proj", "down_proj")}
-                   for e in range(4)]
+        experts = [
+            {p: weights.pop(f"{prefix}.{e}.{p}.weight") for p in ("gate_proj", "up_proj", "down_proj")}
+            for e in range(4)
+        ]
         weights[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([e["gate_proj"], e["up_proj"]]) for e in experts])
         weights[f"{prefix}.down_proj"] = torch.stack([e["down_proj"] for e in experts])
     assert weights.keys() == reference.keys()

@@ -28,7 +28,7 @@ import triton.language as tl
 @triton.jit
 def _find_seq(cu_seqlens_q_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
     """Largest sequence index ``i`` with ``cu_seqlens_q[i] // BLOCK_Q + i <= tile``."""
-    lo = 0
+    lo: tl.int32 = 0
     hi = num_seqs
     while lo < hi:
         mid = (lo + hi) // 2
@@ -191,6 +191,20 @@ def _num_splits(q: torch.Tensor, num_seqs: int, num_kv_heads: int, max_seqlen_q:
     return max(1, min(triton.cdiv(target, programs), max_seqlen_k // 256, 64))
 
 
+def _config(head_dim: int, group_pad: int, max_seqlen_q: int, elem_bytes: int) -> dict:
+    """Tile shapes. ``block_m`` query rows (query tokens x padded GQA group) per program:
+    decode packs only the group (at least 16 rows, tl.dot's minimum); batches with long
+    enough prefill chunks use large tiles. Wide rows (head_dim 256, or float32) get fewer
+    keys per step and float32 no multi-stage pipelining, to fit registers and shared memory."""
+    row_bytes = head_dim * elem_bytes
+    stages = 1 if elem_bytes == 4 else 2
+    if max_seqlen_q * group_pad >= 128:
+        if row_bytes > 256:
+            return dict(block_m=max(64, group_pad), block_n=32, num_warps=4, num_stages=stages)
+        return dict(block_m=max(128, group_pad), block_n=64, num_warps=8, num_stages=stages)
+    return dict(block_m=max(16, group_pad), block_n=32 if row_bytes > 256 else 64, num_warps=4, num_stages=stages)
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -221,12 +235,8 @@ def paged_attention(
 
     group = num_q_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
-    # tl.dot needs at least 16 rows: pack query tokens until the tile has 16 (decode), or
-    # use 64-row tiles when prefill chunks are long enough to fill them.
-    block_m = 64 if max_seqlen_q * group_pad >= 64 else 16
-    block_q = max(block_m // group_pad, 1)
-    block_m = block_q * group_pad
-    block_n = 32 if head_dim >= 256 else 64
+    cfg = _config(head_dim, group_pad, max_seqlen_q, q.element_size())
+    block_q = cfg["block_m"] // group_pad
     num_tiles = num_tokens // block_q + num_seqs
     q = q if q.stride(-1) == 1 else q.contiguous()
     split = num_splits > 1
@@ -262,13 +272,13 @@ def paged_attention(
         GROUP=group,
         GROUP_PAD=group_pad,
         BLOCK_Q=block_q,
-        BLOCK_N=block_n,
+        BLOCK_N=cfg["block_n"],
         HEAD_DIM=head_dim,
         PAGE_SIZE=page_size,
         SPLIT=split,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4 if block_m <= 16 else 8,
-        num_stages=2,
+        DOT_PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
     if split:
         _merge_splits_kernel[(num_tokens, num_q_heads)](

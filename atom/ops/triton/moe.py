@@ -221,12 +221,14 @@ def _moe_gemm_kernel(
     tl.store(c_ptrs, res.to(dtype), mask=row_ok[:, None] & n_ok[None, :])
 
 
-def _gemm_config(num_pairs: int, num_experts: int) -> dict:
+def _gemm_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> dict:
     """Tile shapes by rows per expert: small (decode) batches are bound by reading expert
-    weights, so use thin row tiles; large batches want square tensor-core tiles."""
+    weights, so use thin row tiles; large batches want square tensor-core tiles. float32
+    tiles are twice the bytes, so pipeline fewer stages to stay within shared memory."""
+    stages = 4 if dtype.itemsize <= 2 else 2
     if num_pairs <= 2 * num_experts * 16:
-        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
-    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4)
+        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=stages)
+    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=stages)
 
 
 def _moe_gemm(a, b, c, weights, sorted_ids, expert_ids, num_padded, n, a_row_div, gated, config):
@@ -249,7 +251,7 @@ def _moe_gemm(a, b, c, weights, sorted_ids, expert_ids, num_padded, n, a_row_div
         A_ROW_DIV=a_row_div,
         GATED=gated,
         MUL_WEIGHT=not gated,
-        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="tf32x3" if a.dtype == torch.float32 else "tf32",
         **config,
     )
 
@@ -267,7 +269,7 @@ def fused_moe(
     x = x.contiguous()
     w13, w2 = w13.contiguous(), w2.contiguous()
     weights = topk_weights.contiguous().view(-1)
-    config = _gemm_config(num_pairs, num_experts)
+    config = _gemm_config(num_pairs, num_experts, x.dtype)
     sorted_ids, expert_ids, num_padded = _sort_by_expert(topk_ids, num_experts, config["BLOCK_M"])
     inter = torch.empty(num_pairs, inter_size, dtype=x.dtype, device=x.device)
     _moe_gemm(x, w13, inter, weights, sorted_ids, expert_ids, num_padded, inter_size, top_k, True, config)

@@ -27,20 +27,21 @@ def _threshold(
     floor,
     row_max,
     limit,
+    active,
     USE_MASS: tl.constexpr,
     BLOCK: tl.constexpr,
     NUM_PIVOTS: tl.constexpr,
 ):
     """Smallest token value v with G(v) < limit, where G(x) sums the weight of the tokens
-    u > x with u >= floor (weight 1, or exp(u - row_max) if USE_MASS). ``lo`` must be a
-    token value (the answer if G(lo) < limit) and ``hi`` the row max."""
+    u > x with u >= floor (weight 1, or exp(u - row_max) if USE_MASS); ``floor`` when not
+    ``active``. ``lo`` must be a token value (the answer if G(lo) < limit), ``hi`` the max."""
     offs_p = tl.arange(0, NUM_PIVOTS)
-    t = hi
-    done = lo >= hi
-    passes = 0
-    # A row with NaNs could keep the bracket from closing; cap the passes (the interval
-    # shrinks NUM_PIVOTS - 1 fold per pass, so 64 is far more than finite floats need).
-    while (not done) and (passes < 64):
+    t = tl.where(active, hi, floor)
+    searching = active & (lo < hi)
+    passes: tl.int32 = 0
+    # The bracket shrinks NUM_PIVOTS - 1 fold per pass and closes at the latest when its
+    # ends are adjacent floats; the cap only guards against non-finite inputs.
+    while searching:
         pivots = lo + (hi - lo) * (offs_p.to(tl.float32) / (NUM_PIVOTS - 1))
         pivots = tl.where(offs_p == NUM_PIVOTS - 1, hi, pivots)
         g = tl.zeros([BLOCK, NUM_PIVOTS], tl.float32)
@@ -55,30 +56,23 @@ def _threshold(
             gt = u[:, None] > pivots[None, :]
             g += tl.where(gt, w[:, None], 0.0)
             above = tl.minimum(above, tl.where(gt, u[:, None], float("inf")))
-        g_p = tl.sum(g, axis=0)
-        above_p = tl.min(above, axis=0)
-        # Pivots [0, j) have G >= limit (their tokens are dropped); pivot j and up keep theirs.
-        j = tl.sum((g_p >= limit).to(tl.int32), axis=0)
-        if j == 0:
-            # Only on the first pass (later, pivot 0 is a dropped bracket end): lo is kept.
-            t = lo
-            done = True
-        elif j == NUM_PIVOTS:
-            # limit <= 0 (top_p = 0): only the maximum survives.
-            t = hi
-            done = True
-        else:
-            new_lo = tl.max(tl.where(offs_p == j - 1, pivots, float("-inf")), axis=0)
-            new_hi = tl.max(tl.where(offs_p == j, pivots, float("-inf")), axis=0)
-            first_above = tl.max(tl.where(offs_p == j - 1, above_p, float("-inf")), axis=0)
-            # Tokens <= new_lo are dropped and tokens >= new_hi kept; if none lies in
-            # between, the smallest token above new_lo is the threshold.
-            if first_above >= new_hi:
-                t = first_above
-                done = True
-            lo = new_lo
-            hi = new_hi
+        g = tl.sum(g, axis=0)
+        above = tl.min(above, axis=0)
+        # Pivots [0, j) have G >= limit, so their tokens (and all below) are dropped; from
+        # pivot j up, all tokens are kept. The threshold lies in (pivot[j-1], pivot[j]].
+        j = tl.sum((g >= limit).to(tl.int32), axis=0)
+        new_lo = tl.max(tl.where(offs_p == j - 1, pivots, float("-inf")), axis=0)
+        new_hi = tl.max(tl.where(offs_p == j, pivots, float("-inf")), axis=0)
+        first_above = tl.max(tl.where(offs_p == j - 1, above, float("-inf")), axis=0)
+        # j == 0 happens only on the first pass (later pivot 0 is a dropped end): lo is kept.
+        # j == NUM_PIVOTS means limit <= 0 (top_p = 0): only the maximum survives.
+        # Otherwise, once no token lies strictly inside the interval, the smallest token
+        # above pivot[j-1] is the threshold.
+        t = tl.where(j == 0, lo, tl.where(j == NUM_PIVOTS, hi, first_above))
         passes += 1
+        searching = (j > 0) & (j < NUM_PIVOTS) & (first_above < new_hi) & (passes < 64)
+        lo = new_lo
+        hi = new_hi
     return t
 
 
@@ -116,27 +110,26 @@ def _top_k_top_p_min_p_kernel(
     row_min = tl.min(row_min, axis=0)
     num_finite = tl.sum(finite, axis=0)
 
+    # Keep tokens >= threshold.
     threshold = float("-inf")
     if HAS_TOP_K:
         k = tl.load(top_k_ptr + row)
-        if (k > 0) and (k < num_finite):
-            threshold = _threshold(
-                row_ptr, vocab, row_min, row_max, float("-inf"), row_max, k.to(tl.float32),
-                False, BLOCK, NUM_PIVOTS,
-            )  # fmt: skip
+        threshold = _threshold(
+            row_ptr, vocab, row_min, row_max, float("-inf"), row_max, k.to(tl.float32),
+            (k > 0) & (k < num_finite), False, BLOCK, NUM_PIVOTS,
+        )  # fmt: skip
     if HAS_TOP_P:
         p = tl.load(top_p_ptr + row).to(tl.float32)
-        if p < 1.0:
-            # Top-p renormalises over what top-k kept.
-            total = tl.zeros([BLOCK], tl.float32)
-            for start in range(0, vocab, BLOCK):
-                offs = start + tl.arange(0, BLOCK)
-                u = tl.load(row_ptr + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
-                total += tl.where(u >= threshold, tl.exp(u - row_max), 0.0)
-            threshold = _threshold(
-                row_ptr, vocab, tl.maximum(threshold, row_min), row_max, threshold, row_max,
-                p * tl.sum(total, axis=0), True, BLOCK, NUM_PIVOTS,
-            )  # fmt: skip
+        # Top-p renormalises over what top-k kept.
+        total = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, tl.where(p < 1.0, vocab, 0), BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            u = tl.load(row_ptr + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
+            total += tl.where(u >= threshold, tl.exp(u - row_max), 0.0)
+        threshold = _threshold(
+            row_ptr, vocab, tl.maximum(threshold, row_min), row_max, threshold, row_max,
+            p * tl.sum(total, axis=0), p < 1.0, True, BLOCK, NUM_PIVOTS,
+        )  # fmt: skip
     # min-p: prob >= min_p * max_prob  <=>  exp(v - max) >= min_p (the normaliser cancels).
     min_p = 0.0
     if HAS_MIN_P:

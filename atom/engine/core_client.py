@@ -1,0 +1,364 @@
+"""``EngineCore`` in a process of its own, driven over ZMQ by the API process.
+
+The API process binds two IPC sockets: a PUSH socket that carries requests, aborts and
+utility calls to the core, and a PULL socket that receives outputs. The core process runs
+a busy loop: drain its input, run one step while there is work, send the step's outputs
+(with fresh stats), and block on its input when idle. Messages are pickled tuples; ZMQ
+keeps the order of each socket, so an abort sent before a stats call is applied first.
+
+The core process never outlives the API process: the kernel kills it when its parent dies
+(``PR_SET_PDEATHSIG``), it checks its parent while idle, and it ignores Ctrl-C so that the
+API process can finish or abort in-flight requests and then shut it down in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import itertools
+import logging
+import multiprocessing as mp
+import os
+import pickle
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing import util as mp_util
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from atom.config import Config
+from atom.engine.engine_core import EngineCore, EngineCoreOutput, EngineCoreRequest, EngineStats
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_MS = 500  # how often an idle core checks that its parent is alive
+STARTUP_TIMEOUT_S = 600.0
+SHUTDOWN_TIMEOUT_S = 10.0
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core process has died; no request can be served."""
+
+
+@dataclass(frozen=True)
+class CoreInfo:
+    """What the core measured at start-up and the API process needs for validation."""
+
+    num_blocks: int
+    block_size: int
+    max_seq_len: int  # longest sequence that fits: min(max_model_len, KV capacity)
+
+
+def _pack(msg: tuple) -> bytes:
+    return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+# the core process
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent dies (no-op elsewhere)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def _raise_system_exit(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+def run_engine_core(config: Config, in_addr: str, out_addr: str, ready_conn, parent_pid: int,
+                    log_level: int) -> None:
+    """Entry point of the core process (spawned)."""
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process coordinates shutdown
+    signal.signal(signal.SIGTERM, _raise_system_exit)
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [engine-core] %(name)s: %(message)s")
+    try:
+        core = EngineCore(config)
+    except BaseException:
+        ready_conn.send(("failed", traceback.format_exc()))
+        return
+    ctx = zmq.Context()
+    inp, out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    out.setsockopt(zmq.SNDHWM, 0)
+    inp.connect(in_addr)
+    out.connect(out_addr)
+    bm = core.block_manager
+    ready_conn.send(("ready", CoreInfo(bm.num_blocks, bm.block_size, core.scheduler.max_seq_len)))
+    ready_conn.close()
+    try:
+        EngineCoreProc(core, inp, out, parent_pid).run()
+    finally:
+        inp.close(linger=0)
+        out.close(linger=1000)
+        ctx.term()
+    # everything is flushed; skip the interpreter's teardown of torch and the model, which
+    # takes seconds and would only delay the server's shutdown
+    mp_util._exit_function()  # multiprocessing's own exit hook: releases named semaphores
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+class EngineCoreProc:
+    """The busy loop around one ``EngineCore``."""
+
+    def __init__(self, core: EngineCore, inp: zmq.Socket, out: zmq.Socket, parent_pid: int):
+        self.core = core
+        self.inp = inp
+        self.out = out
+        self.parent_pid = parent_pid
+        self.running = True
+
+    def run(self) -> None:
+        try:
+            while self.running:
+                self._handle_inputs(block=not self.core.has_unfinished_requests())
+                if self.running and self.core.has_unfinished_requests():
+                    outputs = self.core.step()
+                    if outputs:
+                        self.out.send(_pack(("outputs", outputs, self.core.stats())))
+        except SystemExit:
+            logger.info("engine core: terminated by signal")
+        except BaseException:
+            logger.exception("engine core failed")
+            self.out.send(_pack(("dead", traceback.format_exc())))
+            raise
+        finally:
+            self._stop_profiler()
+
+    def _handle_inputs(self, block: bool) -> None:
+        if block:
+            while not self.inp.poll(IDLE_POLL_MS):
+                if os.getppid() != self.parent_pid:
+                    logger.warning("engine core: parent process is gone, exiting")
+                    self.running = False
+                    return
+        while self.running:
+            try:
+                msg = pickle.loads(self.inp.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            self._handle(msg)
+
+    def _handle(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "add":
+            req: EngineCoreRequest = msg[1]
+            try:
+                self.core.add_request(req)
+            except ValueError as e:
+                self.out.send(_pack(("add_error", req.request_id, str(e))))
+        elif kind == "abort":
+            self.core.abort_requests(msg[1])
+            self.out.send(_pack(("stats", self.core.stats())))
+        elif kind == "call":
+            self._call(msg[1], msg[2], msg[3])
+        elif kind == "shutdown":
+            self.core.abort_requests(list(self.core.requests))
+            self.running = False
+        else:
+            logger.error("engine core: unknown message %r", kind)
+
+    def _call(self, call_id: int, method: str, args: tuple) -> None:
+        handlers: dict[str, Callable[..., Any]] = {
+            "stats": self.core.stats,
+            "start_profile": self.core.runner.start_profile,
+            "stop_profile": self.core.runner.stop_profile,
+        }
+        try:
+            result, ok = handlers[method](*args), True
+        except Exception as e:  # the caller gets the error; the engine keeps serving
+            result, ok = f"{type(e).__name__}: {e}", False
+        self.out.send(_pack(("reply", call_id, ok, result)))
+
+    def _stop_profiler(self) -> None:
+        # flush a trace that is still being recorded rather than lose it
+        if self.core.runner.profiler is not None:
+            try:
+                self.core.runner.stop_profile()
+            except Exception:
+                logger.exception("engine core: could not stop the profiler")
+
+
+# the API process side
+
+
+class AsyncEngineCoreClient:
+    """Starts the core process and talks to it from an asyncio event loop.
+
+    ``on_outputs(outputs, stats)``, ``on_add_error(request_id, message)`` and
+    ``on_dead(message)`` are called from the reader task.
+    """
+
+    def __init__(self, config: Config,
+                 on_outputs: Callable[[list[EngineCoreOutput], EngineStats], None],
+                 on_add_error: Callable[[str, str], None],
+                 on_dead: Callable[[str], None]):
+        self.config = config
+        self.on_outputs = on_outputs
+        self.on_add_error = on_add_error
+        self.on_dead = on_dead
+        self.info: CoreInfo | None = None
+        self.stats: EngineStats | None = None  # the latest the core sent
+        self.dead_reason: str | None = None
+        self.proc: mp.Process | None = None
+        self._ipc_dir = tempfile.mkdtemp(prefix="atom-ipc-")
+        self._ctx = zmq.asyncio.Context()
+        self._inp: zmq.asyncio.Socket | None = None
+        self._out: zmq.asyncio.Socket | None = None
+        self._reader: asyncio.Task | None = None
+        self._calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
+
+    @property
+    def is_dead(self) -> bool:
+        return self.dead_reason is not None
+
+    async def start(self) -> CoreInfo:
+        """Spawn the core process, wait until its model is loaded, start reading outputs."""
+        in_addr = f"ipc://{self._ipc_dir}/input"
+        out_addr = f"ipc://{self._ipc_dir}/output"
+        self._inp = self._ctx.socket(zmq.PUSH)
+        self._inp.setsockopt(zmq.SNDHWM, 0)  # never block a send: the core drains every step
+        self._inp.bind(in_addr)
+        self._out = self._ctx.socket(zmq.PULL)
+        self._out.bind(out_addr)
+        spawn = mp.get_context("spawn")
+        parent_conn, child_conn = spawn.Pipe(duplex=False)
+        # started from the event loop's thread: PR_SET_PDEATHSIG fires when the spawning
+        # thread exits, and this thread lives as long as the server
+        self.proc = spawn.Process(
+            target=run_engine_core, name="atom-engine-core", daemon=True,
+            args=(self.config, in_addr, out_addr, child_conn, os.getpid(), logging.getLogger().level or logging.INFO),
+        )
+        self.proc.start()
+        child_conn.close()
+        self.info = await asyncio.get_running_loop().run_in_executor(None, self._wait_ready, parent_conn)
+        self._reader = asyncio.create_task(self._read_loop(), name="atom-engine-core-reader")
+        return self.info
+
+    def _wait_ready(self, conn) -> CoreInfo:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not conn.poll(1.0):
+            if not self.proc.is_alive():
+                raise RuntimeError(f"engine core process exited during start-up (exit code {self.proc.exitcode})")
+            if time.monotonic() > deadline:
+                raise RuntimeError("engine core process did not start in time")
+        try:
+            status, payload = conn.recv()
+        except EOFError:
+            raise RuntimeError(f"engine core process exited during start-up (exit code {self.proc.exitcode})") from None
+        conn.close()
+        if status != "ready":
+            raise RuntimeError(f"engine core failed to start:\n{payload}")
+        return payload
+
+    # requests (sends never block: the socket's queue is unbounded)
+    def add_request(self, req: EngineCoreRequest) -> None:
+        self._send(("add", req))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids and not self.is_dead:
+            self._send(("abort", list(request_ids)))
+
+    async def call(self, method: str, *args, timeout: float = 60.0) -> Any:
+        """Run a utility method in the core ('stats', 'start_profile', 'stop_profile')."""
+        call_id = next(self._call_ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = fut
+        try:
+            self._send(("call", call_id, method, args))
+            ok, result = await asyncio.wait_for(fut, timeout)
+        finally:
+            self._calls.pop(call_id, None)
+        if not ok:
+            raise RuntimeError(result)
+        return result
+
+    def _send(self, msg: tuple) -> None:
+        if self.is_dead:
+            raise EngineDeadError(f"the engine core process is dead: {self.dead_reason}")
+        self._inp.send(_pack(msg), copy=False)
+
+    # outputs
+    async def _read_loop(self) -> None:
+        while True:
+            if not await self._out.poll(IDLE_POLL_MS):
+                if not self.proc.is_alive():
+                    self._mark_dead(f"engine core process exited with code {self.proc.exitcode}")
+                    return
+                continue
+            msg = pickle.loads(await self._out.recv())
+            try:
+                if self._dispatch(msg):
+                    return
+            except Exception:  # a bug in a callback must not stop the reader of every request
+                logger.exception("error while handling engine core message %r", msg[0])
+
+    def _dispatch(self, msg: tuple) -> bool:
+        """Handle one message from the core; True when the core is gone."""
+        kind = msg[0]
+        if kind == "outputs":
+            self.stats = msg[2]
+            self.on_outputs(msg[1], msg[2])
+        elif kind == "stats":
+            self.stats = msg[1]
+        elif kind == "add_error":
+            self.on_add_error(msg[1], msg[2])
+        elif kind == "reply":
+            fut = self._calls.get(msg[1])
+            if fut is not None and not fut.done():
+                fut.set_result((msg[2], msg[3]))
+        elif kind == "dead":
+            self._mark_dead(f"engine core failed:\n{msg[1]}")
+            return True
+        return False
+
+    def _mark_dead(self, reason: str) -> None:
+        if self.is_dead:
+            return
+        logger.error("%s", reason)
+        self.dead_reason = reason
+        for fut in self._calls.values():
+            if not fut.done():
+                fut.set_exception(EngineDeadError(reason))
+        self.on_dead(reason)
+
+    async def shutdown(self) -> None:
+        """Ask the core to abort everything and exit; kill it if it does not."""
+        if self._reader is not None:
+            self._reader.cancel()
+        if self.proc is not None and self.proc.is_alive():
+            if not self.is_dead:
+                self._inp.send(_pack(("shutdown",)))
+            await asyncio.get_running_loop().run_in_executor(None, self._join_or_kill)
+        self.dead_reason = self.dead_reason or "the engine was shut down"
+        for sock in (self._inp, self._out):
+            if sock is not None:
+                sock.close(linger=0)
+        self._ctx.term()
+        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+    def _join_or_kill(self) -> None:
+        self.proc.join(SHUTDOWN_TIMEOUT_S)
+        if self.proc.is_alive():
+            logger.warning("engine core did not exit in %.0f s; terminating it", SHUTDOWN_TIMEOUT_S)
+            self.proc.terminate()
+            self.proc.join(5)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()

@@ -1,0 +1,108 @@
+"""``POST /v1/chat/completions``: the messages go through the model's chat template; ``n``
+samples, ``logprobs``/``top_logprobs``, streaming with a role chunk per choice first."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from atom.engine.output_processor import RequestOutput
+from atom.entrypoints.openai.protocol import (
+    ChatCompletionLogProbs,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatLogProb,
+    ChatLogProbsContent,
+    ChatResponseMessage,
+    DeltaMessage,
+    random_id,
+)
+from atom.entrypoints.openai.serving_engine import OpenAIError, OpenAIServing, Prompt, sse
+from atom.worker.model_runner import TokenLogprobs
+
+
+class OpenAIServingChat(OpenAIServing):
+    async def create_chat_completion(self, request: ChatCompletionRequest):
+        self.check_model(request.model)
+        self.check_alive()
+        prompt = self.apply_chat_template(request)
+        max_tokens = self.max_tokens(request.requested_max_tokens, len(prompt.token_ids), "messages")
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        params = self.sampling_params(request, max_tokens, logprobs=logprobs)
+        request_id = random_id("chatcmpl")
+        outputs = self.generate(request_id, [prompt], [params], request.n)
+        if request.stream:
+            first = await self.first_output(outputs)
+            chunks = self._stream(request, request_id, prompt, first, outputs)
+            return StreamingResponse(self.stream_errors(chunks), media_type="text/event-stream")
+        finals = await self.collect(outputs, request.n)
+        choices = [
+            ChatCompletionResponseChoice(
+                index=i, message=ChatResponseMessage(content=out.text),
+                logprobs=self.logprobs(out.token_ids, out.logprobs) if request.logprobs else None,
+                finish_reason=out.finish_reason, stop_reason=out.stop_reason,
+            )
+            for i, out in enumerate(finals)
+        ]
+        usage = self.usage([len(prompt.token_ids)], finals)
+        response = ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage)
+        return JSONResponse(response.model_dump())
+
+    def apply_chat_template(self, request: ChatCompletionRequest) -> Prompt:
+        if not request.messages:
+            raise OpenAIError("messages must be a non-empty list", param="messages")
+        messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+        continue_final = request.continue_final_message
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=request.add_generation_prompt and not continue_final,
+                continue_final_message=continue_final, **(request.chat_template_kwargs or {}))
+        except Exception as e:  # no template, or the template refused the messages
+            raise OpenAIError(f"cannot apply the chat template: {e}", param="messages") from e
+        # the template already holds the special tokens (BOS, role markers)
+        return self.encode(text, add_special_tokens=False, param="messages")
+
+    async def _stream(self, request: ChatCompletionRequest, request_id: str, prompt: Prompt,
+                      first: tuple[int, RequestOutput], rest: AsyncIterator[tuple[int, RequestOutput]]):
+        created = int(time.time())
+        finals: list[RequestOutput | None] = [None] * request.n
+
+        def chunk(choices, usage=None) -> str:
+            return sse(ChatCompletionStreamResponse(id=request_id, created=created, model=self.model_name,
+                                                    choices=choices, usage=usage))
+
+        for i in range(request.n):
+            yield chunk([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+
+        async def all_outputs():
+            yield first
+            async for item in rest:
+                yield item
+
+        async for i, out in all_outputs():
+            if not out.new_token_ids and not out.finished:
+                continue
+            logprobs = self.logprobs(out.new_token_ids, out.new_logprobs) if request.logprobs else None
+            yield chunk([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(content=out.delta_text),
+                                                    logprobs=logprobs, finish_reason=out.finish_reason,
+                                                    stop_reason=out.stop_reason)])
+            if out.finished:
+                finals[i] = out
+        if request.include_usage_in_stream:
+            yield chunk([], usage=self.usage([len(prompt.token_ids)], finals))
+
+    def logprobs(self, token_ids: list[int], logprobs: list[TokenLogprobs] | None) -> ChatCompletionLogProbs:
+        content = []
+        for token_id, lp in zip(token_ids, logprobs or []):
+            top = [self._entry(t, v) for t, v in lp.top]
+            content.append(ChatLogProbsContent(**self._entry(token_id, lp.logprob).model_dump(), top_logprobs=top))
+        return ChatCompletionLogProbs(content=content)
+
+    def _entry(self, token_id: int, logprob: float) -> ChatLogProb:
+        token = self.token_str(token_id)
+        return ChatLogProb(token=token, logprob=logprob, bytes=list(token.encode("utf-8")))

@@ -1,0 +1,117 @@
+"""``POST /v1/completions``: text or token-id prompts, ``n`` samples each, ``echo`` and
+legacy ``logprobs`` (with ``echo``, the prompt's logprobs too, as lm-eval's loglikelihood
+tasks need)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from atom.engine.output_processor import RequestOutput
+from atom.entrypoints.openai.protocol import (
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionStreamResponse,
+    random_id,
+)
+from atom.entrypoints.openai.serving_engine import OpenAIServing, Prompt, sse
+from atom.worker.model_runner import TokenLogprobs
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    async def create_completion(self, request: CompletionRequest):
+        self.check_model(request.model)
+        self.check_alive()
+        prompts = [self.encode(p) for p in request.prompts()]
+        want_prompt_logprobs = request.echo and request.logprobs is not None
+        params = [
+            self.sampling_params(request, self.max_tokens(request.max_tokens, len(p.token_ids), "prompt"),
+                                 logprobs=request.logprobs,
+                                 prompt_logprobs=request.logprobs if want_prompt_logprobs else None)
+            for p in prompts
+        ]
+        request_id = random_id("cmpl")
+        outputs = self.generate(request_id, prompts, params, request.n)
+        if request.stream:
+            first = await self.first_output(outputs)
+            chunks = self._stream(request, request_id, prompts, first, outputs)
+            return StreamingResponse(self.stream_errors(chunks), media_type="text/event-stream")
+        finals = await self.collect(outputs, len(prompts) * request.n)
+        choices = [self._choice(request, i, prompts[i // request.n], out) for i, out in enumerate(finals)]
+        usage = self.usage([len(p.token_ids) for p in prompts], finals)
+        response = CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage)
+        return JSONResponse(response.model_dump())
+
+    def _choice(self, request: CompletionRequest, index: int, prompt: Prompt, out: RequestOutput):
+        text, logprobs = out.text, None
+        entries = list(zip(out.token_ids, out.logprobs or []))
+        if request.echo:
+            text = self._prompt_text(prompt) + text
+            if request.logprobs is not None:
+                entries = list(zip(prompt.token_ids, out.prompt_logprobs or [])) + entries
+        if request.logprobs is not None:
+            logprobs = self.logprobs(entries, 0)
+        return CompletionResponseChoice(index=index, text=text, logprobs=logprobs,
+                                        finish_reason=out.finish_reason, stop_reason=out.stop_reason)
+
+    async def _stream(self, request: CompletionRequest, request_id: str, prompts: list[Prompt],
+                      first: tuple[int, RequestOutput], rest: AsyncIterator[tuple[int, RequestOutput]]):
+        created = int(time.time())
+        num_choices = len(prompts) * request.n
+        offsets = [0] * num_choices  # characters streamed per choice, for logprobs' text_offset
+        started = [False] * num_choices
+        finals: list[RequestOutput | None] = [None] * num_choices
+
+        async def all_outputs():
+            yield first
+            async for item in rest:
+                yield item
+
+        async for i, out in all_outputs():
+            if not out.new_token_ids and not out.finished:
+                continue  # e.g. prompt logprobs of a prefill chunk: nothing to show yet
+            prompt = prompts[i // request.n]
+            text, entries = out.delta_text, list(zip(out.new_token_ids, out.new_logprobs))
+            if not started[i]:
+                started[i] = True
+                if request.echo:
+                    text = self._prompt_text(prompt) + text
+                    if request.logprobs is not None:
+                        entries = list(zip(prompt.token_ids, out.prompt_logprobs or [])) + entries
+            logprobs = self.logprobs(entries, offsets[i]) if request.logprobs is not None else None
+            offsets[i] += len(text)
+            choice = CompletionResponseChoice(index=i, text=text, logprobs=logprobs, finish_reason=out.finish_reason,
+                                              stop_reason=out.stop_reason)
+            yield sse(CompletionStreamResponse(id=request_id, created=created, model=self.model_name,
+                                               choices=[choice]))
+            if out.finished:
+                finals[i] = out
+        if request.include_usage_in_stream:
+            usage = self.usage([len(p.token_ids) for p in prompts], finals)
+            yield sse(CompletionStreamResponse(id=request_id, created=created, model=self.model_name, choices=[],
+                                               usage=usage))
+
+    def _prompt_text(self, prompt: Prompt) -> str:
+        return prompt.text if prompt.text is not None else self.tokenizer.decode(prompt.token_ids)
+
+    def logprobs(self, entries: list[tuple[int, TokenLogprobs | None]], offset: int) -> CompletionLogProbs:
+        """Legacy completion logprobs; ``None`` entries (the first prompt token) have none."""
+        result = CompletionLogProbs()
+        for token_id, lp in entries:
+            token = self.token_str(token_id)
+            result.tokens.append(token)
+            result.text_offset.append(offset)
+            offset += len(token)
+            if lp is None:
+                result.token_logprobs.append(None)
+                result.top_logprobs.append(None)
+                continue
+            result.token_logprobs.append(lp.logprob)
+            top = {self.token_str(t): v for t, v in lp.top}
+            top.setdefault(token, lp.logprob)  # the chosen token is always listed, as vLLM does
+            result.top_logprobs.append(top)
+        return result

@@ -1,0 +1,225 @@
+"""The OpenAI-compatible HTTP server (serving guide section 1).
+
+    python -m atom.entrypoints.openai_server --model PATH [--host 0.0.0.0] [--server-port 8000]
+        [--api-key KEY] [all EngineArgs]
+
+The engine core runs in its own process; this process parses HTTP, tokenizes, detokenizes
+and streams. On SIGINT/SIGTERM uvicorn stops accepting connections and lets in-flight
+requests finish (up to ``--shutdown-timeout`` seconds, then cancels them, which aborts them
+in the engine); the engine process is shut down last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hmac
+import logging
+import os
+from contextlib import asynccontextmanager
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from atom.engine.arg_utils import EngineArgs
+from atom.engine.async_llm import AsyncLLM
+from atom.entrypoints.openai.metrics import ServerMetrics
+from atom.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from atom.entrypoints.openai.serving_chat import OpenAIServingChat
+from atom.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from atom.entrypoints.openai.serving_engine import OpenAIError, engine_dead_error
+
+logger = logging.getLogger("atom.entrypoints.openai_server")
+
+# paths that work without the API key (probes and scrapers)
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+
+
+class ApiKeyMiddleware:
+    """Bearer-token check as plain ASGI middleware (``BaseHTTPMiddleware`` would get in the
+    way of streaming and of noticing client disconnects)."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or scope["method"] == "OPTIONS":
+            return await self.app(scope, receive, send)
+        auth = dict(scope["headers"]).get(b"authorization", b"")
+        if not hmac.compare_digest(auth, self.expected):
+            error = OpenAIError("Incorrect API key provided.", status=401, code="invalid_api_key")
+            return await error.response()(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def run_until_disconnect(request: Request, coro):
+    """Run a handler, cancelling it if the client goes away first: a non-streaming request
+    is otherwise only noticed as abandoned once it has finished generating."""
+    handler = asyncio.ensure_future(coro)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({handler, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not handler.done():
+        logger.info("client disconnected; aborting %s", request.url.path)
+        handler.cancel()
+        await asyncio.gather(handler, return_exceptions=True)
+        return Response(status_code=499)
+    return handler.result()
+
+
+def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    err = exc.errors()[0] if exc.errors() else {"msg": "invalid request", "loc": ()}
+    names = [str(p) for p in err.get("loc", ()) if p != "body" and not isinstance(p, int)]
+    param = names[0] if names else None
+    message = err.get("msg", "invalid request").removeprefix("Value error, ")
+    if param:
+        message = f"{'.'.join(names)}: {message}"
+    return OpenAIError(message, param=param).response()
+
+
+def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return OpenAIError(str(exc.detail), status=exc.status_code, type=kind).response()
+
+
+def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+    logger.exception("unhandled error in %s", request.url.path, exc_info=exc)
+    return OpenAIError(f"internal server error: {type(exc).__name__}: {exc}", status=500,
+                       type="internal_server_error").response()
+
+
+def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | None = None) -> FastAPI:
+    """The FastAPI app; its lifespan starts the engine (so the port opens once the model is
+    loaded) and shuts it down."""
+    metrics = ServerMetrics(served_model_names[0])
+    engine.finished_callbacks.append(metrics.observe_finished)
+    chat = OpenAIServingChat(engine, served_model_names)
+    completion = OpenAIServingCompletion(engine, served_model_names)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await engine.start()
+        try:
+            yield
+        finally:
+            logger.info("shutting down the engine")
+            await engine.shutdown()
+
+    app = FastAPI(title="atom OpenAI-compatible server", lifespan=lifespan)
+    app.add_exception_handler(OpenAIError, lambda request, exc: exc.response())
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _internal_error)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request):
+        return await run_until_disconnect(raw_request, chat.create_chat_completion(request))
+
+    @app.post("/v1/completions")
+    async def create_completion(request: CompletionRequest, raw_request: Request):
+        return await run_until_disconnect(raw_request, completion.create_completion(request))
+
+    @app.get("/v1/models")
+    async def list_models():
+        max_len = engine.config.model_config.max_model_len
+        cards = [ModelCard(id=name, root=engine.config.model_config.model, max_model_len=max_len)
+                 for name in served_model_names]
+        return JSONResponse(ModelList(data=cards).model_dump())
+
+    @app.get("/health")
+    async def health():
+        if not engine.is_healthy:
+            return engine_dead_error(RuntimeError(engine.client.dead_reason or "the engine is not running")).response()
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        stats = await engine.get_stats(fresh=engine.is_healthy)
+        if stats is not None:
+            metrics.set_engine_stats(stats)
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/start_profile")
+    async def start_profile():
+        await _profile(engine.start_profile, "started")
+        return {"status": "ok", "message": "profiler started"}
+
+    @app.post("/stop_profile")
+    async def stop_profile():
+        await _profile(engine.stop_profile, "stopped")
+        trace_dir = os.path.join(engine.config.torch_profiler_dir or "", "rank_0")
+        return {"status": "ok", "message": f"profiler stopped; traces in {trace_dir}"}
+
+    return app
+
+
+async def _profile(action, what: str) -> None:
+    try:
+        await action()
+    except RuntimeError as e:
+        raise OpenAIError(f"profiler not {what}: {e}") from e
+
+
+def make_arg_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description="atom OpenAI-compatible server",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--host", type=str, default="0.0.0.0", help="bind address")
+    parser.add_argument("--server-port", type=int, default=8000,
+                        help="HTTP port (--port is for internal engine communication)")
+    parser.add_argument("--api-key", type=str, default=os.environ.get("ATOM_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' (default: $ATOM_API_KEY; /health and "
+                             "/metrics stay open)")
+    parser.add_argument("--served-model-name", type=str, nargs="+", default=None,
+                        help="model names the API accepts (default: the --model path)")
+    parser.add_argument("--log-level", type=str, default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--disable-uvicorn-access-log", action="store_true", help="no log line per HTTP request")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="seconds in-flight requests may take to finish on SIGINT/SIGTERM before being aborted")
+    EngineArgs.add_cli_args(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = make_arg_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = EngineArgs.from_cli_args(args).create_engine_config()
+    engine = AsyncLLM(config)
+    names = args.served_model_name or [config.model_config.model]
+    app = build_app(engine, names, args.api_key)
+    logger.info("serving %s on http://%s:%d", ", ".join(names), args.host, args.server_port)
+    config = uvicorn.Config(app, host=args.host, port=args.server_port, log_level=args.log_level,
+                            access_log=not args.disable_uvicorn_access_log,
+                            timeout_graceful_shutdown=args.shutdown_timeout)
+    _Server(config).run()
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self):
+        with super().capture_signals():
+            yield
+            # uvicorn re-raises SIGINT/SIGTERM after a graceful shutdown, which ends the
+            # process "killed by signal" (and prints a KeyboardInterrupt on Ctrl-C); a clean
+            # shutdown is a normal exit here
+            getattr(self, "_captured_signals", []).clear()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,186 @@
+"""atom's attention backend for vLLM: vLLM builds the batch metadata and owns the KV cache,
+atom's kernels (``atom.ops``: Triton on a GPU, the PyTorch reference on the CPU) write the new
+keys/values and run paged attention.
+
+KV cache: vLLM gives each layer one tensor of logical shape
+``[num_blocks, num_kv_heads, block_size, 2 * head_size]``, keys and values side by side in the
+last dim (as for vLLM's own backends). ``kv[..., :D]`` and ``kv[..., D:]`` are atom's
+``[num_blocks, num_kv_heads, block_size, head_dim]`` key and value caches with a token stride
+of ``2 * D``; atom's ops index caches by their strides, so any physical order vLLM picks works.
+Head-major ("HND", vLLM 0.32's ``LBHNC``) is asked for first: atom's own layout, in which the
+keys of one (block, KV head) are one strided tile.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+)
+
+from atom import ops
+
+try:  # vLLM >= 0.32 describes the physical layout with KVCacheLayout
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+except ImportError:  # vLLM 0.26: get_kv_cache_shape (+ identity stride order) only
+    KVCacheLayout = None
+
+
+def split_kv_cache(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's per-layer cache -> atom's (k_cache, v_cache) views, [num_blocks, Hk, block_size, D] each."""
+    return kv_cache[..., :head_size], kv_cache[..., head_size:]
+
+
+class ATOMAttentionBackend(AttentionBackend):
+    forward_includes_kv_cache_update: bool = False
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "float16", "bfloat16"]
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"  # vLLM's slot for an out-of-tree backend (register_attention_backend)
+
+    @staticmethod
+    def get_impl_cls() -> type[ATOMAttentionImpl]:
+        return ATOMAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[ATOMAttentionMetadataBuilder]:
+        return ATOMAttentionMetadataBuilder
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
+                           cache_dtype_str: str = "auto") -> tuple[int, ...]:
+        return (num_blocks, num_kv_heads, block_size, 2 * head_size)
+
+    @classmethod
+    def supported_kv_cache_layouts(cls):
+        if KVCacheLayout is None:
+            return None
+        return (KVCacheLayout.LBHNC, KVCacheLayout.LBNHC)
+
+
+@dataclass
+class ATOMAttentionMetadata:
+    num_actual_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc: torch.Tensor  # [B+1] int32: query rows of each request
+    seq_lens: torch.Tensor  # [B] int32: tokens of each request after this step
+    block_table: torch.Tensor  # [B, max_blocks] int32
+    slot_mapping: torch.Tensor  # [T] int64
+
+
+class ATOMAttentionMetadataBuilder(AttentionMetadataBuilder[ATOMAttentionMetadata]):
+    """Passes vLLM's common metadata through: atom's kernels take mixed prefill/decode batches
+    in any order, so nothing is reordered or split."""
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
+        # The Triton path takes its tile shape from max_query_len and never syncs with the host,
+        # so decode-only batches (max_query_len == 1) replay from full CUDA graphs.
+        if vllm_config.device_config.device_type == "cuda" and ops.use_triton("cuda"):
+            return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+        return AttentionCGSupport.NEVER
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> ATOMAttentionMetadata:
+        m = common_attn_metadata
+        return ATOMAttentionMetadata(
+            num_actual_tokens=m.num_actual_tokens,
+            max_query_len=m.max_query_len,
+            max_seq_len=m.max_seq_len,
+            query_start_loc=m.query_start_loc,
+            seq_lens=m.seq_lens,
+            block_table=m.block_table_tensor,
+            slot_mapping=m.slot_mapping,
+        )
+
+
+class ATOMAttentionImpl(AttentionImpl[ATOMAttentionMetadata]):
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        alibi_slopes: list[float] | None = None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        **extra_impl_args,
+    ) -> None:
+        unsupported = [name for name, present in (
+            ("ALiBi", alibi_slopes is not None),
+            ("sliding window", sliding_window not in (None, -1)),
+            ("logits soft-capping", bool(logits_soft_cap)),
+            (f"attention type {attn_type}", attn_type != AttentionType.DECODER),
+            (f"KV cache dtype {kv_cache_dtype}", kv_cache_dtype not in ATOMAttentionBackend.supported_kv_cache_dtypes),
+            ("attention sinks", extra_impl_args.get("sinks") is not None),
+        ) if present]
+        if unsupported:
+            raise NotImplementedError(
+                f"atom's attention backend does not support {', '.join(unsupported)}; "
+                "set ATOM_DISABLE_VLLM_PLUGIN_ATTENTION=1 to use vLLM's attention with this model"
+            )
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.attn_type = attn_type
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+
+    def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                           slot_mapping: torch.Tensor) -> None:
+        k_cache, v_cache = split_kv_cache(kv_cache, self.head_size)
+        n = slot_mapping.shape[0]
+        ops.store_kv_cache(key[:n], value[:n], k_cache, v_cache, slot_mapping)
+
+    def forward(
+        self,
+        layer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: ATOMAttentionMetadata | None,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("atom's attention backend does not fuse output quantization")
+        if attn_metadata is None:  # profiling / warm-up run: no cache yet
+            return output
+        m = attn_metadata
+        n = m.num_actual_tokens
+        k_cache, v_cache = split_kv_cache(kv_cache, self.head_size)
+        out = ops.paged_attention(query[:n], k_cache, v_cache, m.query_start_loc, m.seq_lens, m.block_table,
+                                  self.scale, m.max_query_len, m.max_seq_len)
+        output[:n].copy_(out.view_as(output[:n]))
+        return output
+
+
+def register_attention_backend() -> None:
+    """Point vLLM's CUSTOM attention backend slot at atom's backend (idempotent)."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    register_backend(AttentionBackendEnum.CUSTOM, f"{ATOMAttentionBackend.__module__}.{ATOMAttentionBackend.__qualname__}")
+
+
+register_attention_backend()

@@ -1,0 +1,117 @@
+"""atom's model classes with vLLM's model interface.
+
+Each wrapper is a subclass of atom's own model class (same modules, same parameter names, same
+``load_weights``), adapting only the constructor (``vllm_config``, ``prefix``) and ``forward``
+(``intermediate_tensors``). Every atom attention layer gets a vLLM ``Attention`` layer attached,
+named ``model.layers.N.self_attn.attn``: vLLM builds its metadata and owns its KV cache, and
+its backend (atom's, unless switched off) runs the kernel. atom's layer still does q/k-norm
+and RoPE itself. vLLM does not torch.compile these models (they carry no
+``@support_torch_compile``); its CUDA graphs still capture them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from atom.distributed.parallel_state import SINGLE, TPInfo
+from atom.layers.attention import Attention as AtomAttention
+from atom.models.registry import get_model_class, supported_architectures
+
+
+def wrapper_name(arch: str) -> str:
+    return f"ATOM{arch}"
+
+
+class VllmTP(TPInfo):
+    """vLLM's tensor-parallel group, reduced and gathered by vLLM's communicators (custom
+    all-reduce, safe inside its CUDA graphs)."""
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        from vllm.distributed import tensor_model_parallel_all_reduce
+
+        return tensor_model_parallel_all_reduce(x)
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        from vllm.distributed import tensor_model_parallel_all_gather
+
+        return tensor_model_parallel_all_gather(x.contiguous(), dim)
+
+
+def vllm_tp() -> TPInfo:
+    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size, get_tp_group
+
+    size = get_tensor_model_parallel_world_size()
+    if size == 1:
+        return SINGLE
+    return VllmTP(get_tensor_model_parallel_rank(), size, get_tp_group().device_group)
+
+
+def check_supported(vllm_config, arch: str) -> None:
+    hf_config = vllm_config.model_config.hf_config
+    parallel = vllm_config.parallel_config
+    unsupported = [name for name, present in (
+        ("pipeline parallelism", parallel.pipeline_parallel_size > 1),
+        ("expert parallelism", getattr(parallel, "enable_expert_parallel", False)),
+        (f"quantization ({getattr(vllm_config.quant_config, 'get_name', lambda: '?')()})",
+         vllm_config.quant_config is not None),
+        ("LoRA", vllm_config.lora_config is not None),
+        ("sliding-window attention", getattr(hf_config, "use_sliding_window", False)
+         and getattr(hf_config, "sliding_window", None) is not None),
+    ) if present]
+    if unsupported:
+        raise NotImplementedError(
+            f"atom's {arch} inside vLLM does not support {', '.join(unsupported)}; "
+            "set ATOM_DISABLE_VLLM_PLUGIN=1 to run vLLM's own implementation"
+        )
+
+
+def attach_vllm_attention(model: nn.Module, vllm_config, prefix: str = "") -> int:
+    """Give every atom attention layer of ``model`` a vLLM ``Attention`` layer; returns how many."""
+    from vllm.model_executor.layers.attention import Attention
+
+    layers = [m for m in model.modules() if isinstance(m, AtomAttention)]
+    for layer in layers:
+        layer.attach_host_attention(Attention(
+            layer.num_heads,
+            layer.head_dim,
+            layer.scale,
+            num_kv_heads=layer.num_kv_heads,
+            cache_config=vllm_config.cache_config,
+            quant_config=None,
+            prefix=f"{prefix}.{layer.prefix}" if prefix else layer.prefix,
+        ))
+    return len(layers)
+
+
+class VllmModelAdapter:
+    """Placed before an atom model class in the wrapper's bases."""
+
+    def __init__(self, *, vllm_config, prefix: str = "") -> None:
+        arch = type(self).atom_architecture
+        check_supported(vllm_config, arch)
+        super().__init__(vllm_config.model_config.hf_config, vllm_tp())
+        attach_vllm_attention(self, vllm_config, prefix)
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate_tensors=None,
+                inputs_embeds: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        return super().forward(input_ids, positions, inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return super().compute_logits(hidden_states)
+
+
+def _make_wrapper(arch: str) -> type[nn.Module]:
+    base = get_model_class(arch)
+    name = wrapper_name(arch)
+    return type(name, (VllmModelAdapter, base), {
+        "__module__": __name__,
+        "__qualname__": name,
+        "__doc__": f"atom's {arch} ({base.__module__}) with vLLM's model interface.",
+        "atom_architecture": arch,
+    })
+
+
+for _arch in supported_architectures():
+    globals()[wrapper_name(_arch)] = _make_wrapper(_arch)
+del _arch

@@ -1,0 +1,48 @@
+"""The two functions vLLM's entry points call, in every vLLM process (API server, engine core,
+workers), possibly more than once: both are cheap and idempotent."""
+
+from __future__ import annotations
+
+from atom.plugin.vllm import logger, plugin_disabled, vllm_unsupported
+
+PLATFORM_CLS = "atom.plugin.vllm.platform.ATOMPlatform"
+WRAPPER_MODULE = "atom.plugin.vllm.model_wrapper"
+
+
+def register_platform() -> str | None:
+    """``vllm.platform_plugins`` entry point: the qualified name of atom's platform class, or
+    None (vLLM then picks its own platform) when the plugin is switched off, the vLLM version is
+    not supported, or vLLM detects no CPU/CUDA/ROCm platform for atom to extend.
+
+    vLLM calls this while it resolves ``vllm.platforms.current_platform``, so nothing here (nor
+    the platform module) may read ``current_platform``."""
+    if plugin_disabled() or vllm_unsupported() is not None:
+        return None
+    from atom.plugin.vllm.platform import detect_base_platform
+
+    if detect_base_platform() is None:
+        return None
+    return PLATFORM_CLS
+
+
+def register_model() -> None:
+    """``vllm.general_plugins`` entry point: point every architecture atom implements at a thin
+    wrapper around atom's model class in vLLM's ``ModelRegistry`` (lazily, by name: the class is
+    imported only when vLLM builds that model)."""
+    if plugin_disabled() or vllm_unsupported() is not None:
+        return
+    from vllm import ModelRegistry
+
+    from atom.models.registry import supported_architectures
+    from atom.plugin.vllm.model_wrapper import wrapper_name
+
+    registered = []
+    for arch in supported_architectures():
+        target = f"{WRAPPER_MODULE}:{wrapper_name(arch)}"
+        current = ModelRegistry.models.get(arch)
+        if current is not None and f"{getattr(current, 'module_name', '')}:{getattr(current, 'class_name', '')}" == target:
+            continue  # already registered in this process
+        ModelRegistry.register_model(arch, target)
+        registered.append(arch)
+    if registered:
+        logger.info("atom models registered with vLLM for %s", ", ".join(registered))

@@ -1,0 +1,110 @@
+"""A real atom server in a subprocess on 127.0.0.1 (free port), for the end-to-end tests."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import requests
+
+API_KEY = "atom-e2e-key"
+MAX_MODEL_LEN = 512
+STARTUP_TIMEOUT_S = 240
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """``python -m atom.entrypoints.openai_server`` in a subprocess, float32 on the CPU."""
+
+    def __init__(self, model: str, workdir: Path, extra_args: tuple[str, ...] = ()):
+        self.model = model
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.profiler_dir = workdir / "traces"
+        self.log_path = workdir / "server.log"
+        cmd = [
+            sys.executable, "-m", "atom.entrypoints.openai_server",
+            "--model", model, "--host", "127.0.0.1", "--server-port", str(self.port),
+            "--dtype", "float32", "--device", "cpu", "--max-model-len", str(MAX_MODEL_LEN),
+            "--kv-cache-memory-bytes", str(32 << 20), "--api-key", API_KEY,
+            "--disable-uvicorn-access-log", "--torch-profiler-dir", str(self.profiler_dir),
+            "--shutdown-timeout", "20", *extra_args,
+        ]
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        self._wait_ready()
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {API_KEY}"}
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()[-5000:]}")
+            try:
+                if requests.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except requests.ConnectionError:
+                pass
+            time.sleep(0.5)
+        self.proc.kill()
+        raise RuntimeError(f"server did not start in {STARTUP_TIMEOUT_S} s:\n{self.log()[-5000:]}")
+
+    def descendants(self) -> list[psutil.Process]:
+        try:
+            return psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+
+    def engine_core(self) -> psutil.Process:
+        [core] = [p for p in self.descendants() if "spawn_main" in " ".join(p.cmdline())]
+        return core
+
+    def post(self, path: str, body: dict, **kwargs) -> requests.Response:
+        return requests.post(f"{self.url}{path}", json=body, headers=self.headers, timeout=60, **kwargs)
+
+    def metrics(self) -> dict[str, float]:
+        """``atom:*`` samples of /metrics by name (labels dropped)."""
+        text = requests.get(f"{self.url}/metrics", timeout=30).text
+        result = {}
+        for line in text.splitlines():
+            if line.startswith("atom:"):
+                name, value = line.rsplit(" ", 1)
+                result[name.split("{")[0]] = float(value)
+        return result
+
+    def stop(self, timeout: float = 60) -> int:
+        """SIGTERM, as a process manager would; returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                raise
+        return self.proc.returncode
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval)

@@ -1,0 +1,414 @@
+"""The OpenAI-compatible server, end to end: a real server subprocess on 127.0.0.1 with a
+tiny float32 checkpoint on the CPU, driven by the official ``openai`` client and raw HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import openai
+import psutil
+import pytest
+import requests
+from server_process import API_KEY, MAX_MODEL_LEN, wait_until
+
+from atom import LLMEngine, SamplingParams
+
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, a small model",
+    "def add(a, b):",
+    "Paged attention stores keys and values",
+    "The quick brown fox",
+    "Continuous batching lets new requests",
+    "Prefix caching reuses the KV cache",
+    "机器学习 模型 推理",
+]
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a capital city."}]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    """The in-process engine on the same checkpoint: what the server must reproduce."""
+    return LLMEngine(tiny_model, dtype="float32", device="cpu", max_model_len=MAX_MODEL_LEN,
+                     kv_cache_memory_bytes=32 << 20)
+
+
+def greedy(reference: LLMEngine, prompts, max_tokens: int) -> list[dict]:
+    return reference.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
+
+
+def chat_prompt_ids(reference: LLMEngine, messages) -> list[int]:
+    text = reference.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return reference.tokenizer.encode(text, add_special_tokens=False)
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def sse_events(response: requests.Response) -> list[str]:
+    return [line[len("data: "):] for line in response.iter_lines(decode_unicode=True) if line.startswith("data: ")]
+
+
+def assert_all_blocks_free(server, timeout: float = 15.0) -> None:
+    def idle():
+        m = server.metrics()
+        return m if (m["atom:num_requests_running"] == 0 and m["atom:num_requests_waiting"] == 0
+                     and m["atom:num_free_kv_blocks"] == m["atom:num_kv_blocks"]) else None
+
+    assert wait_until(idle, timeout), f"engine not idle: {server.metrics()}"
+
+
+def assert_serving(server) -> None:
+    r = server.post("/v1/completions", {"prompt": "Hello", "max_tokens": 1})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
+
+
+# basic endpoints
+
+
+def test_health_and_models(server, client, tiny_model):
+    assert requests.get(f"{server.url}/health").json() == {"status": "ok"}
+    models = client.models.list()
+    assert [m.id for m in models.data] == [tiny_model]
+
+
+def test_api_key_required(server):
+    body = {"prompt": "Hello", "max_tokens": 1}
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        r = requests.post(f"{server.url}/v1/completions", json=body, headers=headers)
+        assert r.status_code == 401
+        assert r.json()["error"]["code"] == "invalid_api_key"
+    assert requests.get(f"{server.url}/v1/models").status_code == 401
+    assert requests.get(f"{server.url}/health").status_code == 200  # probes need no key
+
+
+# greedy output equals LLMEngine.generate
+
+
+def test_completion_matches_llm_engine(client, reference, tiny_model):
+    expected = greedy(reference, PROMPTS[:4], max_tokens=12)
+    out = client.completions.create(model=tiny_model, prompt=PROMPTS[:4], max_tokens=12, temperature=0)
+    assert out.id.startswith("cmpl-") and out.object == "text_completion"
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert [c.text for c in out.choices] == [e["text"] for e in expected]
+    assert [c.finish_reason for c in out.choices] == [e["finish_reason"] for e in expected]
+    assert out.usage.prompt_tokens == sum(e["num_tokens_input"] for e in expected)
+    assert out.usage.completion_tokens == sum(e["num_tokens_output"] for e in expected)
+
+
+def test_token_id_prompt(client, reference, tiny_model):
+    ids = reference.tokenizer.encode(PROMPTS[0])
+    [expected] = greedy(reference, [ids], max_tokens=8)
+    out = client.completions.create(model=tiny_model, prompt=ids, max_tokens=8, temperature=0)
+    assert out.choices[0].text == expected["text"]
+
+
+def test_chat_matches_llm_engine(client, reference, tiny_model):
+    [expected] = greedy(reference, [chat_prompt_ids(reference, MESSAGES)], max_tokens=12)
+    out = client.chat.completions.create(model=tiny_model, messages=MESSAGES, max_tokens=12, temperature=0)
+    assert out.id.startswith("chatcmpl-") and out.object == "chat.completion"
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == expected["text"]
+    assert out.usage.prompt_tokens == expected["num_tokens_input"]
+    assert out.usage.completion_tokens == expected["num_tokens_output"]
+
+
+def test_usage_timing_fields(server):
+    usage = server.post("/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 6, "ignore_eos": True}).json()["usage"]
+    assert usage["completion_tokens"] == 6
+    assert usage["total_tokens"] == usage["prompt_tokens"] + 6
+    assert 0 < usage["ttft_s"] <= usage["latency_s"]
+    assert usage["tpot_s"] > 0
+
+
+# streaming
+
+
+def test_streaming_completion(server, client, tiny_model):
+    full = client.completions.create(model=tiny_model, prompt=PROMPTS[2], max_tokens=10, temperature=0)
+    stream = client.completions.create(model=tiny_model, prompt=PROMPTS[2], max_tokens=10, temperature=0,
+                                       stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    # raw SSE: every event is JSON, the last is [DONE]
+    r = server.post("/v1/completions", {"prompt": PROMPTS[2], "max_tokens": 4, "stream": True}, stream=True)
+    events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    assert all(json.loads(e)["object"] == "text_completion" for e in events[:-1])
+
+
+def test_streaming_chat(server, client, tiny_model):
+    full = client.chat.completions.create(model=tiny_model, messages=MESSAGES, max_tokens=10, temperature=0)
+    chunks = list(client.chat.completions.create(model=tiny_model, messages=MESSAGES, max_tokens=10,
+                                                 temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == full.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert chunks[-1].usage.ttft_s is not None  # the extra timing fields ride along
+    r = server.post("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 3, "stream": True}, stream=True)
+    assert sse_events(r)[-1] == "[DONE]"
+
+
+# n > 1, stop strings, logprobs
+
+
+def test_n_samples(client, tiny_model):
+    out = client.completions.create(model=tiny_model, prompt=PROMPTS[0], max_tokens=8, n=3, temperature=1.0,
+                                    seed=1, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in out.choices) == [0, 1, 2]
+    assert out.usage.completion_tokens == 24
+    assert len({c.text for c in out.choices}) > 1  # each sample has its own seed
+    again = client.completions.create(model=tiny_model, prompt=PROMPTS[0], max_tokens=8, n=3, temperature=1.0,
+                                      seed=1, extra_body={"ignore_eos": True})
+    assert [c.text for c in again.choices] == [c.text for c in out.choices]  # seeded: reproducible
+    chat = client.chat.completions.create(model=tiny_model, messages=MESSAGES, max_tokens=5, n=2, temperature=0)
+    assert len(chat.choices) == 2 and chat.choices[0].message.content == chat.choices[1].message.content
+    stream = client.chat.completions.create(model=tiny_model, messages=MESSAGES, max_tokens=5, n=2, temperature=0,
+                                            stream=True)
+    texts = {0: "", 1: ""}
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+    assert texts[0] == texts[1] == chat.choices[0].message.content
+
+
+def test_stop_strings(client, reference, tiny_model):
+    [expected] = greedy(reference, [PROMPTS[4]], max_tokens=16)
+    text = expected["text"]
+    stop = text[4:7]
+    assert len(text) > 8 and stop, text
+    want = text[: text.index(stop)]
+    for stream in (False, True):
+        for stop_arg in (stop, [stop, "never-appears"]):
+            out = client.completions.create(model=tiny_model, prompt=PROMPTS[4], max_tokens=16, temperature=0,
+                                            stop=stop_arg, stream=stream)
+            chunks = list(out) if stream else [out]
+            assert "".join(c.choices[0].text for c in chunks) == want
+            assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_chat_logprobs(client, tiny_model):
+    out = client.chat.completions.create(model=tiny_model, messages=MESSAGES, max_tokens=6, temperature=0,
+                                         logprobs=True, top_logprobs=3)
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        assert entry.logprob <= 0
+        # greedy: the chosen token is the most likely one
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob, abs=1e-5)
+
+
+def test_completion_echo_logprobs(client, reference, tiny_model):
+    """What lm-eval's loglikelihood tasks send: echo + logprobs + max_tokens=1."""
+    prompt = PROMPTS[3]
+    n_prompt = len(reference.tokenizer.encode(prompt))
+    out = client.completions.create(model=tiny_model, prompt=prompt, max_tokens=1, temperature=0, echo=True,
+                                    logprobs=1)
+    choice = out.choices[0]
+    lp = choice.logprobs
+    assert choice.text.startswith(prompt)
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == n_prompt + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:])
+    assert "".join(lp.tokens[:n_prompt]) == prompt
+    assert lp.text_offset[1] == len(lp.tokens[0])
+    # the generated token's logprob equals the non-echo request's
+    plain = client.completions.create(model=tiny_model, prompt=prompt, max_tokens=1, temperature=0, logprobs=1)
+    assert lp.token_logprobs[-1] == pytest.approx(plain.choices[0].logprobs.token_logprobs[0], abs=1e-4)
+    # greedy generated token: its logprob is the best of its top list
+    assert lp.token_logprobs[-1] == pytest.approx(max(lp.top_logprobs[-1].values()), abs=1e-5)
+
+
+# bad inputs
+
+
+BAD_REQUESTS = [
+    ("negative max_tokens", "/v1/completions", {"prompt": "Hi", "max_tokens": -1}, 400, "max_tokens"),
+    ("zero max_tokens", "/v1/completions", {"prompt": "Hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("negative temperature", "/v1/completions", {"prompt": "Hi", "temperature": -0.5}, 400, "temperature"),
+    ("top_p zero", "/v1/chat/completions", {"messages": MESSAGES, "top_p": 0}, 400, "top_p"),
+    ("top_p over one", "/v1/completions", {"prompt": "Hi", "top_p": 1.5}, 400, "top_p"),
+    ("over max_model_len", "/v1/completions", {"prompt": "Hi", "max_tokens": MAX_MODEL_LEN}, 400, "max_tokens"),
+    ("prompt too long", "/v1/completions", {"prompt": "Hi " * 2 * MAX_MODEL_LEN, "max_tokens": 1}, 400, "prompt"),
+    ("chat over max_model_len", "/v1/chat/completions", {"messages": MESSAGES, "max_completion_tokens": 1000},
+     400, "max_tokens"),
+    ("empty messages", "/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("missing messages", "/v1/chat/completions", {"max_tokens": 2}, 400, "messages"),
+    ("missing prompt", "/v1/completions", {"max_tokens": 2}, 400, "prompt"),
+    ("empty prompt", "/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("token id out of range", "/v1/completions", {"prompt": [1, 10**6]}, 400, "prompt"),
+    ("unknown model", "/v1/completions", {"prompt": "Hi", "model": "no-such-model"}, 404, "model"),
+    ("unknown chat model", "/v1/chat/completions", {"messages": MESSAGES, "model": "gpt-4"}, 404, "model"),
+    ("bad stop type", "/v1/completions", {"prompt": "Hi", "stop": 3}, 400, "stop"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", [b[1:] for b in BAD_REQUESTS], ids=[b[0] for b in BAD_REQUESTS])
+def test_bad_request(server, path, body, status, param):
+    r = server.post(path, body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"] and error["type"]
+    assert error["param"] == param
+    assert_serving(server)
+
+
+def test_invalid_json_and_unknown_route(server, client, tiny_model):
+    r = requests.post(f"{server.url}/v1/completions", data=b"{not json", headers={**server.headers,
+                                                                                   "Content-Type": "application/json"})
+    assert r.status_code == 400 and "error" in r.json()
+    r = requests.get(f"{server.url}/v1/nothing-here", headers=server.headers)
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=tiny_model, prompt="Hi", max_tokens=-3)
+    assert_serving(server)
+
+
+# concurrency and freeing KV blocks
+
+
+def test_64_concurrent_streams(server, reference, tiny_model):
+    max_tokens = 8
+    expected = {p: e["text"] for p, e in zip(PROMPTS, greedy(reference, PROMPTS, max_tokens))}
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(64)]
+
+    async def one(aclient, prompt):
+        stream = await aclient.completions.create(model=tiny_model, prompt=prompt, max_tokens=max_tokens,
+                                                  temperature=0, stream=True)
+        return "".join([c.choices[0].text async for c in stream if c.choices])
+
+    async def run_all():
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0,
+                                      timeout=300) as aclient:
+            return await asyncio.gather(*(one(aclient, p) for p in prompts))
+
+    texts = asyncio.run(run_all())
+    mismatches = [(p, t, expected[p]) for p, t in zip(prompts, texts) if t != expected[p]]
+    assert not mismatches, mismatches[:3]
+    assert_all_blocks_free(server)
+
+
+CLIENT_SCRIPT = """
+import sys, requests
+r = requests.post(sys.argv[1] + "/v1/completions", stream=True, headers={"Authorization": "Bearer " + sys.argv[2]},
+                  json={"prompt": "Hello", "max_tokens": 400, "ignore_eos": True, "stream": True})
+for line in r.iter_lines():
+    if line:
+        print("streaming", flush=True)
+"""
+
+
+def test_killed_client_frees_blocks(server):
+    proc = subprocess.Popen([sys.executable, "-c", CLIENT_SCRIPT, server.url, API_KEY], stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout.readline().strip() == b"streaming"
+        m = server.metrics()
+        assert m["atom:num_requests_running"] == 1
+        assert m["atom:num_free_kv_blocks"] < m["atom:num_kv_blocks"]
+    finally:
+        proc.kill()
+        proc.wait()
+    # 400 tokens take far longer than this on the CPU: only the abort can free the blocks
+    assert_all_blocks_free(server, timeout=10)
+
+
+def test_disconnected_non_streaming_client_frees_blocks(server):
+    with pytest.raises(requests.Timeout):
+        requests.post(f"{server.url}/v1/completions", headers=server.headers, timeout=1.5,
+                      json={"prompt": "Hello", "max_tokens": 400, "ignore_eos": True})
+    assert_all_blocks_free(server, timeout=10)
+
+
+# profiling
+
+
+def test_profiling_endpoints(server):
+    assert requests.post(f"{server.url}/stop_profile", headers=server.headers).status_code == 400  # not running
+    assert requests.post(f"{server.url}/start_profile").status_code == 401
+    r = requests.post(f"{server.url}/start_profile", headers=server.headers)
+    assert r.status_code == 200, r.text
+    assert_serving(server)
+    r = requests.post(f"{server.url}/stop_profile", headers=server.headers)
+    assert r.status_code == 200, r.text
+    traces = glob.glob(str(server.profiler_dir / "rank_0" / "*.pt.trace.json.gz"))
+    assert traces, os.listdir(server.profiler_dir)
+
+
+# benchmark_serving against the live server
+
+
+def test_benchmark_serving(server, tiny_model, tmp_path, monkeypatch):
+    bench = pytest.importorskip("atom.benchmarks.benchmark_serving")
+    monkeypatch.setenv("OPENAI_API_KEY", API_KEY)
+    args = bench.parse_args([
+        "--backend", "vllm", "--model", tiny_model, "--base-url", server.url,
+        "--dataset-name", "random", "--random-input-len", "24", "--random-output-len", "6",
+        "--num-prompts", "12", "--max-concurrency", "6", "--ignore-eos", "--disable-tqdm",
+        "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+        "--goodput", "ttft:60000", "tpot:60000",
+        "--save-result", "--result-dir", str(tmp_path), "--result-filename", "result.json",
+    ])
+    bench.main(args)
+    with open(tmp_path / "result.json") as f:
+        result = json.load(f)
+    assert result["completed"] == 12 and result["total_output_tokens"] == 12 * 6
+    for key in ("request_throughput", "request_goodput", "output_throughput", "total_token_throughput", "duration"):
+        assert result[key] > 0, key
+    for metric in ("ttft", "tpot", "itl", "e2el"):
+        for stat in ("mean", "median", "std", "p50", "p99"):
+            assert f"{stat}_{metric}_ms" in result, f"{stat}_{metric}_ms"
+        assert result[f"mean_{metric}_ms"] > 0
+    assert_all_blocks_free(server)
+
+
+# process lifecycle (servers of their own: these tests end them)
+
+
+def test_sigterm_finishes_in_flight_and_leaves_no_orphans(make_server):
+    srv = make_server()
+    children = srv.descendants()
+    assert any("spawn_main" in " ".join(p.cmdline()) for p in children)
+    result = {}
+
+    def stream():
+        r = srv.post("/v1/completions", {"prompt": "Hello", "max_tokens": 12, "ignore_eos": True, "stream": True},
+                     stream=True)
+        result["events"] = sse_events(r)
+
+    t = threading.Thread(target=stream)
+    t.start()
+    assert wait_until(lambda: srv.metrics()["atom:num_requests_running"] == 1, timeout=30)
+    srv.proc.send_signal(signal.SIGTERM)
+    t.join(60)
+    events = result["events"]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"  # finished, not cut off
+    assert srv.proc.wait(60) == 0
+    assert wait_until(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in children), 10)
+
+
+def test_engine_death_gives_503_and_fails_fast(make_server):
+    srv = make_server()
+    core = srv.engine_core()
+    core.send_signal(signal.SIGKILL)
+    assert wait_until(lambda: requests.get(f"{srv.url}/health").status_code == 503, timeout=10)
+    start = time.monotonic()
+    r = srv.post("/v1/completions", {"prompt": "Hello", "max_tokens": 4})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+    assert time.monotonic() - start < 5
+    assert srv.stop() == 0

@@ -1,0 +1,227 @@
+"""Triton kernels vs the PyTorch reference at real model shapes, on CUDA.
+
+Run in its own pytest process (``pytest tests/gpu``): tests/kernels switches Triton to its
+CPU interpreter for the whole process.
+
+Tolerances (max abs error against the reference run in float32 on the same inputs):
+bf16 outputs of magnitude ~1 within 2e-2 (a few bf16 ulps; attention and MoE accumulate in
+float32 but round P / intermediate activations to bf16 like the model does), fp16 within
+4e-3, fp32 within 1e-4 (fp32 attention and MoE use IEEE dots, not tf32).
+"""
+
+import os
+
+import pytest
+import torch
+
+from atom.ops import reference
+
+if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+    pytest.skip("needs CUDA and compiled (not interpreted) Triton", allow_module_level=True)
+
+from atom.ops import triton as tk  # noqa: E402
+
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+DEV = "cuda"
+
+
+def assert_close(out, ref, dtype, scale=1.0):
+    assert out.shape == ref.shape
+    assert not out.isnan().any()
+    err = (out.double() - ref.double()).abs().max().item()
+    assert err <= TOLERANCE[dtype] * scale, f"max abs error {err}"
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
+
+
+# --- attention -------------------------------------------------------------------------
+
+MODELS = {
+    # name: (num_q_heads, num_kv_heads, head_dim)
+    "qwen3_8b": (32, 8, 128),
+    "qwen3_0.6b": (16, 8, 128),
+    "d64_mha": (16, 16, 64),
+    "d256_gqa2": (8, 4, 256),
+}
+
+BATCHES = {
+    # name: (q_lens, context_lens) for a batch of sequences
+    "decode_b1_8k": lambda: ([1], [8191]),
+    "decode_b1_300": lambda: ([1], [300]),
+    "decode_b8_3k": lambda: ([1] * 8, torch.randint(1, 3000, (8,)).tolist()),
+    "decode_b512": lambda: ([1] * 512, torch.randint(1, 2048, (512,)).tolist()),
+    "prefill_b1_4k": lambda: ([4096], [0]),
+    "prefill_chunk_prefix": lambda: ([1024, 512], [3000, 7000]),
+    "mixed": lambda: ([700] + [1] * 100, [1500] + torch.randint(1, 4000, (100,)).tolist()),
+}
+
+
+def make_batch(q_lens, context_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype):
+    seq_lens = torch.tensor([c + q for c, q in zip(context_lens, q_lens)], dtype=torch.int32)
+    max_blocks = -(-int(seq_lens.max()) // block_size)
+    num_blocks = len(q_lens) * max_blocks + 7
+    tables = torch.randperm(num_blocks, dtype=torch.int32)[: len(q_lens) * max_blocks].view(len(q_lens), -1)
+    k_cache = torch.randn(num_blocks, num_kv_heads, block_size, head_dim, dtype=dtype, device=DEV)
+    v_cache = torch.randn_like(k_cache)
+    cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(q_lens).cumsum(0)
+    q = torch.randn(int(cu[-1]), num_q_heads, head_dim, dtype=dtype, device=DEV)
+    return q, k_cache, v_cache, cu.to(DEV), seq_lens.to(DEV), tables.contiguous().to(DEV)
+
+
+def reference_attention(q, k_cache, v_cache, cu, seq_lens, tables, scale):
+    return reference.paged_attention(q.float(), k_cache.float(), v_cache.float(), cu, seq_lens, tables, scale)
+
+
+CASES = [(model, batch, 16) for model in MODELS for batch in BATCHES] + [("qwen3_8b", batch, 32) for batch in BATCHES]
+
+
+@pytest.mark.parametrize("model, batch, block_size", CASES)
+def test_paged_attention(model, batch, block_size):
+    dtype = torch.bfloat16
+    q_lens, context_lens = BATCHES[batch]()
+    args = make_batch(q_lens, context_lens, *MODELS[model], block_size, dtype)
+    scale = MODELS[model][2] ** -0.5
+    out = tk.paged_attention(*args, scale)
+    assert_close(out, reference_attention(*args, scale), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_paged_attention_dtypes(dtype):
+    args = make_batch([1] * 4 + [300], [5000, 20, 700, 64, 200], 32, 8, 128, 16, dtype)
+    out = tk.paged_attention(*args, 128**-0.5)
+    assert_close(out, reference_attention(*args, 128**-0.5), dtype)
+
+
+@pytest.mark.parametrize("num_splits", [1, 7, 32])
+def test_paged_attention_forced_splits(num_splits):
+    args = make_batch([1] * 3, [8000, 100, 2500], 32, 8, 128, 16, torch.bfloat16)
+    out = tk.paged_attention(*args, 128**-0.5, num_splits=num_splits)
+    assert_close(out, reference_attention(*args, 128**-0.5), torch.bfloat16)
+
+
+# --- norms, activation, rope + cache ------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("num_tokens, hidden", [(1, 4096), (512, 4096), (4096, 1024), (3, 5120)])
+def test_rms_norm(num_tokens, hidden, dtype):
+    x = torch.randn(num_tokens, hidden, dtype=dtype, device=DEV)
+    residual = torch.randn_like(x)
+    weight = 1 + 0.1 * torch.randn(hidden, dtype=dtype, device=DEV)
+    out, new_residual = tk.rms_norm(x, weight, 1e-6, residual)
+    ref_out, ref_residual = reference.rms_norm(x, weight, 1e-6, residual)
+    assert torch.equal(new_residual, ref_residual)
+    assert_close(out, ref_out, dtype)
+    assert_close(tk.rms_norm(x, weight, 1e-6), reference.rms_norm(x, weight, 1e-6), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("num_tokens, inter", [(1, 12288), (512, 3072), (300, 768)])
+def test_silu_and_mul(num_tokens, inter, dtype):
+    x = torch.randn(num_tokens, 2 * inter, dtype=dtype, device=DEV)
+    assert_close(tk.silu_and_mul(x), reference.silu_and_mul(x), dtype, scale=8)
+
+
+@pytest.mark.parametrize("qk_norm", [True, False])
+@pytest.mark.parametrize("model", ["qwen3_8b", "qwen3_0.6b", "d64_mha", "d256_gqa2"])
+@pytest.mark.parametrize("num_tokens", [1, 512])
+def test_qk_norm_rope_store(model, num_tokens, qk_norm):
+    dtype = torch.bfloat16
+    num_q_heads, num_kv_heads, head_dim = MODELS[model]
+    sizes = [num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+    qkv = torch.randn(num_tokens, sum(sizes), dtype=dtype, device=DEV)
+    q, k, v = (t.view(num_tokens, -1, head_dim) for t in qkv.split(sizes, dim=-1))
+    q_w = 1 + 0.1 * torch.randn(head_dim, dtype=dtype, device=DEV) if qk_norm else None
+    k_w = 1 + 0.1 * torch.randn(head_dim, dtype=dtype, device=DEV) if qk_norm else None
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, head_dim, 2, device=DEV).float() / head_dim))
+    freqs = torch.outer(torch.arange(40960, device=DEV).float(), inv_freq)
+    cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    positions = torch.randint(0, 40960, (num_tokens,), device=DEV)
+    k_cache = torch.randn(64, num_kv_heads, 16, head_dim, dtype=dtype, device=DEV)
+    v_cache = torch.randn_like(k_cache)
+    slots = torch.randperm(64 * 16, device=DEV)[:num_tokens]
+    slots[0] = -1
+    ref_k_cache, ref_v_cache = k_cache.clone(), v_cache.clone()
+    out = tk.qk_norm_rope_store(q, k, v, q_w, k_w, 1e-6, positions, cos_sin, k_cache, v_cache, slots)
+    ref = reference.qk_norm_rope_store(q, k, v, q_w, k_w, 1e-6, positions, cos_sin, ref_k_cache, ref_v_cache, slots)
+    assert_close(out[0], ref[0], dtype, scale=8)
+    assert_close(out[1], ref[1], dtype, scale=8)
+    assert_close(k_cache, ref_k_cache, dtype, scale=8)
+    assert torch.equal(v_cache, ref_v_cache)
+
+
+# --- MoE --------------------------------------------------------------------------------
+
+QWEN3_MOE = dict(hidden=2048, inter=768, num_experts=128, top_k=8)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 7, 64, 512, 2048])
+def test_fused_moe_qwen3(num_tokens):
+    dtype = torch.bfloat16
+    h, i, e, k = QWEN3_MOE.values()
+    x = torch.randn(num_tokens, h, dtype=dtype, device=DEV)
+    w13 = (torch.randn(e, 2 * i, h, device=DEV) / h**0.5).to(dtype)
+    w2 = (torch.randn(e, h, i, device=DEV) / i**0.5).to(dtype)
+    logits = torch.randn(num_tokens, e, dtype=dtype, device=DEV)
+    weights, ids = tk.moe_topk(logits, k, True)
+    ref_weights, ref_ids = reference.moe_topk(logits, k, True)
+    torch.testing.assert_close(weights, ref_weights)
+    out = tk.fused_moe(x, w13, w2, weights, ids)
+    ref = reference.fused_moe(x.float(), w13.float(), w2.float(), weights.to(dtype).float(), ids)
+    assert_close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_fused_moe_dtypes(dtype):
+    x = torch.randn(300, 1024, dtype=dtype, device=DEV)
+    w13 = (torch.randn(16, 2 * 384, 1024, device=DEV) / 32).to(dtype)
+    w2 = (torch.randn(16, 1024, 384, device=DEV) / 384**0.5).to(dtype)
+    weights, ids = reference.moe_topk(torch.randn(300, 16, device=DEV), 4, False)
+    out = tk.fused_moe(x, w13, w2, weights, ids)
+    ref = reference.fused_moe(x.float(), w13.float(), w2.float(), weights.to(dtype).float(), ids)
+    assert_close(out, ref, dtype)
+
+
+# --- sampling ---------------------------------------------------------------------------
+
+
+def rounding_sensitive(logits, top_k, top_p, min_p, eps=1e-5):
+    """Tokens whose fate hinges on float rounding: top-p's mass before the token, or
+    min-p's probability ratio, within ``eps`` of the cut (computed in float64)."""
+    x = logits.double()
+    vocab = x.shape[-1]
+    sensitive = torch.zeros_like(x, dtype=torch.bool)
+    if top_k is not None:
+        k = torch.where(top_k <= 0, vocab, top_k).clamp(max=vocab)
+        kth = x.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None].long())
+        x = x.masked_fill(x < kth, float("-inf"))
+    if top_p is not None:
+        probs = x.softmax(dim=-1)
+        sorted_probs, idx = probs.sort(dim=-1, descending=True)
+        near = ((sorted_probs.cumsum(-1) - sorted_probs) - top_p.double()[:, None]).abs() < eps
+        sensitive |= torch.zeros_like(sensitive).scatter(1, idx, near & (top_p[:, None] < 1))
+    if min_p is not None:
+        ratio = (x - x.max(dim=-1, keepdim=True).values).exp()
+        sensitive |= (ratio - min_p.double()[:, None]).abs() < eps * min_p.double()[:, None]
+    return sensitive
+
+
+def test_top_k_top_p_min_p_full_vocab():
+    rows, vocab = 64, 151936
+    # Distinct values (sorted normal samples nudged apart), shuffled per row.
+    base = torch.randn(vocab, device=DEV).sort().values * 3 + torch.arange(vocab, device=DEV) * 2e-6
+    logits = torch.stack([base[torch.randperm(vocab, device=DEV)] for _ in range(rows)])
+    top_k = torch.randint(0, 200, (rows,), device=DEV)
+    top_p = torch.rand(rows, device=DEV) * 0.95 + 0.05
+    top_p[::4] = 1.0
+    min_p = torch.rand(rows, device=DEV) * 0.1
+    for args in [(top_k, None, None), (None, top_p, None), (top_k, top_p, min_p)]:
+        out = tk.top_k_top_p_min_p(logits, *args)
+        ref = reference.top_k_top_p_min_p(logits, *args)
+        differ = out.isinf() != ref.isinf()
+        # The reference sums probabilities in sorted order, the kernel in blocks.
+        assert not (differ & ~rounding_sensitive(logits, *args)).any()
