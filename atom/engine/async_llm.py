@@ -181,8 +181,6 @@ class AsyncLLM:
 
     def _record_finished(self, state: RequestState, reason: str) -> None:
         # an aborted request still consumed prompt and generated tokens; count them
-        if state.first_token_time is None and not state.token_ids:
-            return
         out = EngineCoreOutput(state.request_id, [], finish_reason=reason)
         self._notify_finished(state._output(out, "", reason, time.time()))
 
@@ -198,8 +196,11 @@ async def merge_async_iterators(*iterators: AsyncIterator[T]) -> AsyncIterator[t
     """Interleave several async iterators as (index, item), in arrival order. Stopping
     early (or an error in one) closes them all, which aborts their requests."""
     if len(iterators) == 1:
-        async for item in iterators[0]:
-            yield 0, item
+        try:
+            async for item in iterators[0]:
+                yield 0, item
+        finally:
+            await iterators[0].aclose()
         return
     queue: asyncio.Queue = asyncio.Queue()
     end = object()

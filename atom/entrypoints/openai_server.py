@@ -74,12 +74,17 @@ async def run_until_disconnect(request: Request, coro):
         await asyncio.wait({handler, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
-    if not handler.done():
-        logger.info("client disconnected; aborting %s", request.url.path)
-        handler.cancel()
-        await asyncio.gather(handler, return_exceptions=True)
-        return Response(status_code=499)
-    return handler.result()
+    disconnected = watcher.done() and not watcher.cancelled()
+    if handler.done() and not disconnected:
+        return handler.result()
+    logger.info("client disconnected; aborting %s", request.url.path)
+    handler.cancel()
+    await asyncio.gather(handler, return_exceptions=True)
+    if not handler.cancelled() and handler.exception() is None:
+        body = getattr(handler.result(), "body_iterator", None)
+        if body is not None:  # a stream nobody will read: close it, which aborts its requests
+            await body.aclose()
+    return Response(status_code=499)
 
 
 def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -197,7 +202,10 @@ def make_arg_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = make_arg_parser().parse_args(argv)
+    parser = make_arg_parser()
+    args = parser.parse_args(argv)
+    if args.skip_tokenizer_init:
+        parser.error("--skip-tokenizer-init: the server needs the tokenizer (chat templates, text in and out)")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = EngineArgs.from_cli_args(args).create_engine_config()
     engine = AsyncLLM(config)

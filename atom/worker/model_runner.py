@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from atom import ops
 from atom.config import Config
 from atom.engine.scheduler import ScheduledBatch
 from atom.forward_context import AttentionMetadata, set_forward_context
@@ -46,6 +47,7 @@ class ModelRunner:
         mc = config.model_config
         self.block_size = config.cache_config.block_size
         torch.manual_seed(mc.seed)
+        ops.init_device_ops(self.device)
         self.model = load_model(mc, self.device)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.attn_layer_map = {m.prefix: m for m in self.attn_layers}

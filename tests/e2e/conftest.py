@@ -29,10 +29,10 @@ def make_server(tiny_model, tmp_path):
     """Servers for tests that kill them; stopped (or killed) at the end of the test."""
     servers = []
 
-    def make() -> ServerProcess:
+    def make(**kwargs) -> ServerProcess:
         workdir = tmp_path / f"server{len(servers)}"
         workdir.mkdir()
-        srv = ServerProcess(tiny_model, workdir)
+        srv = ServerProcess(tiny_model, workdir, **kwargs)
         servers.append(srv)
         return srv
 

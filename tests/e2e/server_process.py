@@ -12,7 +12,6 @@ from pathlib import Path
 import psutil
 import requests
 
-API_KEY = "atom-e2e-key"
 MAX_MODEL_LEN = 512
 STARTUP_TIMEOUT_S = 240
 
@@ -26,8 +25,9 @@ def free_port() -> int:
 class ServerProcess:
     """``python -m atom.entrypoints.openai_server`` in a subprocess, float32 on the CPU."""
 
-    def __init__(self, model: str, workdir: Path, extra_args: tuple[str, ...] = ()):
+    def __init__(self, model: str, workdir: Path, api_key: str | None = None, extra_args: tuple[str, ...] = ()):
         self.model = model
+        self.api_key = api_key
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.profiler_dir = workdir / "traces"
@@ -36,9 +36,9 @@ class ServerProcess:
             sys.executable, "-m", "atom.entrypoints.openai_server",
             "--model", model, "--host", "127.0.0.1", "--server-port", str(self.port),
             "--dtype", "float32", "--device", "cpu", "--max-model-len", str(MAX_MODEL_LEN),
-            "--kv-cache-memory-bytes", str(32 << 20), "--api-key", API_KEY,
+            "--kv-cache-memory-bytes", str(32 << 20),
             "--disable-uvicorn-access-log", "--torch-profiler-dir", str(self.profiler_dir),
-            "--shutdown-timeout", "20", *extra_args,
+            "--shutdown-timeout", "20", *(["--api-key", api_key] if api_key else []), *extra_args,
         ]
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -46,7 +46,7 @@ class ServerProcess:
 
     @property
     def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {API_KEY}"}
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

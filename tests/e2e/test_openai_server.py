@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import glob
+import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,7 +19,7 @@ import openai
 import psutil
 import pytest
 import requests
-from server_process import API_KEY, MAX_MODEL_LEN, wait_until
+from server_process import MAX_MODEL_LEN, wait_until
 
 from atom import LLMEngine, SamplingParams
 
@@ -31,6 +33,7 @@ PROMPTS = [
     "Prefix caching reuses the KV cache",
     "机器学习 模型 推理",
 ]
+API_KEY = "atom-e2e-key"
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a capital city."}]
 
 
@@ -52,7 +55,7 @@ def chat_prompt_ids(reference: LLMEngine, messages) -> list[int]:
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="EMPTY", max_retries=0, timeout=120)
 
 
 def sse_events(response: requests.Response) -> list[str]:
@@ -80,16 +83,6 @@ def test_health_and_models(server, client, tiny_model):
     assert requests.get(f"{server.url}/health").json() == {"status": "ok"}
     models = client.models.list()
     assert [m.id for m in models.data] == [tiny_model]
-
-
-def test_api_key_required(server):
-    body = {"prompt": "Hello", "max_tokens": 1}
-    for headers in ({}, {"Authorization": "Bearer wrong"}):
-        r = requests.post(f"{server.url}/v1/completions", json=body, headers=headers)
-        assert r.status_code == 401
-        assert r.json()["error"]["code"] == "invalid_api_key"
-    assert requests.get(f"{server.url}/v1/models").status_code == 401
-    assert requests.get(f"{server.url}/health").status_code == 200  # probes need no key
 
 
 # greedy output equals LLMEngine.generate
@@ -226,6 +219,10 @@ def test_completion_echo_logprobs(client, reference, tiny_model):
     assert all(v <= 0 for v in lp.token_logprobs[1:])
     assert "".join(lp.tokens[:n_prompt]) == prompt
     assert lp.text_offset[1] == len(lp.tokens[0])
+    # the prompt's logprobs are the in-process engine's
+    reference.add_request([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))
+    [ref] = wait_until(reference.step, timeout=30, interval=0)
+    assert lp.token_logprobs[1:n_prompt] == pytest.approx([t.logprob for t in ref.prompt_logprobs[1:]], abs=1e-4)
     # the generated token's logprob equals the non-echo request's
     plain = client.completions.create(model=tiny_model, prompt=prompt, max_tokens=1, temperature=0, logprobs=1)
     assert lp.token_logprobs[-1] == pytest.approx(plain.choices[0].logprobs.token_logprobs[0], abs=1e-4)
@@ -293,7 +290,7 @@ def test_64_concurrent_streams(server, reference, tiny_model):
         return "".join([c.choices[0].text async for c in stream if c.choices])
 
     async def run_all():
-        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0,
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="EMPTY", max_retries=0,
                                       timeout=300) as aclient:
             return await asyncio.gather(*(one(aclient, p) for p in prompts))
 
@@ -305,7 +302,7 @@ def test_64_concurrent_streams(server, reference, tiny_model):
 
 CLIENT_SCRIPT = """
 import sys, requests
-r = requests.post(sys.argv[1] + "/v1/completions", stream=True, headers={"Authorization": "Bearer " + sys.argv[2]},
+r = requests.post(sys.argv[1] + "/v1/completions", stream=True,
                   json={"prompt": "Hello", "max_tokens": 400, "ignore_eos": True, "stream": True})
 for line in r.iter_lines():
     if line:
@@ -314,7 +311,7 @@ for line in r.iter_lines():
 
 
 def test_killed_client_frees_blocks(server):
-    proc = subprocess.Popen([sys.executable, "-c", CLIENT_SCRIPT, server.url, API_KEY], stdout=subprocess.PIPE)
+    proc = subprocess.Popen([sys.executable, "-c", CLIENT_SCRIPT, server.url], stdout=subprocess.PIPE)
     try:
         assert proc.stdout.readline().strip() == b"streaming"
         m = server.metrics()
@@ -339,7 +336,6 @@ def test_disconnected_non_streaming_client_frees_blocks(server):
 
 def test_profiling_endpoints(server):
     assert requests.post(f"{server.url}/stop_profile", headers=server.headers).status_code == 400  # not running
-    assert requests.post(f"{server.url}/start_profile").status_code == 401
     r = requests.post(f"{server.url}/start_profile", headers=server.headers)
     assert r.status_code == 200, r.text
     assert_serving(server)
@@ -352,9 +348,8 @@ def test_profiling_endpoints(server):
 # benchmark_serving against the live server
 
 
-def test_benchmark_serving(server, tiny_model, tmp_path, monkeypatch):
+def test_benchmark_serving(server, tiny_model, tmp_path):
     bench = pytest.importorskip("atom.benchmarks.benchmark_serving")
-    monkeypatch.setenv("OPENAI_API_KEY", API_KEY)
     args = bench.parse_args([
         "--backend", "vllm", "--model", tiny_model, "--base-url", server.url,
         "--dataset-name", "random", "--random-input-len", "24", "--random-output-len", "6",
@@ -374,6 +369,101 @@ def test_benchmark_serving(server, tiny_model, tmp_path, monkeypatch):
             assert f"{stat}_{metric}_ms" in result, f"{stat}_{metric}_ms"
         assert result[f"mean_{metric}_ms"] > 0
     assert_all_blocks_free(server)
+
+
+# lm-eval's local-completions model against the server
+
+
+GENERATE_TASK = """
+task: atom_e2e_generate
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{question}}}}"
+doc_to_target: "{{{{answer}}}}"
+generation_kwargs:
+  until: ["\\n"]
+  max_gen_toks: 6
+  do_sample: false
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+"""
+LOGLIKELIHOOD_TASK = """
+task: atom_e2e_choice
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{label}}}}"
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+"""
+LM_EVAL_DOCS = [
+    {"question": "The capital of France is", "answer": " Paris", "choices": [" Paris", " Rome"], "label": 0},
+    {"question": "The capital of Italy is", "answer": " Rome", "choices": [" Paris", " Rome"], "label": 1},
+    {"question": "one, two, three,", "answer": " four", "choices": [" four", " five"], "label": 0},
+    {"question": "The quick brown fox jumps over the", "answer": " lazy", "choices": [" lazy", " dog"], "label": 0},
+]
+
+
+def lm_eval_command() -> list[str] | None:
+    """``lm_eval`` from $ATOM_LM_EVAL (e.g. another venv's), PATH, or this interpreter."""
+    exe = os.environ.get("ATOM_LM_EVAL") or shutil.which("lm_eval")
+    if exe:
+        return [exe]
+    if importlib.util.find_spec("lm_eval") is not None:
+        return [sys.executable, "-m", "lm_eval"]
+    return None
+
+
+def test_lm_eval_local_completions(server, tiny_model, tmp_path):
+    cmd = lm_eval_command()
+    if cmd is None:
+        pytest.skip("lm-eval is not installed (pip install 'lm-eval[api]', or set ATOM_LM_EVAL)")
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    data = tasks / "docs.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in LM_EVAL_DOCS))
+    (tasks / "generate.yaml").write_text(GENERATE_TASK.format(data=data))
+    (tasks / "choice.yaml").write_text(LOGLIKELIHOOD_TASK.format(data=data))
+    model_args = (f"model={tiny_model},base_url={server.url}/v1/completions,num_concurrent=4,max_retries=1,"
+                  "tokenized_requests=False")
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    run = subprocess.run([*cmd, "--model", "local-completions", "--model_args", model_args,
+                          "--tasks", "atom_e2e_generate,atom_e2e_choice", "--include_path", str(tasks),
+                          "--output_path", str(tmp_path / "out")],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    [path] = glob.glob(str(tmp_path / "out" / "**" / "results_*.json"), recursive=True)
+    with open(path) as f:
+        results = json.load(f)["results"]
+    assert isinstance(results["atom_e2e_generate"]["exact_match,none"], float)
+    assert isinstance(results["atom_e2e_choice"]["acc,none"], float)
+    assert_all_blocks_free(server)
+
+
+# offline profiling script
+
+
+def test_profile_offline(tiny_model, tmp_path):
+    from atom.examples.profile_offline import main
+
+    traces = main(["--model", tiny_model, "--dtype", "float32", "--device", "cpu", "--max-model-len", "256",
+                   "--kv-cache-memory-bytes", str(16 << 20), "--torch-profiler-dir", str(tmp_path),
+                   "--input-length", "16", "--output-length", "2", "--bs", "2"])
+    assert traces and all(t.startswith(str(tmp_path / "rank_0")) and t.endswith(".pt.trace.json.gz")
+                          for t in traces)
 
 
 # process lifecycle (servers of their own: these tests end them)
@@ -402,10 +492,35 @@ def test_sigterm_finishes_in_flight_and_leaves_no_orphans(make_server):
     assert wait_until(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in children), 10)
 
 
-def test_engine_death_gives_503_and_fails_fast(make_server):
-    srv = make_server()
-    core = srv.engine_core()
-    core.send_signal(signal.SIGKILL)
+def test_api_key_then_engine_death(make_server):
+    """A server with --api-key enforces it; then its engine process dies: /health says 503
+    and requests fail at once instead of hanging."""
+    srv = make_server(api_key=API_KEY)
+    body = {"prompt": "Hello", "max_tokens": 1}
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        r = requests.post(f"{srv.url}/v1/completions", json=body, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert requests.get(f"{srv.url}/v1/models").status_code == 401
+    assert requests.post(f"{srv.url}/start_profile").status_code == 401
+    assert requests.get(f"{srv.url}/health").status_code == 200  # probes and scrapers need no key
+    assert requests.get(f"{srv.url}/metrics").status_code == 200
+    assert srv.post("/v1/completions", body).status_code == 200
+
+    in_flight = {}
+
+    def long_request():
+        start = time.monotonic()
+        r = srv.post("/v1/completions", {"prompt": "Hello", "max_tokens": 400, "ignore_eos": True})
+        in_flight.update(status=r.status_code, seconds=time.monotonic() - start)
+
+    t = threading.Thread(target=long_request)
+    t.start()
+    assert wait_until(lambda: srv.metrics()["atom:num_requests_running"] == 1, timeout=30)
+    killed = time.monotonic()
+    srv.engine_core().send_signal(signal.SIGKILL)
+    t.join(30)
+    assert in_flight["status"] == 503
+    assert time.monotonic() - killed < 5  # the pending request failed fast
     assert wait_until(lambda: requests.get(f"{srv.url}/health").status_code == 503, timeout=10)
     start = time.monotonic()
     r = srv.post("/v1/completions", {"prompt": "Hello", "max_tokens": 4})

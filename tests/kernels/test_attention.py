@@ -64,6 +64,20 @@ def test_paged_attention_split_k(case, num_splits, assert_close):
     assert_close(out, ref, dtype)
 
 
+@pytest.mark.parametrize(
+    "q_lens, context_lens",
+    [([1, 1, 40], [20, 70, 9]), ([1, 33, 1, 50], [5, 0, 0, 30]), ([1, 1, 1, 2], [16, 31, 2, 60])],
+)
+def test_paged_attention_decode_first(q_lens, context_lens, dtype, assert_close):
+    # Mixed batches with their decode rows first run as a decode launch plus a prefill
+    # launch over the rest of the batch.
+    num_decodes = next(i for i, n in enumerate(q_lens) if n > 1)
+    q, k_cache, v_cache, cu, seq_lens, tables = make_batch(q_lens, context_lens, 8, 2, 64, 16, dtype)
+    out = paged_attention(q, k_cache, v_cache, cu, seq_lens, tables, 0.125, num_decode_tokens=num_decodes)
+    ref = reference.paged_attention(q.float(), k_cache.float(), v_cache.float(), cu, seq_lens, tables, 0.125)
+    assert_close(out, ref, dtype)
+
+
 def test_paged_attention_head_dim_256(assert_close):
     dtype = torch.bfloat16
     q, k_cache, v_cache, cu, seq_lens, tables = make_batch([1, 9], [70, 20], 4, 2, 256, 16, dtype)

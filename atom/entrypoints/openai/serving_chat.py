@@ -22,7 +22,7 @@ from atom.entrypoints.openai.protocol import (
     DeltaMessage,
     random_id,
 )
-from atom.entrypoints.openai.serving_engine import OpenAIError, OpenAIServing, Prompt, sse
+from atom.entrypoints.openai.serving_engine import OpenAIError, OpenAIServing, Prompt, prepend, sse
 from atom.worker.model_runner import TokenLogprobs
 
 
@@ -39,7 +39,7 @@ class OpenAIServingChat(OpenAIServing):
         if request.stream:
             first = await self.first_output(outputs)
             chunks = self._stream(request, request_id, prompt, first, outputs)
-            return StreamingResponse(self.stream_errors(chunks), media_type="text/event-stream")
+            return StreamingResponse(self.stream_errors(chunks, outputs), media_type="text/event-stream")
         finals = await self.collect(outputs, request.n)
         choices = [
             ChatCompletionResponseChoice(
@@ -79,12 +79,8 @@ class OpenAIServingChat(OpenAIServing):
         for i in range(request.n):
             yield chunk([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
 
-        async def all_outputs():
-            yield first
-            async for item in rest:
-                yield item
-
-        async for i, out in all_outputs():
+        outputs = prepend(first, rest)
+        async for i, out in outputs:
             if not out.new_token_ids and not out.finished:
                 continue
             logprobs = self.logprobs(out.new_token_ids, out.new_logprobs) if request.logprobs else None

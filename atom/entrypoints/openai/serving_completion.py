@@ -18,7 +18,7 @@ from atom.entrypoints.openai.protocol import (
     CompletionStreamResponse,
     random_id,
 )
-from atom.entrypoints.openai.serving_engine import OpenAIServing, Prompt, sse
+from atom.entrypoints.openai.serving_engine import OpenAIServing, Prompt, prepend, sse
 from atom.worker.model_runner import TokenLogprobs
 
 
@@ -39,7 +39,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.stream:
             first = await self.first_output(outputs)
             chunks = self._stream(request, request_id, prompts, first, outputs)
-            return StreamingResponse(self.stream_errors(chunks), media_type="text/event-stream")
+            return StreamingResponse(self.stream_errors(chunks, outputs), media_type="text/event-stream")
         finals = await self.collect(outputs, len(prompts) * request.n)
         choices = [self._choice(request, i, prompts[i // request.n], out) for i, out in enumerate(finals)]
         usage = self.usage([len(p.token_ids) for p in prompts], finals)
@@ -66,12 +66,8 @@ class OpenAIServingCompletion(OpenAIServing):
         started = [False] * num_choices
         finals: list[RequestOutput | None] = [None] * num_choices
 
-        async def all_outputs():
-            yield first
-            async for item in rest:
-                yield item
-
-        async for i, out in all_outputs():
+        outputs = prepend(first, rest)
+        async for i, out in outputs:
             if not out.new_token_ids and not out.finished:
                 continue  # e.g. prompt logprobs of a prefill chunk: nothing to show yet
             prompt = prompts[i // request.n]

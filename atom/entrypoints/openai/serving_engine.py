@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import AsyncIterator
+from typing import TypeVar
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
@@ -17,6 +18,7 @@ from atom.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, SamplingR
 from atom.sampling_params import SamplingParams
 
 DEFAULT_MAX_TOKENS = 256  # the serving guide's default
+T = TypeVar("T")
 
 
 class OpenAIError(Exception):
@@ -163,8 +165,10 @@ class OpenAIServing:
     def token_str(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    async def stream_errors(self, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
-        """Turn an error after the stream has started into a final error event."""
+    async def stream_errors(self, chunks: AsyncIterator[str], outputs: AsyncIterator) -> AsyncIterator[str]:
+        """SSE ``chunks`` made from the engine ``outputs``, then ``[DONE]``; an error after
+        the stream has started becomes a final error event. Closing this stream (a client
+        that went away) closes ``outputs``, which aborts the engine requests."""
         try:
             async for chunk in chunks:
                 yield chunk
@@ -172,4 +176,13 @@ class OpenAIServing:
             yield sse(ErrorResponse(error=engine_dead_error(e).info))
         except ValueError as e:
             yield sse(ErrorResponse(error=OpenAIError(str(e)).info))
+        finally:
+            await chunks.aclose()
+            await outputs.aclose()
         yield sse("[DONE]")
+
+
+async def prepend(first: T, rest: AsyncIterator[T]) -> AsyncIterator[T]:
+    yield first
+    async for item in rest:
+        yield item

@@ -9,7 +9,8 @@ K/V it streams is read once for all of them.
 The grid's first axis enumerates query tiles without any host-side metadata: sequence
 ``i`` owns tiles ``cu_seqlens_q[i] // BLOCK_Q + i`` onwards, which leaves room for its
 ``cdiv(q_len, BLOCK_Q)`` tiles; a program finds its sequence by binary search over
-``cu_seqlens_q`` and exits if its tile is past the sequence's end.
+``cu_seqlens_q`` and exits if its tile is past the sequence's end. Tile sizes suit either
+decode or prefill, so a mixed batch whose decode rows come first is run as two launches.
 
 Split-K (flash decoding): with few sequences there are too few programs to fill the GPU,
 so the key range of each tile is cut into ``num_splits`` segments handled by separate
@@ -26,13 +27,13 @@ import triton.language as tl
 
 
 @triton.jit
-def _find_seq(cu_seqlens_q_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
-    """Largest sequence index ``i`` with ``cu_seqlens_q[i] // BLOCK_Q + i <= tile``."""
+def _find_seq(cu_seqlens_q_ptr, q_base, tile, num_seqs, BLOCK_Q: tl.constexpr):
+    """Largest sequence index ``i`` with ``(cu_seqlens_q[i] - q_base) // BLOCK_Q + i <= tile``."""
     lo: tl.int32 = 0
     hi = num_seqs
     while lo < hi:
         mid = (lo + hi) // 2
-        first_tile = tl.load(cu_seqlens_q_ptr + mid) // BLOCK_Q + mid
+        first_tile = (tl.load(cu_seqlens_q_ptr + mid) - q_base) // BLOCK_Q + mid
         if first_tile <= tile:
             lo = mid + 1
         else:
@@ -77,9 +78,12 @@ def _paged_attention_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
-    seq = _find_seq(cu_seqlens_q_ptr, tile, num_seqs, BLOCK_Q)
-    q_start = tl.load(cu_seqlens_q_ptr + seq)
-    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    # Token indices are relative to the first sequence's, so a launch can cover a slice
+    # of the batch (q_ptr and out_ptr then point at that slice's first token).
+    q_base = tl.load(cu_seqlens_q_ptr)
+    seq = _find_seq(cu_seqlens_q_ptr, q_base, tile, num_seqs, BLOCK_Q)
+    q_start = tl.load(cu_seqlens_q_ptr + seq) - q_base
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_base - q_start
     first_q = (tile - (q_start // BLOCK_Q + seq)) * BLOCK_Q
     if first_q >= q_len:
         return
@@ -195,39 +199,24 @@ def _config(head_dim: int, group_pad: int, max_seqlen_q: int, elem_bytes: int) -
     """Tile shapes. ``block_m`` query rows (query tokens x padded GQA group) per program:
     decode packs only the group (at least 16 rows, tl.dot's minimum); batches with long
     enough prefill chunks use large tiles. Wide rows (head_dim 256, or float32) get fewer
-    keys per step and float32 no multi-stage pipelining, to fit registers and shared memory."""
+    keys per step and float32 no multi-stage pipelining, to fit registers and shared memory.
+    Picked by the sweep of ``atom.benchmarks.kernel_bench`` on an H200."""
     row_bytes = head_dim * elem_bytes
     stages = 1 if elem_bytes == 4 else 2
     if max_seqlen_q * group_pad >= 128:
         if row_bytes > 256:
             return dict(block_m=max(64, group_pad), block_n=32, num_warps=4, num_stages=stages)
-        return dict(block_m=max(128, group_pad), block_n=64, num_warps=8, num_stages=stages)
+        return dict(block_m=max(128, group_pad), block_n=128, num_warps=8, num_stages=stages)
     return dict(block_m=max(16, group_pad), block_n=32 if row_bytes > 256 else 64, num_warps=4, num_stages=stages)
 
 
-def paged_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-    scale: float,
-    max_seqlen_q: int | None = None,
-    max_seqlen_k: int | None = None,
-    num_splits: int | None = None,
-) -> torch.Tensor:
-    """See ``atom.ops.reference.paged_attention``. ``max_seqlen_q``/``max_seqlen_k`` pick
-    the tile shape and the split-K factor; when left out they are read from the device
-    (a host sync). ``num_splits`` overrides the split-K heuristic (1 = no split)."""
+def _attend(
+    q, out, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, max_seqlen_q, max_seqlen_k, num_splits
+):
+    """One launch over a contiguous slice of the batch (q, out and the metadata sliced alike)."""
     num_tokens, num_q_heads, head_dim = q.shape
     _, num_kv_heads, page_size, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
-    out = torch.empty_like(q)
-    if num_tokens == 0:
-        return out
-    if max_seqlen_q is None:
-        max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     if num_splits is None:
         if max_seqlen_k is None and max_seqlen_q == 1:
             max_seqlen_k = int(seq_lens.max())
@@ -238,7 +227,6 @@ def paged_attention(
     cfg = _config(head_dim, group_pad, max_seqlen_q, q.element_size())
     block_q = cfg["block_m"] // group_pad
     num_tiles = num_tokens // block_q + num_seqs
-    q = q if q.stride(-1) == 1 else q.contiguous()
     split = num_splits > 1
     if split:
         part_out = torch.empty(num_tokens, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
@@ -294,4 +282,44 @@ def paged_attention(
             BLOCK_S=triton.next_power_of_2(num_splits),
             num_warps=4,
         )
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    *,
+    num_decode_tokens: int = 0,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """See ``atom.ops.reference.paged_attention``.
+
+    ``max_seqlen_q``/``max_seqlen_k`` pick the tile shape and the split-K factor; when left
+    out they are read from the device (a host sync). ``num_decode_tokens``: the batch's
+    first sequences are that many decode rows (``AttentionMetadata`` places them first);
+    in a mixed batch they then get a launch with decode tiles instead of sharing the
+    prefill's large tiles, which would compute mostly padding for them. ``num_splits``
+    overrides the split-K heuristic (1 = no split).
+    """
+    out = torch.empty_like(q)
+    if q.shape[0] == 0:
+        return out
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    if max_seqlen_q is None:
+        max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    n = num_decode_tokens
+    if max_seqlen_q > 1 and 0 < n < seq_lens.shape[0]:
+        decode = (cu_seqlens_q[: n + 1], seq_lens[:n], block_tables[:n])
+        prefill = (cu_seqlens_q[n:], seq_lens[n:], block_tables[n:])
+        _attend(q[:n], out[:n], k_cache, v_cache, *decode, scale, 1, max_seqlen_k, num_splits)
+        _attend(q[n:], out[n:], k_cache, v_cache, *prefill, scale, max_seqlen_q, max_seqlen_k, num_splits)
+    else:
+        metadata = (cu_seqlens_q, seq_lens, block_tables)
+        _attend(q, out, k_cache, v_cache, *metadata, scale, max_seqlen_q, max_seqlen_k, num_splits)
     return out

