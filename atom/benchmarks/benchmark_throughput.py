@@ -22,6 +22,9 @@ logger = logging.getLogger(__name__)
 
 
 def workload(num_seqs: int, max_input_len: int, max_output_len: int):
+    # reseeded here too: vLLM's start-up draws from `random`, nano-vllm's and atom's do not,
+    # so both engines get the same 133,966-token workload
+    random.seed(0)
     prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, max_input_len))] for _ in range(num_seqs)]
     max_tokens = [random.randint(100, max_output_len) for _ in range(num_seqs)]
     return prompts, max_tokens

@@ -1,200 +1,41 @@
-"""``EngineCore`` in a process of its own, driven over ZMQ by the API process.
+"""The API process's side of the engine core process: start it, send it requests over ZMQ,
+read its outputs in an asyncio task.
 
-The API process binds two IPC sockets: a PUSH socket that carries requests, aborts and
-utility calls to the core, and a PULL socket that receives outputs. The core process runs
-a busy loop: drain its input, run one step while there is work, send the step's outputs
-(with fresh stats), and block on its input when idle. Messages are pickled tuples; ZMQ
-keeps the order of each socket, so an abort sent before a stats call is applied first.
-
-The core process never outlives the API process: the kernel kills it when its parent dies
-(``PR_SET_PDEATHSIG``), it checks its parent while idle, and it ignores Ctrl-C so that the
-API process can finish or abort in-flight requests and then shut it down in order.
+The API process binds two IPC sockets in a private temporary directory: a PUSH socket that
+carries requests, aborts and utility calls to the core, and a PULL socket that receives
+outputs. Messages are pickled tuples (see ``engine_core_proc``); ZMQ keeps the order of each
+socket, so an abort sent before a stats call is applied first.
 """
 
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import itertools
 import logging
 import multiprocessing as mp
 import os
 import pickle
 import shutil
-import signal
-import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
-from multiprocessing import util as mp_util
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
 from atom.config import Config
-from atom.engine.engine_core import EngineCore, EngineCoreOutput, EngineCoreRequest, EngineStats
+from atom.engine.engine_core import EngineCoreOutput, EngineCoreRequest, EngineStats
+from atom.engine.engine_core_proc import IDLE_POLL_MS, CoreInfo, pack, run_engine_core
 
 logger = logging.getLogger(__name__)
 
-IDLE_POLL_MS = 500  # how often an idle core checks that its parent is alive
 STARTUP_TIMEOUT_S = 600.0
 SHUTDOWN_TIMEOUT_S = 10.0
 
 
 class EngineDeadError(RuntimeError):
     """The engine core process has died; no request can be served."""
-
-
-@dataclass(frozen=True)
-class CoreInfo:
-    """What the core measured at start-up and the API process needs for validation."""
-
-    num_blocks: int
-    block_size: int
-    max_seq_len: int  # longest sequence that fits: min(max_model_len, KV capacity)
-
-
-def _pack(msg: tuple) -> bytes:
-    return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
-
-
-# the core process
-
-
-def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when its parent dies (no-op elsewhere)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        PR_SET_PDEATHSIG = 1
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        pass
-
-
-def _raise_system_exit(signum, frame):
-    raise SystemExit(128 + signum)
-
-
-def run_engine_core(config: Config, in_addr: str, out_addr: str, ready_conn, parent_pid: int,
-                    log_level: int) -> None:
-    """Entry point of the core process (spawned)."""
-    _die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process coordinates shutdown
-    signal.signal(signal.SIGTERM, _raise_system_exit)
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [engine-core] %(name)s: %(message)s")
-    try:
-        core = EngineCore(config)
-    except BaseException:
-        ready_conn.send(("failed", traceback.format_exc()))
-        return
-    ctx = zmq.Context()
-    inp, out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    out.setsockopt(zmq.SNDHWM, 0)
-    inp.connect(in_addr)
-    out.connect(out_addr)
-    bm = core.block_manager
-    ready_conn.send(("ready", CoreInfo(bm.num_blocks, bm.block_size, core.scheduler.max_seq_len)))
-    ready_conn.close()
-    try:
-        EngineCoreProc(core, inp, out, parent_pid).run()
-    finally:
-        inp.close(linger=0)
-        out.close(linger=1000)
-        ctx.term()
-    # everything is flushed; skip the interpreter's teardown of torch and the model, which
-    # takes seconds and would only delay the server's shutdown
-    mp_util._exit_function()  # multiprocessing's own exit hook: releases named semaphores
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-class EngineCoreProc:
-    """The busy loop around one ``EngineCore``."""
-
-    def __init__(self, core: EngineCore, inp: zmq.Socket, out: zmq.Socket, parent_pid: int):
-        self.core = core
-        self.inp = inp
-        self.out = out
-        self.parent_pid = parent_pid
-        self.running = True
-
-    def run(self) -> None:
-        try:
-            while self.running:
-                self._handle_inputs(block=not self.core.has_unfinished_requests())
-                if self.running and self.core.has_unfinished_requests():
-                    outputs = self.core.step()
-                    if outputs:
-                        self.out.send(_pack(("outputs", outputs, self.core.stats())))
-        except SystemExit:
-            logger.info("engine core: terminated by signal")
-        except BaseException:
-            logger.exception("engine core failed")
-            self.out.send(_pack(("dead", traceback.format_exc())))
-            raise
-        finally:
-            self._stop_profiler()
-
-    def _handle_inputs(self, block: bool) -> None:
-        if block:
-            while not self.inp.poll(IDLE_POLL_MS):
-                if os.getppid() != self.parent_pid:
-                    logger.warning("engine core: parent process is gone, exiting")
-                    self.running = False
-                    return
-        while self.running:
-            try:
-                msg = pickle.loads(self.inp.recv(zmq.NOBLOCK))
-            except zmq.Again:
-                return
-            self._handle(msg)
-
-    def _handle(self, msg: tuple) -> None:
-        kind = msg[0]
-        if kind == "add":
-            req: EngineCoreRequest = msg[1]
-            try:
-                self.core.add_request(req)
-            except ValueError as e:
-                self.out.send(_pack(("add_error", req.request_id, str(e))))
-        elif kind == "abort":
-            self.core.abort_requests(msg[1])
-            self.out.send(_pack(("stats", self.core.stats())))
-        elif kind == "call":
-            self._call(msg[1], msg[2], msg[3])
-        elif kind == "shutdown":
-            self.core.abort_requests(list(self.core.requests))
-            self.running = False
-        else:
-            logger.error("engine core: unknown message %r", kind)
-
-    def _call(self, call_id: int, method: str, args: tuple) -> None:
-        handlers: dict[str, Callable[..., Any]] = {
-            "stats": self.core.stats,
-            "start_profile": self.core.runner.start_profile,
-            "stop_profile": self.core.runner.stop_profile,
-        }
-        try:
-            result, ok = handlers[method](*args), True
-        except Exception as e:  # the caller gets the error; the engine keeps serving
-            result, ok = f"{type(e).__name__}: {e}", False
-        self.out.send(_pack(("reply", call_id, ok, result)))
-
-    def _stop_profiler(self) -> None:
-        # flush a trace that is still being recorded rather than lose it
-        if self.core.runner.profiler is not None:
-            try:
-                self.core.runner.stop_profile()
-            except Exception:
-                logger.exception("engine core: could not stop the profiler")
-
-
-# the API process side
 
 
 class AsyncEngineCoreClient:
@@ -216,7 +57,7 @@ class AsyncEngineCoreClient:
         self.stats: EngineStats | None = None  # the latest the core sent
         self.dead_reason: str | None = None
         self.proc: mp.Process | None = None
-        self._ipc_dir = tempfile.mkdtemp(prefix="atom-ipc-")
+        self._ipc_dir: str | None = None
         self._ctx = zmq.asyncio.Context()
         self._inp: zmq.asyncio.Socket | None = None
         self._out: zmq.asyncio.Socket | None = None
@@ -230,6 +71,7 @@ class AsyncEngineCoreClient:
 
     async def start(self) -> CoreInfo:
         """Spawn the core process, wait until its model is loaded, start reading outputs."""
+        self._ipc_dir = tempfile.mkdtemp(prefix="atom-ipc-")
         in_addr = f"ipc://{self._ipc_dir}/input"
         out_addr = f"ipc://{self._ipc_dir}/output"
         self._inp = self._ctx.socket(zmq.PUSH)
@@ -292,7 +134,7 @@ class AsyncEngineCoreClient:
     def _send(self, msg: tuple) -> None:
         if self.is_dead:
             raise EngineDeadError(f"the engine core process is dead: {self.dead_reason}")
-        self._inp.send(_pack(msg), copy=False)
+        self._inp.send(pack(msg), copy=False)
 
     # outputs
     async def _read_loop(self) -> None:
@@ -344,14 +186,15 @@ class AsyncEngineCoreClient:
             self._reader.cancel()
         if self.proc is not None and self.proc.is_alive():
             if not self.is_dead:
-                self._inp.send(_pack(("shutdown",)))
+                self._inp.send(pack(("shutdown",)))
             await asyncio.get_running_loop().run_in_executor(None, self._join_or_kill)
         self.dead_reason = self.dead_reason or "the engine was shut down"
         for sock in (self._inp, self._out):
             if sock is not None:
                 sock.close(linger=0)
         self._ctx.term()
-        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+        if self._ipc_dir is not None:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
     def _join_or_kill(self) -> None:
         self.proc.join(SHUTDOWN_TIMEOUT_S)

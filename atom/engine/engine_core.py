@@ -63,6 +63,7 @@ class EngineCore:
         self.runner = ModelRunner(config)
         num_blocks = self.runner.determine_num_blocks()
         self.runner.allocate_kv_cache(num_blocks)
+        self.runner.warmup()
         self.runner.capture_cudagraphs()
         self.block_manager = BlockManager(num_blocks, config.cache_config.block_size,
                                           config.cache_config.enable_prefix_caching)

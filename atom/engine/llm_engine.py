@@ -105,13 +105,15 @@ class LLMEngine:
             if state is None:
                 continue
             try:
-                result, stopped = state.update(out)
+                result, stopped = state.update(out, want_output=state.stream_callback is not None)
             except Exception as e:  # a request failing here must not take down the others
                 logger.exception("request %s failed while processing its output", out.request_id)
                 self.abort_request(out.request_id)
                 raise RuntimeError(f"request {out.request_id} failed: {e}") from e
             if stopped:
                 self.core.abort_requests([out.request_id])
+            if result is None:
+                continue
             if state.stream_callback is not None and (result.new_token_ids or result.finished):
                 state.stream_callback(result)
             if result.finished:

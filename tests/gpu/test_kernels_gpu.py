@@ -3,10 +3,11 @@
 Run in its own pytest process (``pytest tests/gpu``): tests/kernels switches Triton to its
 CPU interpreter for the whole process.
 
-Tolerances (max abs error against the reference run in float32 on the same inputs):
-bf16 outputs of magnitude ~1 within 2e-2 (a few bf16 ulps; attention and MoE accumulate in
-float32 but round P / intermediate activations to bf16 like the model does), fp16 within
-4e-3, fp32 within 1e-4 (fp32 attention and MoE use IEEE dots, not tf32).
+Tolerances: max abs error against the reference (run in float32 on the same inputs for
+attention and MoE), per unit of the output's largest magnitude (at least 1): bf16 2e-2
+(a few bf16 ulps; attention and MoE accumulate in float32 but round P / intermediate
+activations to bf16 like the model does), fp16 4e-3, fp32 1e-4 (float32 attention and MoE
+use 3-pass tf32 dots, accurate to about float32).
 """
 
 import os
@@ -29,7 +30,8 @@ def assert_close(out, ref, dtype, scale=1.0):
     assert out.shape == ref.shape
     assert not out.isnan().any()
     err = (out.double() - ref.double()).abs().max().item()
-    assert err <= TOLERANCE[dtype] * scale, f"max abs error {err}"
+    magnitude = max(1.0, ref.abs().max().item())
+    assert err <= TOLERANCE[dtype] * scale * magnitude, f"max abs error {err} at magnitude {magnitude}"
 
 
 @pytest.fixture(autouse=True)
@@ -89,6 +91,17 @@ def test_paged_attention(model, batch, block_size):
     assert_close(out, reference_attention(*args, scale), dtype)
 
 
+@pytest.mark.parametrize("model", ["qwen3_8b", "d256_gqa2"])
+def test_paged_attention_decode_first(model):
+    # Decode rows placed first get their own launch with decode tiles.
+    q_lens = [1] * 100 + [700, 1000]
+    context_lens = torch.randint(1, 4000, (100,)).tolist() + [1500, 0]
+    args = make_batch(q_lens, context_lens, *MODELS[model], 16, torch.bfloat16)
+    scale = MODELS[model][2] ** -0.5
+    out = tk.paged_attention(*args, scale, 1000, 5500, num_decode_tokens=100)
+    assert_close(out, reference_attention(*args, scale), torch.bfloat16)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_paged_attention_dtypes(dtype):
     args = make_batch([1] * 4 + [300], [5000, 20, 700, 64, 200], 32, 8, 128, 16, dtype)
@@ -123,7 +136,7 @@ def test_rms_norm(num_tokens, hidden, dtype):
 @pytest.mark.parametrize("num_tokens, inter", [(1, 12288), (512, 3072), (300, 768)])
 def test_silu_and_mul(num_tokens, inter, dtype):
     x = torch.randn(num_tokens, 2 * inter, dtype=dtype, device=DEV)
-    assert_close(tk.silu_and_mul(x), reference.silu_and_mul(x), dtype, scale=8)
+    assert_close(tk.silu_and_mul(x), reference.silu_and_mul(x), dtype, scale=2)
 
 
 @pytest.mark.parametrize("qk_norm", [True, False])

@@ -180,7 +180,8 @@ def register_attention_backend() -> None:
     """Point vLLM's CUSTOM attention backend slot at atom's backend (idempotent)."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    register_backend(AttentionBackendEnum.CUSTOM, f"{ATOMAttentionBackend.__module__}.{ATOMAttentionBackend.__qualname__}")
+    backend = ATOMAttentionBackend
+    register_backend(AttentionBackendEnum.CUSTOM, f"{backend.__module__}.{backend.__qualname__}")
 
 
 register_attention_backend()

@@ -53,7 +53,6 @@ def check_supported(vllm_config, arch: str) -> None:
     parallel = vllm_config.parallel_config
     unsupported = [name for name, present in (
         ("pipeline parallelism", parallel.pipeline_parallel_size > 1),
-        ("expert parallelism", getattr(parallel, "enable_expert_parallel", False)),
         (f"quantization ({getattr(vllm_config.quant_config, 'get_name', lambda: '?')()})",
          vllm_config.quant_config is not None),
         ("LoRA", vllm_config.lora_config is not None),
@@ -65,6 +64,9 @@ def check_supported(vllm_config, arch: str) -> None:
             f"atom's {arch} inside vLLM does not support {', '.join(unsupported)}; "
             "set ATOM_DISABLE_VLLM_PLUGIN=1 to run vLLM's own implementation"
         )
+    if getattr(parallel, "enable_expert_parallel", False):
+        logger.warning("atom's MoE layers shard every expert over the tensor-parallel group; "
+                       "--enable-expert-parallel does not change how atom's %s places experts", arch)
 
 
 def attach_vllm_attention(model: nn.Module, vllm_config, prefix: str = "") -> int:

@@ -109,6 +109,7 @@ class ATOMPlatform(_Base):  # type: ignore[misc, valid-type]
         # the first hook that runs after vLLM has configured its logging
         _log_once(f"atom platform active: ATOMPlatform extends {_base_qualname}")
 
+
 _logged: set[str] = set()
 
 

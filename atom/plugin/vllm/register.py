@@ -9,6 +9,16 @@ PLATFORM_CLS = "atom.plugin.vllm.platform.ATOMPlatform"
 WRAPPER_MODULE = "atom.plugin.vllm.model_wrapper"
 
 
+def _switched_off() -> bool:
+    try:
+        if plugin_disabled():
+            return True
+    except ValueError as e:  # a malformed switch turns the plugin off, loudly
+        logger.error("%s; atom's vLLM plugin stays off", e)
+        return True
+    return vllm_unsupported() is not None
+
+
 def register_platform() -> str | None:
     """``vllm.platform_plugins`` entry point: the qualified name of atom's platform class, or
     None (vLLM then picks its own platform) when the plugin is switched off, the vLLM version is
@@ -16,7 +26,7 @@ def register_platform() -> str | None:
 
     vLLM calls this while it resolves ``vllm.platforms.current_platform``, so nothing here (nor
     the platform module) may read ``current_platform``."""
-    if plugin_disabled() or vllm_unsupported() is not None:
+    if _switched_off():
         return None
     from atom.plugin.vllm.platform import detect_base_platform
 
@@ -29,7 +39,7 @@ def register_model() -> None:
     """``vllm.general_plugins`` entry point: point every architecture atom implements at a thin
     wrapper around atom's model class in vLLM's ``ModelRegistry`` (lazily, by name: the class is
     imported only when vLLM builds that model)."""
-    if plugin_disabled() or vllm_unsupported() is not None:
+    if _switched_off():
         return
     from vllm import ModelRegistry
 
@@ -40,7 +50,7 @@ def register_model() -> None:
     for arch in supported_architectures():
         target = f"{WRAPPER_MODULE}:{wrapper_name(arch)}"
         current = ModelRegistry.models.get(arch)
-        if current is not None and f"{getattr(current, 'module_name', '')}:{getattr(current, 'class_name', '')}" == target:
+        if f"{getattr(current, 'module_name', '')}:{getattr(current, 'class_name', '')}" == target:
             continue  # already registered in this process
         ModelRegistry.register_model(arch, target)
         registered.append(arch)

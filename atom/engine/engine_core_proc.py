@@ -1,0 +1,174 @@
+"""The engine core process: one ``EngineCore`` in a busy loop, driven over ZMQ.
+
+It drains its input socket (requests, aborts, utility calls, shutdown), runs one step while
+there is work, and sends the step's outputs with fresh stats; when idle it blocks on its
+input. It never outlives the API process: the kernel kills it when its parent dies
+(``PR_SET_PDEATHSIG``), it checks its parent while idle, and it ignores Ctrl-C so that the
+API process can finish or abort in-flight requests and then shut it down in order.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import pickle
+import signal
+import sys
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing import util as mp_util
+from typing import Any
+
+import zmq
+
+from atom.config import Config
+from atom.engine.engine_core import EngineCore, EngineCoreRequest
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_MS = 500  # how often an idle core checks that its parent is alive
+
+
+@dataclass(frozen=True)
+class CoreInfo:
+    """What the core measured at start-up and the API process needs for validation."""
+
+    num_blocks: int
+    block_size: int
+    max_seq_len: int  # longest sequence that fits: min(max_model_len, KV capacity)
+
+
+def pack(msg: tuple) -> bytes:
+    return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent dies (no-op elsewhere)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def _raise_system_exit(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+def run_engine_core(config: Config, in_addr: str, out_addr: str, ready_conn, parent_pid: int,
+                    log_level: int) -> None:
+    """Entry point of the core process (spawned)."""
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process coordinates shutdown
+    signal.signal(signal.SIGTERM, _raise_system_exit)
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [engine-core] %(name)s: %(message)s")
+    try:
+        core = EngineCore(config)
+    except BaseException:
+        ready_conn.send(("failed", traceback.format_exc()))
+        return
+    ctx = zmq.Context()
+    inp, out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    out.setsockopt(zmq.SNDHWM, 0)
+    inp.connect(in_addr)
+    out.connect(out_addr)
+    bm = core.block_manager
+    ready_conn.send(("ready", CoreInfo(bm.num_blocks, bm.block_size, core.scheduler.max_seq_len)))
+    ready_conn.close()
+    try:
+        EngineCoreProc(core, inp, out, parent_pid).run()
+    finally:
+        inp.close(linger=0)
+        out.close(linger=1000)
+        ctx.term()
+    # everything is flushed; skip the interpreter's teardown of torch and the model, which
+    # takes seconds and would only delay the server's shutdown
+    mp_util._exit_function()  # multiprocessing's own exit hook: releases named semaphores
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+class EngineCoreProc:
+    """The busy loop around one ``EngineCore``."""
+
+    def __init__(self, core: EngineCore, inp: zmq.Socket, out: zmq.Socket, parent_pid: int):
+        self.core = core
+        self.inp = inp
+        self.out = out
+        self.parent_pid = parent_pid
+        self.running = True
+
+    def run(self) -> None:
+        try:
+            while self.running:
+                self._handle_inputs(block=not self.core.has_unfinished_requests())
+                if self.running and self.core.has_unfinished_requests():
+                    outputs = self.core.step()
+                    if outputs:
+                        self.out.send(pack(("outputs", outputs, self.core.stats())))
+        except SystemExit:
+            logger.info("engine core: terminated by signal")
+        except BaseException:
+            logger.exception("engine core failed")
+            self.out.send(pack(("dead", traceback.format_exc())))
+            raise
+        finally:
+            self._stop_profiler()
+
+    def _handle_inputs(self, block: bool) -> None:
+        if block:
+            while not self.inp.poll(IDLE_POLL_MS):
+                if os.getppid() != self.parent_pid:
+                    logger.warning("engine core: parent process is gone, exiting")
+                    self.running = False
+                    return
+        while self.running:
+            try:
+                msg = pickle.loads(self.inp.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            self._handle(msg)
+
+    def _handle(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "add":
+            req: EngineCoreRequest = msg[1]
+            try:
+                self.core.add_request(req)
+            except ValueError as e:
+                self.out.send(pack(("add_error", req.request_id, str(e))))
+        elif kind == "abort":
+            self.core.abort_requests(msg[1])
+            self.out.send(pack(("stats", self.core.stats())))
+        elif kind == "call":
+            self._call(msg[1], msg[2], msg[3])
+        elif kind == "shutdown":
+            self.core.abort_requests(list(self.core.requests))
+            self.running = False
+        else:
+            logger.error("engine core: unknown message %r", kind)
+
+    def _call(self, call_id: int, method: str, args: tuple) -> None:
+        handlers: dict[str, Callable[..., Any]] = {
+            "stats": self.core.stats,
+            "start_profile": self.core.runner.start_profile,
+            "stop_profile": self.core.runner.stop_profile,
+        }
+        try:
+            result, ok = handlers[method](*args), True
+        except Exception as e:  # the caller gets the error; the engine keeps serving
+            result, ok = f"{type(e).__name__}: {e}", False
+        self.out.send(pack(("reply", call_id, ok, result)))
+
+    def _stop_profiler(self) -> None:
+        # flush a trace that is still being recorded rather than lose it
+        if self.core.runner.profiler is not None:
+            try:
+                self.core.runner.stop_profile()
+            except Exception:
+                logger.exception("engine core: could not stop the profiler")
