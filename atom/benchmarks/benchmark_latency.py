@@ -86,7 +86,8 @@ def main(argv=None) -> dict:
                   floor_ms=round(floor * 1e3, 3), fraction_of_floor=round(floor / tpot, 3),
                   copy_bandwidth_gbs=round(bw / 1e9, 1), weight_gb=round(weight_bytes(args.model) / 1e9, 3))
     print("| engine | model | TPOT (ms) | floor (ms) | floor/TPOT | copy GB/s |\n|---|---|---|---|---|---|\n"
-          f"| {args.engine} | {args.model} | {tpot * 1e3:.3f} | {floor * 1e3:.3f} | {floor / tpot:.2f} | {bw / 1e9:.0f} |")
+          f"| {args.engine} | {args.model} | {tpot * 1e3:.3f} | {floor * 1e3:.3f} | {floor / tpot:.2f} "
+          f"| {bw / 1e9:.0f} |")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=1)
