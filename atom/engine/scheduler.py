@@ -99,7 +99,9 @@ class Scheduler:
                 counts.append(n)
                 budget -= n
                 self._prev_prompt = True
-        return ScheduledBatch(seqs, counts)
+        # decode rows first: the attention kernel launches them with their own tile shape
+        order = sorted(range(len(seqs)), key=lambda i: counts[i] != 1)
+        return ScheduledBatch([seqs[i] for i in order], [counts[i] for i in order])
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)

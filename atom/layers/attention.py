@@ -66,7 +66,8 @@ class Attention(nn.Module):
             o = _prompt_attention(q, k, v, meta.cu_seqlens_q, self.scale)
         else:
             o = ops.paged_attention(q, self.k_cache, self.v_cache, meta.cu_seqlens_q, meta.seq_lens,
-                                    meta.block_tables, self.scale, meta.max_seqlen_q, meta.max_seqlen_k)
+                                    meta.block_tables, self.scale, meta.max_seqlen_q, meta.max_seqlen_k,
+                                    meta.num_decode_tokens)
         return o.flatten(1)
 
 

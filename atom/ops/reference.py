@@ -100,12 +100,15 @@ def paged_attention(
     scale: float,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
+    num_decode_tokens: int = 0,
 ) -> torch.Tensor:
     """Causal attention of a mixed batch over the paged cache (new K/V already stored).
 
     Sequence ``i`` owns query rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]``: the last
     ``q_len`` of its ``seq_lens[i]`` tokens. A decode row is simply ``q_len == 1``.
     ``q``: [T, Hq, D]; returns [T, Hq, D]. GQA when Hq is a multiple of Hk.
+    ``num_decode_tokens``: the first that many sequences are decode rows (a hint that lets
+    a kernel launch them separately; the reference ignores it).
     """
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
     group = q.shape[1] // num_kv_heads

@@ -189,7 +189,7 @@ class ModelRunner:
             block_tables=dev[o + 2 * num_seqs + 1 :].view(num_seqs, width).to(torch.int32),
             max_seqlen_q=max(batch.num_new_tokens),
             max_seqlen_k=max(seq_lens),
-            num_decode_tokens=sum(1 for n in batch.num_new_tokens if n == 1),
+            num_decode_tokens=_leading_decodes(batch.num_new_tokens),
         )
         return dev[:t], dev[t : 2 * t], meta
 
@@ -319,6 +319,14 @@ class ModelRunner:
         skip = max(0, seq.num_prompt_logprobs_done - (start + 1))
         seq.num_prompt_logprobs_done = max(seq.num_prompt_logprobs_done, start + 1 + len(result))
         return result[skip:]
+
+
+def _leading_decodes(counts: list[int]) -> int:
+    """Rows with one new token at the head of the batch (the scheduler puts decodes first)."""
+    n = 0
+    while n < len(counts) and counts[n] == 1:
+        n += 1
+    return n
 
 
 def _token_logprobs(lp, j: int, token_id: int, n: int) -> TokenLogprobs:

@@ -1,27 +1,49 @@
-import random, sys, time, torch
+"""Where the time of the throughput workload goes: wall time of prefill-carrying steps vs
+pure decode steps, and a torch-profiler kernel table over decode steps 300-340.
+
+    PYTHONPATH=. python tests/gpu/profile_steps.py qwen3-0.6b
+"""
+
+import random
+import sys
+import time
+
+import torch
+
 from atom import LLMEngine, SamplingParams
+from atom.benchmarks.benchmark_throughput import workload
 from atom.benchmarks.model_configs import model_dir
-m = sys.argv[1]
-llm = LLMEngine(model_dir(m), load_dummy=True, skip_tokenizer_init=True, max_model_len=4096)
-random.seed(0)
-prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))] for _ in range(256)]
-params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=random.randint(100, 1024)) for _ in range(256)]
-llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)
-# time split: prefill steps vs decode steps
-ids = llm.add_request(prompts, params)
-t_pref = t_dec = 0.0; n_pref = n_dec = 0
-prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
-step = 0
-while not llm.is_finished():
-    batch_has_prefill = any(s.num_tokens - s.num_computed_tokens > 1 for s in llm.core.scheduler.running) or bool(llm.core.scheduler.waiting)
-    if step == 300: prof.start()
-    torch.cuda.synchronize(); t = time.perf_counter()
-    llm.step()
-    torch.cuda.synchronize(); dt = time.perf_counter() - t
-    if step == 340: prof.stop()
-    if batch_has_prefill: t_pref += dt; n_pref += 1
-    else: t_dec += dt; n_dec += 1
-    step += 1
-print(f"{m}: prefill-ish steps {n_pref} {t_pref:.2f}s; decode steps {n_dec} {t_dec:.2f}s ({1000*t_dec/max(n_dec,1):.2f} ms/step)")
-print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
-print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=14, max_name_column_width=60))
+
+
+def main(name: str) -> None:
+    llm = LLMEngine(model_dir(name), load_dummy=True, skip_tokenizer_init=True, max_model_len=4096)
+    random.seed(0)
+    prompts, max_tokens = workload(256, 1024, 1024)
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)
+    llm.add_request(prompts, [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens])
+    times = {"prefill": [0.0, 0], "decode": [0.0, 0]}
+    prof = torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
+    step = 0
+    while not llm.is_finished():
+        sched = llm.core.scheduler
+        kind = "prefill" if sched.waiting or any(s.num_tokens - s.num_computed_tokens > 1 for s in sched.running) \
+            else "decode"
+        if step == 300:
+            prof.start()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        llm.step()
+        torch.cuda.synchronize()
+        times[kind][0] += time.perf_counter() - start
+        times[kind][1] += 1
+        if step == 340:
+            prof.stop()
+        step += 1
+    for kind, (t, n) in times.items():
+        print(f"{name}: {kind} steps {n}, {t:.2f} s ({1000 * t / max(n, 1):.2f} ms/step)")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -296,7 +296,6 @@ def paged_attention(
     scale: float,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
-    *,
     num_decode_tokens: int = 0,
     num_splits: int | None = None,
 ) -> torch.Tensor:

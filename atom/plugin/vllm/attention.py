@@ -25,6 +25,7 @@ from vllm.v1.attention.backend import (
     AttentionType,
     CommonAttentionMetadata,
 )
+from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
 from atom import ops
 
@@ -77,14 +78,17 @@ class ATOMAttentionMetadata:
     seq_lens: torch.Tensor  # [B] int32: tokens of each request after this step
     block_table: torch.Tensor  # [B, max_blocks] int32
     slot_mapping: torch.Tensor  # [T] int64
+    num_decode_tokens: int = 0  # mixed batches: rows with q_len == 1, placed first
 
 
 class ATOMAttentionMetadataBuilder(AttentionMetadataBuilder[ATOMAttentionMetadata]):
-    """Passes vLLM's common metadata through: atom's kernels take mixed prefill/decode batches
-    in any order, so nothing is reordered or split."""
+    """Passes vLLM's common metadata through. atom's kernels take mixed prefill/decode batches
+    in any order; with decodes first (vLLM reorders the batch for a threshold of 1) the Triton
+    kernel gives them decode-sized tiles."""
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self._init_reorder_batch_threshold(1)
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
@@ -97,6 +101,9 @@ class ATOMAttentionMetadataBuilder(AttentionMetadataBuilder[ATOMAttentionMetadat
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> ATOMAttentionMetadata:
         m = common_attn_metadata
+        num_decodes = 0
+        if m.max_query_len > 1:  # from the host copy of the query lengths: no device sync
+            num_decodes = split_decodes_and_prefills(m, decode_threshold=1)[0]
         return ATOMAttentionMetadata(
             num_actual_tokens=m.num_actual_tokens,
             max_query_len=m.max_query_len,
@@ -105,6 +112,7 @@ class ATOMAttentionMetadataBuilder(AttentionMetadataBuilder[ATOMAttentionMetadat
             seq_lens=m.seq_lens,
             block_table=m.block_table_tensor,
             slot_mapping=m.slot_mapping,
+            num_decode_tokens=num_decodes,
         )
 
 
@@ -170,8 +178,9 @@ class ATOMAttentionImpl(AttentionImpl[ATOMAttentionMetadata]):
         m = attn_metadata
         n = m.num_actual_tokens
         k_cache, v_cache = split_kv_cache(kv_cache, self.head_size)
+        hint = {"num_decode_tokens": m.num_decode_tokens} if m.num_decode_tokens else {}
         out = ops.paged_attention(query[:n], k_cache, v_cache, m.query_start_loc, m.seq_lens, m.block_table,
-                                  self.scale, m.max_query_len, m.max_seq_len)
+                                  self.scale, m.max_query_len, m.max_seq_len, **hint)
         output[:n].copy_(out.view_as(output[:n]))
         return output
 
