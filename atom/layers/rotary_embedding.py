@@ -33,6 +33,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv_freq, scaling = inv_freq_and_scaling(config, head_dim)
         t = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq.float())
+        # transformers' RoPE functions build inv_freq on the CPU; t lives where the model is built
+        freqs = torch.outer(t, inv_freq.float().to(t.device))
         cache = torch.cat((freqs.cos() * scaling, freqs.sin() * scaling), dim=-1)
         self.register_buffer("cos_sin_cache", cache, persistent=False)

