@@ -60,13 +60,14 @@ def test_arc_easy_through_the_server_matches_hf(tmp_path):
 
     # the same weights in float32: every choice's loglikelihood agrees (seen: within 5e-5), so the
     # accuracies are identical, not just within a standard error
-    ours, reference = read_samples(str(tmp_path / "results-completions")), read_samples(str(tmp_path / "results-hf"))
-    assert ours.keys() == reference.keys() == set(range(ARC_DOCS))
-    for doc_id, loglikelihoods in ours.items():
-        assert loglikelihoods == pytest.approx(reference[doc_id], abs=1e-3), doc_id
+    atom_loglikelihoods = read_samples(str(tmp_path / "results-completions"))
+    hf_loglikelihoods = read_samples(str(tmp_path / "results-hf"))
+    assert atom_loglikelihoods.keys() == hf_loglikelihoods.keys() == set(range(ARC_DOCS))
+    for doc_id, loglikelihoods in atom_loglikelihoods.items():
+        assert loglikelihoods == pytest.approx(hf_loglikelihoods[doc_id], abs=1e-3), doc_id
     for metric in ("acc,none", "acc_norm,none"):
-        assert results["completions"]["results"]["atom_arc_easy"][metric] == results["hf"]["results"]["atom_arc_easy"][
-            metric]
+        atom_score = results["completions"]["results"]["atom_arc_easy"][metric]
+        assert atom_score == results["hf"]["results"]["atom_arc_easy"][metric], metric
 
 
 # The first request of every task as lm-eval builds it, in a subprocess: `datasets` reads its offline
@@ -97,8 +98,9 @@ def test_task_files(tmp_path):
         with open(tmp_path / f"{task}.jsonl") as f:
             assert sum(1 for _ in f) == count, task
 
-    run = subprocess.run([lm_eval_python(), "-c", RENDER, str(tmp_path), *names.values()], capture_output=True, text=True,
-                         env={**os.environ, **accuracy.OFFLINE_ENV}, timeout=300)
+    env = {**os.environ, **accuracy.OFFLINE_ENV}
+    run = subprocess.run([lm_eval_python(), "-c", RENDER, str(tmp_path), *names.values()],
+                         capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-5000:]
     rendered = json.loads(run.stdout.strip().splitlines()[-1])
 
