@@ -98,28 +98,32 @@ class LLMEngine:
         return not self.core.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; stream new tokens to callbacks and return finished requests."""
+        """Run one engine step; stream new tokens to callbacks and return finished requests.
+        A request whose output processing or stream callback raises is finished with
+        ``finish_reason="error"`` (its blocks freed); the others carry on."""
         finished = []
         for out in self.core.step():
             state = self.states.get(out.request_id)
             if state is None:
                 continue
             try:
-                result, stopped = state.update(out, want_output=state.stream_callback is not None)
-            except Exception as e:  # a request failing here must not take down the others
-                logger.exception("request %s failed while processing its output", out.request_id)
-                self.abort_request(out.request_id)
-                raise RuntimeError(f"request {out.request_id} failed: {e}") from e
-            if stopped:
+                result = self._process(state, out)
+            except Exception:
+                logger.exception("request %s failed; finishing it with an error", out.request_id)
                 self.core.abort_requests([out.request_id])
-            if result is None:
-                continue
-            if state.stream_callback is not None and (result.new_token_ids or result.finished):
-                state.stream_callback(result)
-            if result.finished:
+                result = state.fail()
+            if result is not None and result.finished:
                 self.states.pop(out.request_id, None)
                 finished.append(result)
         return finished
+
+    def _process(self, state: RequestState, out) -> RequestOutput | None:
+        result, stopped = state.update(out, want_output=state.stream_callback is not None)
+        if stopped:
+            self.core.abort_requests([out.request_id])
+        if result is not None and state.stream_callback is not None and (result.new_token_ids or result.finished):
+            state.stream_callback(result)
+        return result
 
     def generate(
         self,

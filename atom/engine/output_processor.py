@@ -128,6 +128,11 @@ class RequestState:
             return None, stopped
         return self._output(out, delta, finish_reason, now), stopped
 
+    def fail(self) -> RequestOutput:
+        """The final output of a request that failed while being processed."""
+        empty = EngineCoreOutput(self.request_id, [], "error")
+        return self._output(empty, "", "error", time.time())
+
     def _find_stop(self, old_len: int) -> int | None:
         start = max(0, old_len - self.hold)
         best = None

@@ -157,3 +157,18 @@ def test_load_dummy_needs_only_config(tiny_model, tmp_path):
             shutil.copy(os.path.join(tiny_model("qwen3"), f), only_cfg)
     eng = LLMEngine(str(only_cfg), load_dummy=True, max_model_len=128)
     assert eng.generate(["hi"], SamplingParams(max_tokens=3), use_tqdm=False)[0]["num_tokens_output"] == 3
+
+
+def test_request_failing_in_its_callback_fails_alone(engine):
+    def explode(out):
+        raise RuntimeError("callback bug")
+
+    bad = engine.add_request(["Once upon a time"], SamplingParams(temperature=0, max_tokens=6), stream_callback=explode)
+    good = engine.add_request(["def add(a, b):"], SamplingParams(temperature=0, max_tokens=6))
+    done = {}
+    while not engine.is_finished():
+        for out in engine.step():
+            done[out.request_id] = out
+    assert done[bad[0]].finish_reason == "error"
+    assert done[good[0]].finish_reason == "length" and len(done[good[0]].token_ids) == 6
+    assert engine.core.block_manager.num_free_blocks == engine.core.block_manager.num_blocks
