@@ -17,7 +17,8 @@ from atom.engine.block_manager import BlockManager
 from atom.engine.scheduler import Scheduler
 from atom.engine.sequence import Sequence
 from atom.sampling_params import SamplingParams
-from atom.worker.model_runner import ModelRunner, TokenLogprobs
+from atom.worker.logprobs import TokenLogprobs
+from atom.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from atom.engine.engine_core import EngineCoreOutput
 from atom.sampling_params import SamplingParams
-from atom.worker.model_runner import TokenLogprobs
+from atom.worker.logprobs import TokenLogprobs
 
 # tokens of context decoded before the new ones, so that a word's leading space and
 # multi-byte characters split across tokens come out right

@@ -4,7 +4,6 @@ model (eagerly or through a captured CUDA graph), sample, and return token ids."
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -17,20 +16,13 @@ from atom.engine.scheduler import ScheduledBatch
 from atom.forward_context import AttentionMetadata, set_forward_context
 from atom.layers.attention import Attention
 from atom.model_loader.loader import load_model
-from atom.worker.sampler import SamplingTensors, sample, top_logprobs
+from atom.worker.logprobs import TokenLogprobs, prompt_logprobs, token_logprobs, top_logprobs
+from atom.worker.profiler import start_torch_profiler
+from atom.worker.sampler import SamplingTensors, sample
 
 logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_BYTES = 2 << 30
-PROMPT_LOGPROBS_CHUNK = 512  # rows of logits materialised at a time for prompt logprobs
-
-
-@dataclass
-class TokenLogprobs:
-    token_id: int
-    logprob: float
-    rank: int
-    top: list[tuple[int, float]]  # (token id, logprob), best first
 
 
 @dataclass
@@ -60,20 +52,9 @@ class ModelRunner:
 
     # profiling (serving guide section 5)
     def start_profile(self, rank_dir: str = "rank_0") -> None:
-        root = self.config.torch_profiler_dir
-        if root is None:
-            raise RuntimeError("profiling needs --torch-profiler-dir or ATOM_TORCH_PROFILER_DIR")
         if self.profiler is not None:
             raise RuntimeError("the profiler is already running")
-        more = os.environ.get("ATOM_PROFILER_MORE", "0") == "1"
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if self.device.type == "cuda":
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-        self.profiler = torch.profiler.profile(
-            activities=activities, record_shapes=more, with_stack=more, profile_memory=more,
-            on_trace_ready=torch.profiler.tensorboard_trace_handler(os.path.join(root, rank_dir), use_gzip=True),
-        )
-        self.profiler.start()
+        self.profiler = start_torch_profiler(self.config.torch_profiler_dir, rank_dir, self.device)
 
     def stop_profile(self) -> None:
         if self.profiler is None:
@@ -298,27 +279,12 @@ class ModelRunner:
             for j, (i, tok) in enumerate(zip(rows, tokens.tolist())):
                 out.sampled[i] = tok
                 if lp is not None and want[j] is not None:
-                    out.logprobs[i] = _token_logprobs(lp, j, tok, want[j])
+                    out.logprobs[i] = token_logprobs(lp, j, tok, want[j])
         for i, seq in enumerate(batch.seqs):
             if seq.sampling_params.prompt_logprobs is not None and seq.num_computed_tokens < seq.num_prompt_tokens:
-                out.prompt_logprobs[i] = self._prompt_logprobs(hidden, seq, int(cu[i]), batch.num_new_tokens[i])
+                out.prompt_logprobs[i] = prompt_logprobs(self.model.compute_logits, hidden, seq, int(cu[i]),
+                                                         batch.num_new_tokens[i])
         return out
-
-    def _prompt_logprobs(self, hidden, seq, row0: int, n: int) -> list[TokenLogprobs]:
-        """Logprobs of prompt tokens ``start+1 .. start+n`` (each predicted by the row before)."""
-        start = seq.num_computed_tokens
-        count = min(n, seq.num_prompt_tokens - 1 - start)
-        result, top_n = [], seq.sampling_params.prompt_logprobs
-        for off in range(0, max(count, 0), PROMPT_LOGPROBS_CHUNK):
-            m = min(PROMPT_LOGPROBS_CHUNK, count - off)
-            logits = self.model.compute_logits(hidden[row0 + off : row0 + off + m])
-            targets = torch.tensor(seq.token_ids[start + off + 1 : start + off + 1 + m], device=logits.device)
-            lp = top_logprobs(logits, targets, top_n)
-            result.extend(_token_logprobs(lp, j, int(targets[j]), top_n) for j in range(m))
-        # position start+1+j is new only if not returned before a preemption
-        skip = max(0, seq.num_prompt_logprobs_done - (start + 1))
-        seq.num_prompt_logprobs_done = max(seq.num_prompt_logprobs_done, start + 1 + len(result))
-        return result[skip:]
 
 
 def _leading_decodes(counts: list[int]) -> int:
@@ -327,9 +293,3 @@ def _leading_decodes(counts: list[int]) -> int:
     while n < len(counts) and counts[n] == 1:
         n += 1
     return n
-
-
-def _token_logprobs(lp, j: int, token_id: int, n: int) -> TokenLogprobs:
-    chosen, top_ids, top_vals, ranks = lp
-    top = list(zip(top_ids[j, :n].tolist(), top_vals[j, :n].tolist()))
-    return TokenLogprobs(token_id, float(chosen[j]), int(ranks[j]), top)

@@ -45,13 +45,3 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     probs = torch.softmax(scaled, dim=-1)
     sampled = (probs / _exponential_noise(probs.shape, t.generators, probs.device)).argmax(dim=-1)
     return torch.where(t.temperatures > 0, sampled, greedy)
-
-
-def top_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, n: int):
-    """Log-probabilities (of the raw model distribution, as vLLM reports them) of
-    ``token_ids`` and the top ``n`` per row: (chosen [B], top ids [B, n], top values [B, n])."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logprobs.gather(-1, token_ids.view(-1, 1).long()).squeeze(-1)
-    top_vals, top_ids = logprobs.topk(n, dim=-1) if n > 0 else (logprobs[:, :0], logprobs[:, :0].long())
-    ranks = (logprobs > chosen[:, None]).sum(-1) + 1
-    return chosen, top_ids, top_vals, ranks

@@ -23,7 +23,7 @@ from atom.entrypoints.openai.protocol import (
     random_id,
 )
 from atom.entrypoints.openai.serving_engine import OpenAIError, OpenAIServing, Prompt, prepend, sse
-from atom.worker.model_runner import TokenLogprobs
+from atom.worker.logprobs import TokenLogprobs
 
 
 class OpenAIServingChat(OpenAIServing):

@@ -19,7 +19,7 @@ from atom.entrypoints.openai.protocol import (
     random_id,
 )
 from atom.entrypoints.openai.serving_engine import OpenAIServing, Prompt, prepend, sse
-from atom.worker.model_runner import TokenLogprobs
+from atom.worker.logprobs import TokenLogprobs
 
 
 class OpenAIServingCompletion(OpenAIServing):
