@@ -99,7 +99,6 @@ class EngineCore:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
-        cached = {id(s): s.num_cached_tokens for s in batch.seqs}
         result = self.runner.execute(batch)
         num_out_before = [s.num_tokens for s in batch.seqs]
         self.scheduler.update(batch, result.sampled)
@@ -114,7 +113,7 @@ class EngineCore:
                 finish_reason=seq.finish_reason,
                 new_logprobs=[result.logprobs[i]] if i in result.logprobs else [],
                 prompt_logprobs=result.prompt_logprobs.get(i, []),
-                num_cached_tokens=cached[id(seq)],
+                num_cached_tokens=seq.num_cached_tokens,
             ))
             if seq.is_finished:
                 self.requests.pop(seq.request_id, None)

@@ -12,9 +12,9 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from collections.abc import Callable
 
 import torch
-from torch import nn
 
 from atom.forward_context import AttentionMetadata, get_forward_context, set_forward_context
 
@@ -22,9 +22,8 @@ logger = logging.getLogger(__name__)
 
 
 class CUDAGraphRunner:
-    def __init__(self, model: nn.Module, forward, capture_sizes: list[int], max_model_len: int, block_size: int,
+    def __init__(self, forward: Callable, capture_sizes: list[int], max_model_len: int, block_size: int,
                  hidden_size: int, dtype: torch.dtype, device: torch.device):
-        self.model = model
         self.forward = forward  # the (possibly compiled) model forward
         self.sizes = sorted(set(capture_sizes))
         self.max_model_len = max_model_len

@@ -255,7 +255,7 @@ class ModelRunner:
         sizes = [s for s in cc.cudagraph_capture_sizes if s <= self.config.scheduler_config.max_num_seqs]
         if not sizes:
             return
-        runner = CUDAGraphRunner(self.model, self.forward, sizes, mc.max_model_len, self.block_size,
+        runner = CUDAGraphRunner(self.forward, sizes, mc.max_model_len, self.block_size,
                                  mc.hf_config.hidden_size, mc.dtype, self.device)
         with set_forward_context(None, None, self.attn_layer_map):
             runner.capture()
