@@ -46,7 +46,3 @@ class SamplingParams:
         for name, ok, why in checks:
             if not ok:
                 raise ValueError(f"SamplingParams.{name} {why}, got {getattr(self, name)!r}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0

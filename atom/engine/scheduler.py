@@ -22,10 +22,6 @@ class ScheduledBatch(NamedTuple):
     seqs: list[Sequence]
     num_new_tokens: list[int]  # tokens to compute per sequence this step
 
-    @property
-    def total_tokens(self) -> int:
-        return sum(self.num_new_tokens)
-
     def samples(self, i: int) -> bool:
         """Whether sequence ``i`` reaches its last token this step (and so samples one)."""
         seq = self.seqs[i]

@@ -43,9 +43,6 @@ class Sequence:
         # must not return them again)
         self.num_prompt_logprobs_done = 1
 
-    def __len__(self) -> int:
-        return len(self.token_ids)
-
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
@@ -53,10 +50,6 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def is_finished(self) -> bool:
