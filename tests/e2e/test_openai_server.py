@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import glob
+import http.client
 import importlib.util
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -310,7 +312,15 @@ for line in r.iter_lines():
 """
 
 
+def aborted_requests(server) -> float:
+    """``atom:request_success_total{finished_reason="abort"}``: 0 before the first abort."""
+    text = requests.get(f"{server.url}/metrics", timeout=30).text
+    found = re.search(r'^atom:request_success_total\{.*finished_reason="abort".*\} (\S+)$', text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
 def test_killed_client_frees_blocks(server):
+    aborted = aborted_requests(server)
     proc = subprocess.Popen([sys.executable, "-c", CLIENT_SCRIPT, server.url], stdout=subprocess.PIPE)
     try:
         assert proc.stdout.readline().strip() == b"streaming"
@@ -320,15 +330,21 @@ def test_killed_client_frees_blocks(server):
     finally:
         proc.kill()
         proc.wait()
-    # 400 tokens take far longer than this on the CPU: only the abort can free the blocks
     assert_all_blocks_free(server, timeout=10)
+    assert aborted_requests(server) == aborted + 1  # freed by the abort, not by finishing
 
 
 def test_disconnected_non_streaming_client_frees_blocks(server):
-    with pytest.raises(requests.Timeout):
-        requests.post(f"{server.url}/v1/completions", headers=server.headers, timeout=1.5,
-                      json={"prompt": "Hello", "max_tokens": 400, "ignore_eos": True})
+    aborted = aborted_requests(server)
+    body = json.dumps({"prompt": "Hello", "max_tokens": MAX_MODEL_LEN - 16, "ignore_eos": True})
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    try:
+        conn.request("POST", "/v1/completions", body, {**server.headers, "Content-Type": "application/json"})
+        assert wait_until(lambda: server.metrics()["atom:num_requests_running"] == 1, 30)
+    finally:
+        conn.close()  # hang up before the answer comes
     assert_all_blocks_free(server, timeout=10)
+    assert aborted_requests(server) == aborted + 1
 
 
 # profiling
