@@ -99,6 +99,8 @@ class SchedulerConfig:
     max_num_seqs: int = 512
     max_model_len: int = 4096
     scheduler_delay_factor: float = 0.0
+    # schedule and launch step N+1 before waiting for step N's tokens (vLLM's name)
+    async_scheduling: bool = False
 
     def __post_init__(self):
         if self.max_num_batched_tokens <= 0:

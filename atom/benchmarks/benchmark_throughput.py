@@ -37,7 +37,7 @@ def run_atom(path: str, args) -> float:
                   enforce_eager=args.enforce_eager)
     if args.level is not None:
         kwargs["level"] = args.level
-    llm = LLMEngine(path, **kwargs)
+    llm = LLMEngine(path, async_scheduling=args.async_scheduling, **kwargs)
     prompts, max_tokens = workload(args.num_seqs, args.max_input_len, args.max_output_len)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
@@ -51,8 +51,9 @@ def run_atom(path: str, args) -> float:
 def run_vllm(path: str, args) -> float:
     from vllm import LLM, SamplingParams
 
+    extra = {"async_scheduling": True} if args.async_scheduling else {}  # else vLLM's own default
     llm = LLM(path, load_format="dummy", skip_tokenizer_init=True, max_model_len=args.max_model_len,
-              enforce_eager=args.enforce_eager)
+              enforce_eager=args.enforce_eager, **extra)
     prompts, max_tokens = workload(args.num_seqs, args.max_input_len, args.max_output_len)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n, detokenize=False) for n in max_tokens]
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=8, detokenize=False), use_tqdm=False)
@@ -74,6 +75,7 @@ def main(argv=None) -> dict:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--level", type=int, default=None)
+    p.add_argument("--async-scheduling", action="store_true", help="both engines: overlap host work with the device")
     p.add_argument("--output-json", default=None)
     args = p.parse_args(argv)
     random.seed(0)  # before the engine starts, as bench.py
@@ -81,7 +83,7 @@ def main(argv=None) -> dict:
     elapsed, tokens = (run_vllm if args.engine == "vllm" else run_atom)(path, args)
     result = dict(engine=args.engine, model=args.model, num_seqs=args.num_seqs, output_tokens=tokens,
                   elapsed_s=round(elapsed, 3), output_tokens_per_s=round(tokens / elapsed, 1),
-                  enforce_eager=args.enforce_eager, level=args.level)
+                  enforce_eager=args.enforce_eager, level=args.level, async_scheduling=args.async_scheduling)
     print(f"| engine | model | output tokens | time (s) | output tok/s |\n|---|---|---|---|---|\n"
           f"| {args.engine} | {args.model} | {tokens} | {elapsed:.2f} | {tokens / elapsed:.1f} |")
     if args.output_json:

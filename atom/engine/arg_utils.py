@@ -56,6 +56,7 @@ class EngineArgs:
     max_num_seqs: int = 512
     gpu_memory_utilization: float = 0.9
     scheduler_delay_factor: float = 0.0
+    async_scheduling: bool = False
     cudagraph_capture_sizes: list[int] = field(default_factory=lambda: list(DEFAULT_CUDAGRAPH_SIZES))
     level: int = 3
     load_dummy: bool = False
@@ -91,6 +92,8 @@ class EngineArgs:
         a("--max-num-seqs", type=int, default=d.max_num_seqs)
         a("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
         a("--scheduler-delay-factor", type=float, default=d.scheduler_delay_factor)
+        a("--async-scheduling", action="store_true",
+          help="overlap the host work of the next step (scheduling, input building) with the running step")
         a("--cudagraph-capture-sizes", type=str, default=json.dumps(d.cudagraph_capture_sizes),
           help="batch sizes captured as CUDA graphs, e.g. '[1,2,4,8]'")
         a("--level", type=int, default=d.level, choices=[0, 1, 2, 3], help="compilation level; 3 = torch.compile")
@@ -144,7 +147,7 @@ class EngineArgs:
                                      self.gpu_memory_utilization, self.kv_cache_memory_bytes,
                                      self.num_gpu_blocks_override),
             scheduler_config=SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs, max_len,
-                                             self.scheduler_delay_factor),
+                                             self.scheduler_delay_factor, self.async_scheduling),
             parallel_config=ParallelConfig(self.tensor_parallel_size, self.data_parallel_size,
                                            self.enable_expert_parallel, self.enable_dp_attention, self.port),
             compilation_config=CompilationConfig(self.level, self.enforce_eager, tuple(self.cudagraph_capture_sizes)),

@@ -117,11 +117,12 @@ class BlockManager:
         block.hash, block.token_ids, block.ref_count = -1, (), 1
         return block_id
 
-    def cache_full_blocks(self, seq: Sequence) -> None:
-        """Register the hashes of blocks that became full of computed tokens."""
+    def cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Register the hashes of blocks that the first ``num_tokens`` tokens (computed, and
+        known on the host) fill."""
         if not self.enable_prefix_caching:
             return
-        num_full = seq.num_computed_tokens // self.block_size
+        num_full = num_tokens // self.block_size
         while len(seq.block_hashes) < num_full:
             i = len(seq.block_hashes)
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])

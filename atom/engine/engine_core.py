@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 
 from atom.config import Config
 from atom.engine.block_manager import BlockManager
-from atom.engine.scheduler import Scheduler
+from atom.engine.scheduler import ScheduledBatch, Scheduler
 from atom.engine.sequence import Sequence
 from atom.sampling_params import SamplingParams
 from atom.worker.logprobs import TokenLogprobs
-from atom.worker.model_runner import ModelRunner
+from atom.worker.model_runner import ModelRunner, PendingOutput
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +70,7 @@ class EngineCore:
                                           config.cache_config.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler_config, self.block_manager)
         self.requests: dict[str, Sequence] = {}
+        self._in_flight: tuple[ScheduledBatch, PendingOutput] | None = None  # async scheduling
 
     def add_request(self, req: EngineCoreRequest) -> None:
         if req.request_id in self.requests:
@@ -93,23 +94,29 @@ class EngineCore:
                 self.runner.release(rid)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     def step(self) -> list[EngineCoreOutput]:
+        """Schedule and launch a step, then collect the outputs of the step launched before
+        it (async scheduling: the device runs one step while the host prepares the next)
+        or of this one."""
         batch = self.scheduler.schedule()
-        if not batch.seqs:
-            return []
-        result = self.runner.execute(batch)
-        num_out_before = [s.num_tokens for s in batch.seqs]
-        self.scheduler.update(batch, result.sampled)
+        launched = (batch, self.runner.launch(batch)) if batch.seqs else None
+        if not self.config.scheduler_config.async_scheduling:
+            return self._collect(*launched) if launched else []
+        previous, self._in_flight = self._in_flight, launched
+        return self._collect(*previous) if previous else []
+
+    def _collect(self, batch: ScheduledBatch, pending: PendingOutput) -> list[EngineCoreOutput]:
+        result = pending.result()
+        sampled = self.scheduler.collect(batch, result.sampled)
         outputs = []
         for i, seq in enumerate(batch.seqs):
-            new = seq.token_ids[num_out_before[i]:] if i in result.sampled else []
-            if not new and i not in result.prompt_logprobs and not seq.is_finished:
-                continue
+            if i not in sampled and (seq.is_finished or i not in result.prompt_logprobs):
+                continue  # nothing new, or aborted while the step ran
             outputs.append(EngineCoreOutput(
                 request_id=seq.request_id,
-                new_token_ids=new,
+                new_token_ids=[sampled[i]] if i in sampled else [],
                 finish_reason=seq.finish_reason,
                 new_logprobs=[result.logprobs[i]] if i in result.logprobs else [],
                 prompt_logprobs=result.prompt_logprobs.get(i, []),

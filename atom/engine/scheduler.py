@@ -5,27 +5,35 @@ budget: a decode is 1 token, a prompt is as many as fit (chunked prefill), and b
 in one batch. Running sequences go first; when KV blocks run out, the newest running
 sequence is preempted (its blocks freed, recomputed later). Waiting sequences are admitted
 in arrival order while budget, ``max_num_seqs`` and blocks allow.
+
+Scheduling a step also books its effect: the scheduled tokens count as computed and a
+sequence that samples gets a ``PLACEHOLDER`` token. ``collect`` later writes the sampled
+ids in and retires finished sequences. With async scheduling the engine schedules (and
+launches) step N+1 before collecting step N, so the host work of one step overlaps the
+device work of the other; a sequence that step N finishes then wastes one row of N+1.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from typing import NamedTuple
+from dataclasses import dataclass
 
 from atom.config import SchedulerConfig
 from atom.engine.block_manager import BlockManager
-from atom.engine.sequence import Sequence, SequenceStatus
+from atom.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 
 
-class ScheduledBatch(NamedTuple):
+@dataclass
+class ScheduledBatch:
     seqs: list[Sequence]
     num_new_tokens: list[int]  # tokens to compute per sequence this step
+    starts: list[int]  # computed tokens of each sequence before this step
+    samples: list[bool]  # whether the sequence reaches its last token (and samples one)
 
-    def samples(self, i: int) -> bool:
-        """Whether sequence ``i`` reaches its last token this step (and so samples one)."""
-        seq = self.seqs[i]
-        return seq.num_computed_tokens + self.num_new_tokens[i] == seq.num_tokens
+    @classmethod
+    def empty(cls) -> ScheduledBatch:
+        return cls([], [], [], [])
 
 
 class Scheduler:
@@ -63,16 +71,20 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.reached_length(self.max_seq_len):  # its last token is in flight
+                i += 1
+                continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             bm = self.block_manager
-            while bm.blocks_needed(seq, n) > bm.num_free_blocks:
+            needed = bm.blocks_needed(seq, n)
+            while needed > bm.num_free_blocks:
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
                     break
             else:
-                if bm.blocks_needed(seq, n):
+                if needed:
                     bm.allocate(seq, n)
                 seqs.append(seq)
                 counts.append(n)
@@ -97,7 +109,18 @@ class Scheduler:
                 self._prev_prompt = True
         # decode rows first: the attention kernel launches them with their own tile shape
         order = sorted(range(len(seqs)), key=lambda i: counts[i] != 1)
-        return ScheduledBatch([seqs[i] for i in order], [counts[i] for i in order])
+        batch = ScheduledBatch.empty()
+        for i in order:
+            seq, n = seqs[i], counts[i]
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            batch.starts.append(seq.num_computed_tokens)
+            samples = seq.num_computed_tokens + n == seq.num_tokens
+            batch.samples.append(samples)
+            seq.num_computed_tokens += n
+            if samples:
+                seq.append_token(PLACEHOLDER)
+        return batch
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
@@ -115,23 +138,26 @@ class Scheduler:
         earliest = min(s.arrival_time for s in self.waiting)
         return (time.time() - earliest) > self.config.scheduler_delay_factor * self._last_prompt_latency
 
-    def update(self, batch: ScheduledBatch, sampled: dict[int, int]) -> list[Sequence]:
-        """Advance computed counts, append sampled tokens (``sampled``: batch index -> token)
-        and retire finished sequences, which are returned."""
-        finished = []
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            if seq.status != SequenceStatus.RUNNING:
-                continue  # aborted while the step ran
-            seq.num_computed_tokens += n
-            self.block_manager.cache_full_blocks(seq)
-            if i not in sampled:
+    def collect(self, batch: ScheduledBatch, sampled: dict[int, int]) -> dict[int, int]:
+        """Write in a step's sampled tokens (``sampled``: batch index -> token), register
+        newly full blocks in the prefix cache and retire finished sequences. Returns the
+        tokens that count (not those of sequences finished or aborted in the meantime)."""
+        kept = {}
+        for i, seq in enumerate(batch.seqs):
+            if seq.is_finished:
                 continue
-            seq.append_token(sampled[i])
-            reason = seq.check_stop(self.max_seq_len)
-            if reason is not None:
-                self.finish(seq, reason)
-                finished.append(seq)
-        return finished
+            if i in sampled:
+                at = batch.starts[i] + batch.num_new_tokens[i]  # the placeholder's index
+                seq.token_ids[at] = kept[i] = sampled[i]
+                reason = seq.check_stop(self.max_seq_len, at + 1)
+                if reason is not None:
+                    del seq.token_ids[at + 1 :]  # a placeholder of a step already launched
+                    self.finish(seq, reason)
+                    continue
+            if seq.status == SequenceStatus.RUNNING:
+                real = seq.num_tokens - (seq.token_ids[-1] == PLACEHOLDER)
+                self.block_manager.cache_full_blocks(seq, min(seq.num_computed_tokens, real))
+        return kept
 
     def finish(self, seq: Sequence, reason: str) -> None:
         if seq.status == SequenceStatus.RUNNING:

@@ -7,6 +7,10 @@ from enum import Enum, auto
 
 from atom.sampling_params import SamplingParams
 
+# Stands for a sampled token that is still on the device (async scheduling): the step
+# after it reads the real id from the device, and the engine writes it in when it arrives.
+PLACEHOLDER = -1
+
 
 class SequenceStatus(Enum):
     WAITING = auto()
@@ -58,14 +62,16 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
 
-    def check_stop(self, max_model_len: int) -> str | None:
-        """Finish reason after the last appended token, or None to keep going."""
-        params = self.sampling_params
-        last = self.token_ids[-1]
-        if not params.ignore_eos and last in self.eos_token_ids:
+    def reached_length(self, max_model_len: int, num_tokens: int | None = None) -> bool:
+        """Whether the first ``num_tokens`` tokens (default: all) use up max_tokens or the
+        model length, so that no token may follow them."""
+        n = self.num_tokens if num_tokens is None else num_tokens
+        return n - self.num_prompt_tokens >= self.sampling_params.max_tokens or n >= max_model_len
+
+    def check_stop(self, max_model_len: int, num_tokens: int | None = None) -> str | None:
+        """Finish reason after the token at ``num_tokens - 1`` (default: the last), or None."""
+        n = self.num_tokens if num_tokens is None else num_tokens
+        params, token = self.sampling_params, self.token_ids[n - 1]
+        if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
             return "stop"
-        if last in params.stop_token_ids:
-            return "stop"
-        if self.num_output_tokens >= params.max_tokens or self.num_tokens >= max_model_len:
-            return "length"
-        return None
+        return "length" if self.reached_length(max_model_len, n) else None

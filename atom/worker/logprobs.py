@@ -35,10 +35,10 @@ def token_logprobs(lp, j: int, token_id: int, n: int) -> TokenLogprobs:
     return TokenLogprobs(token_id, float(chosen[j]), int(ranks[j]), top)
 
 
-def prompt_logprobs(compute_logits: Callable, hidden: torch.Tensor, seq, row0: int, n: int) -> list[TokenLogprobs]:
+def prompt_logprobs(compute_logits: Callable, hidden: torch.Tensor, seq, start: int, row0: int,
+                    n: int) -> list[TokenLogprobs]:
     """Logprobs of the prompt tokens this step's chunk predicts (``start+1 .. start+n``, each
     from the row before), skipping those already returned before a preemption."""
-    start = seq.num_computed_tokens
     count = min(n, seq.num_prompt_tokens - 1 - start)
     result, top_n = [], seq.sampling_params.prompt_logprobs
     for off in range(0, max(count, 0), PROMPT_LOGPROBS_CHUNK):

@@ -1,5 +1,7 @@
 """Runs the model for one scheduled batch: build inputs and the forward context, run the
-model (eagerly or through a captured CUDA graph), sample, and return token ids."""
+model (eagerly or through a captured CUDA graph) and sample. ``launch`` queues all of it
+on the device and returns a handle whose ``result()`` waits for the token ids, so the
+engine can prepare the next step meanwhile (async scheduling)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import torch
 from atom import ops
 from atom.config import Config
 from atom.engine.scheduler import ScheduledBatch
+from atom.engine.sequence import PLACEHOLDER
 from atom.forward_context import AttentionMetadata, set_forward_context
 from atom.layers.attention import Attention
 from atom.model_loader.loader import load_model
@@ -48,6 +51,10 @@ class ModelRunner:
         self.kv_cache: torch.Tensor | None = None
         self.generators: dict[str, torch.Generator] = {}
         self.graph_runner = None
+        # the last launched step's sampled tokens (device) and their row by request id,
+        # which the next step's placeholder tokens read (async scheduling)
+        self._last_sampled: torch.Tensor | None = None
+        self._last_sampled_rows: dict[str, int] = {}
         self.profiler: torch.profiler.profile | None = None
 
     # profiling (serving guide section 5)
@@ -134,45 +141,57 @@ class ModelRunner:
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Flatten the batch. Plain Python lists for the per-token fields (a decode row is a
-        handful of integer ops), then one packed host-to-device copy for everything."""
+        handful of integer ops), then one packed host-to-device copy for everything. A decode
+        row whose token is still a ``PLACEHOLDER`` (async scheduling) gets it from the last
+        step's sampled tokens, on the device."""
         bs = self.block_size
         ids, pos, slots, cu, seq_lens = [], [], [], [0], []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            start, table = seq.num_computed_tokens, seq.block_table
+        fill_at, fill_from = [], []  # placeholder token index -> row of the last step's samples
+        for seq, start, n in zip(batch.seqs, batch.starts, batch.num_new_tokens):
+            table = seq.block_table
             if n == 1:  # decode
-                ids.append(seq.token_ids[start])
+                token = seq.token_ids[start]
+                if token == PLACEHOLDER:
+                    fill_at.append(len(ids))
+                    fill_from.append(self._last_sampled_rows[seq.request_id])
+                ids.append(token)
                 pos.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
-            else:
+            else:  # prompt tokens: known on the host (a placeholder only ever follows a sample)
                 p = range(start, start + n)
                 ids.extend(seq.token_ids[start : start + n])
                 pos.extend(p)
                 slots.extend(table[i // bs] * bs + i % bs for i in p)
             cu.append(cu[-1] + n)
             seq_lens.append(start + n)
-        num_seqs, num_tokens = len(batch.seqs), len(ids)
+        num_seqs, num_tokens, num_fills = len(batch.seqs), len(ids), len(fill_at)
         width = max(len(s.block_table) for s in batch.seqs)
-        # one int64 buffer: ids | positions | slots | cu_seqlens | seq_lens | block tables
-        buf = np.zeros(3 * num_tokens + 2 * num_seqs + 1 + num_seqs * width, dtype=np.int64)
+        # one int64 buffer: ids | positions | slots | cu_seqlens | seq_lens | fills | block tables
+        buf = np.zeros(3 * num_tokens + 2 * num_seqs + 1 + 2 * num_fills + num_seqs * width, dtype=np.int64)
         buf[: 3 * num_tokens] = ids + pos + slots
         o = 3 * num_tokens
         buf[o : o + num_seqs + 1] = cu
         buf[o + num_seqs + 1 : o + 2 * num_seqs + 1] = seq_lens
-        tables = buf[o + 2 * num_seqs + 1 :].reshape(num_seqs, width)
+        f = o + 2 * num_seqs + 1
+        buf[f : f + 2 * num_fills] = fill_at + fill_from
+        tables = buf[f + 2 * num_fills :].reshape(num_seqs, width)
         for i, seq in enumerate(batch.seqs):
             tables[i, : len(seq.block_table)] = seq.block_table
         dev = self._tensor(buf, torch.int64)
         t = num_tokens
+        input_ids = dev[:t]
+        if num_fills:
+            input_ids[dev[f : f + num_fills]] = self._last_sampled[dev[f + num_fills : f + 2 * num_fills]]
         meta = AttentionMetadata(
             slot_mapping=dev[2 * t : 3 * t],
             cu_seqlens_q=dev[o : o + num_seqs + 1].to(torch.int32),
             seq_lens=dev[o + num_seqs + 1 : o + 2 * num_seqs + 1].to(torch.int32),
-            block_tables=dev[o + 2 * num_seqs + 1 :].view(num_seqs, width).to(torch.int32),
+            block_tables=dev[f + 2 * num_fills :].view(num_seqs, width).to(torch.int32),
             max_seqlen_q=max(batch.num_new_tokens),
             max_seqlen_k=max(seq_lens),
             num_decode_tokens=_leading_decodes(batch.num_new_tokens),
         )
-        return dev[:t], dev[t : 2 * t], meta
+        return input_ids, dev[t : 2 * t], meta
 
     def sampling_tensors(self, seqs) -> SamplingTensors:
         params = [s.sampling_params for s in seqs]
@@ -262,28 +281,61 @@ class ModelRunner:
         self.graph_runner = runner
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> RunnerOutput:
+    def launch(self, batch: ScheduledBatch) -> PendingOutput:
+        """Queue the step's device work (model, logits, sampling, the copy of the sampled ids
+        to the host) without waiting for it; ``result()`` of the returned handle waits."""
         input_ids, positions, meta = self.prepare(batch)
         hidden = self.run_model(input_ids, positions, meta)
-        out = RunnerOutput()
-        rows = [i for i in range(len(batch.seqs)) if batch.samples(i)]
+        pending = PendingOutput()
         cu = np.cumsum([0] + batch.num_new_tokens)
-        if rows:
-            seqs = [batch.seqs[i] for i in rows]
-            logits = self.model.compute_logits(hidden[self._tensor(cu[1:][rows] - 1, torch.int64)])
-            tokens = sample(logits, self.sampling_tensors(seqs))
-            want = [s.sampling_params.logprobs for s in seqs]
-            lp = None
-            if any(n is not None for n in want):
-                lp = top_logprobs(logits, tokens, max(n or 0 for n in want))
-            for j, (i, tok) in enumerate(zip(rows, tokens.tolist())):
-                out.sampled[i] = tok
-                if lp is not None and want[j] is not None:
-                    out.logprobs[i] = token_logprobs(lp, j, tok, want[j])
         for i, seq in enumerate(batch.seqs):
-            if seq.sampling_params.prompt_logprobs is not None and seq.num_computed_tokens < seq.num_prompt_tokens:
-                out.prompt_logprobs[i] = prompt_logprobs(self.model.compute_logits, hidden, seq, int(cu[i]),
-                                                         batch.num_new_tokens[i])
+            # now, while ``hidden`` (a CUDA graph's output buffer) is this step's
+            if seq.sampling_params.prompt_logprobs is not None and batch.starts[i] < seq.num_prompt_tokens:
+                pending.output.prompt_logprobs[i] = prompt_logprobs(
+                    self.model.compute_logits, hidden, seq, batch.starts[i], int(cu[i]), batch.num_new_tokens[i])
+        rows = [i for i, samples in enumerate(batch.samples) if samples]
+        if not rows:
+            return pending
+        seqs = [batch.seqs[i] for i in rows]
+        logits = self.model.compute_logits(hidden[self._tensor(cu[1:][rows] - 1, torch.int64)])
+        tokens = sample(logits, self.sampling_tensors(seqs))
+        self._last_sampled = tokens
+        self._last_sampled_rows = {seq.request_id: j for j, seq in enumerate(seqs)}
+        pending.rows = rows
+        pending.want_logprobs = [s.sampling_params.logprobs for s in seqs]
+        if any(n is not None for n in pending.want_logprobs):
+            pending.logprobs = top_logprobs(logits, tokens, max(n or 0 for n in pending.want_logprobs))
+        if tokens.is_cuda:
+            pending.tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            pending.tokens.copy_(tokens, non_blocking=True)
+            pending.ready = torch.cuda.Event()
+            pending.ready.record()
+        else:
+            pending.tokens = tokens
+        return pending
+
+
+@dataclass
+class PendingOutput:
+    """A launched step's results, on their way to the host."""
+
+    output: RunnerOutput = field(default_factory=RunnerOutput)
+    rows: list[int] = field(default_factory=list)  # batch indices that sampled
+    tokens: torch.Tensor | None = None  # their tokens (pinned host memory on CUDA)
+    ready: torch.cuda.Event | None = None  # recorded after the device-to-host copy
+    want_logprobs: list[int | None] = field(default_factory=list)
+    logprobs: tuple | None = None  # top_logprobs(...) of the sampled rows, on the device
+
+    def result(self) -> RunnerOutput:
+        if self.ready is not None:
+            self.ready.synchronize()
+        out = self.output
+        if self.tokens is None:
+            return out
+        for j, (i, tok) in enumerate(zip(self.rows, self.tokens.tolist())):
+            out.sampled[i] = tok
+            if self.logprobs is not None and self.want_logprobs[j] is not None:
+                out.logprobs[i] = token_logprobs(self.logprobs, j, tok, self.want_logprobs[j])
         return out
 
 

@@ -282,6 +282,17 @@ def test_invalid_json_and_unknown_route(server, client, tiny_model):
 
 
 def test_64_concurrent_streams(server, reference, tiny_model):
+    check_concurrent_streams(server, reference, tiny_model)
+
+
+def test_async_scheduling_server(make_server, reference, tiny_model):
+    """``--async-scheduling``: the same answers, and aborts still free every block."""
+    srv = make_server(extra_args=("--async-scheduling",))
+    check_concurrent_streams(srv, reference, tiny_model)
+    test_killed_client_frees_blocks(srv)
+
+
+def check_concurrent_streams(server, reference, tiny_model):
     max_tokens = 8
     expected = {p: e["text"] for p, e in zip(PROMPTS, greedy(reference, PROMPTS, max_tokens))}
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(64)]

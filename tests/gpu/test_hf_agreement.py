@@ -59,7 +59,7 @@ def atom_logits(path, tokens):
     with torch.inference_mode():
         for n in [PREFILL] + [1] * (POSITIONS - PREFILL):
             bm.allocate(seq, n)
-            batch = ScheduledBatch([seq], [n])
+            batch = ScheduledBatch([seq], [n], [seq.num_computed_tokens], [False])
             ids, pos, meta = runner.prepare(batch)
             hidden = runner.run_model(ids, pos, meta)
             out.append(runner.model.compute_logits(hidden).float())

@@ -48,7 +48,7 @@ def test_random_operations_keep_refcounts_exact(ops, prefix_caching):
                 bm.allocate(seq, n, cached)
                 assert seq.num_computed_tokens + n == seq.num_tokens
                 seq.num_computed_tokens = seq.num_tokens
-                bm.cache_full_blocks(seq)
+                bm.cache_full_blocks(seq, seq.num_computed_tokens)
                 live.append(seq)
         elif kind == "append" and live:
             seq = live[a % len(live)]
@@ -57,7 +57,7 @@ def test_random_operations_keep_refcounts_exact(ops, prefix_caching):
             if bm.can_allocate(seq, b):
                 bm.allocate(seq, b)
                 seq.num_computed_tokens += b
-                bm.cache_full_blocks(seq)
+                bm.cache_full_blocks(seq, seq.num_computed_tokens)
             else:
                 del seq.token_ids[-b:]
         elif kind == "free" and live:
@@ -71,7 +71,7 @@ def test_random_operations_keep_refcounts_exact(ops, prefix_caching):
             if bm.can_allocate(child, n):
                 bm.allocate(child, n)
                 child.num_computed_tokens = child.num_tokens
-                bm.cache_full_blocks(child)
+                bm.cache_full_blocks(child, child.num_computed_tokens)
                 live.append(child)
             else:
                 bm.free(child)
@@ -87,7 +87,7 @@ def test_prefix_hit_verifies_tokens_and_evicts_lru():
     a = Sequence("a", list(range(9)), SamplingParams())
     bm.allocate(a, 9)
     a.num_computed_tokens = 9
-    bm.cache_full_blocks(a)
+    bm.cache_full_blocks(a, a.num_computed_tokens)
     full_blocks = a.block_table[:2]
     bm.free(a)
     b = Sequence("b", list(range(8)) + [99], SamplingParams())

@@ -1,5 +1,6 @@
 """Greedy output of LLMEngine is token-identical to transformers' generate (float32, CPU),
-also with prefix caching, chunked prefill and preemption forced."""
+also with prefix caching, chunked prefill and preemption forced; each with and without
+async scheduling."""
 
 import pytest
 import torch
@@ -41,15 +42,17 @@ def arch_ref(request, tiny_model):
     return path, hf_greedy(path, PROMPTS), hf_greedy(path, [SHARED + "one", SHARED + "two, three", SHARED])
 
 
-def test_batch_matches_hf(arch_ref):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_batch_matches_hf(arch_ref, async_scheduling):
     path, ref, _ = arch_ref
-    engine = LLMEngine(path, max_model_len=512)
+    engine = LLMEngine(path, max_model_len=512, async_scheduling=async_scheduling)
     assert atom_greedy(engine, PROMPTS) == ref
 
 
-def test_prefix_caching_matches_hf_and_hits(arch_ref):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_prefix_caching_matches_hf_and_hits(arch_ref, async_scheduling):
     path, _, shared_ref = arch_ref
-    engine = LLMEngine(path, max_model_len=512, enable_prefix_caching=True)
+    engine = LLMEngine(path, max_model_len=512, enable_prefix_caching=True, async_scheduling=async_scheduling)
     prompts = [SHARED + "one", SHARED + "two, three", SHARED]
     assert atom_greedy(engine, prompts[:1]) == shared_ref[:1]  # fills the cache
     hits_before = engine.core.block_manager.num_prefix_hits
@@ -57,21 +60,24 @@ def test_prefix_caching_matches_hf_and_hits(arch_ref):
     assert engine.core.block_manager.num_prefix_hits - hits_before >= 3 * 16  # several full blocks reused
 
 
-def test_chunked_prefill_matches_hf(arch_ref):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_chunked_prefill_matches_hf(arch_ref, async_scheduling):
     path, ref, _ = arch_ref
-    engine = LLMEngine(path, max_model_len=512, max_num_batched_tokens=24)
+    engine = LLMEngine(path, max_model_len=512, max_num_batched_tokens=24, async_scheduling=async_scheduling)
     longest = max(len(engine.tokenize(p)[1]) for p in PROMPTS)
     assert longest > 24  # the long prompts really are split into chunks
     assert atom_greedy(engine, PROMPTS) == ref
 
 
-def test_preemption_matches_hf(arch_ref):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_preemption_matches_hf(arch_ref, async_scheduling):
     path, ref, _ = arch_ref
     tok = AutoTokenizer.from_pretrained(path)
     longest = max(len(tok(p).input_ids) for p in PROMPTS) + MAX_TOKENS
     # room for the longest sequence, not for all five at once
     num_blocks = -(-longest // 16) + 2
-    engine = LLMEngine(path, max_model_len=512, num_gpu_blocks_override=num_blocks)
+    engine = LLMEngine(path, max_model_len=512, num_gpu_blocks_override=num_blocks,
+                       async_scheduling=async_scheduling)
     assert atom_greedy(engine, PROMPTS) == ref
     assert engine.core.scheduler.num_preemptions > 0
     assert engine.core.block_manager.num_free_blocks == num_blocks
