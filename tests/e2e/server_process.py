@@ -23,9 +23,10 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """``python -m atom.entrypoints.openai_server`` in a subprocess, float32 on the CPU."""
+    """``python -m atom.entrypoints.openai_server`` in a subprocess, float32 on the CPU;
+    ``model=None`` starts it with no ``--model`` (the embedded default)."""
 
-    def __init__(self, model: str, workdir: Path, api_key: str | None = None, extra_args: tuple[str, ...] = ()):
+    def __init__(self, model: str | None, workdir: Path, api_key: str | None = None, extra_args: tuple[str, ...] = ()):
         self.model = model
         self.api_key = api_key
         self.port = free_port()
@@ -34,7 +35,7 @@ class ServerProcess:
         self.log_path = workdir / "server.log"
         cmd = [
             sys.executable, "-m", "atom.entrypoints.openai_server",
-            "--model", model, "--host", "127.0.0.1", "--server-port", str(self.port),
+            *(["--model", model] if model else []), "--host", "127.0.0.1", "--server-port", str(self.port),
             "--dtype", "float32", "--device", "cpu", "--max-model-len", str(MAX_MODEL_LEN),
             "--kv-cache-memory-bytes", str(32 << 20),
             "--disable-uvicorn-access-log", "--torch-profiler-dir", str(self.profiler_dir),

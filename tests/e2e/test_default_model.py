@@ -15,13 +15,10 @@ from __future__ import annotations
 import copy
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from server_process import MAX_MODEL_LEN, ServerProcess, free_port
+from server_process import ServerProcess
 
 from atom import LLMEngine, SamplingParams
 from atom.model_loader.default_model import INSTALL_HINT, default_gguf_file, default_model_path
@@ -107,31 +104,10 @@ def hf_greedy(hf_model, hf_tokenizer, chat_ids) -> list[list[int]]:
     return outputs
 
 
-class DefaultModelServer(ServerProcess):
-    """``ServerProcess`` started with no ``--model`` at all, so the server picks the embedded default."""
-
-    def __init__(self, workdir: Path):
-        self.model = None
-        self.api_key = None
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.profiler_dir = workdir / "traces"
-        self.log_path = workdir / "server.log"
-        cmd = [
-            sys.executable, "-m", "atom.entrypoints.openai_server",
-            "--host", "127.0.0.1", "--server-port", str(self.port),
-            "--dtype", "float32", "--device", "cpu", "--max-model-len", str(MAX_MODEL_LEN),
-            "--kv-cache-memory-bytes", str(32 << 20), "--disable-uvicorn-access-log", "--shutdown-timeout", "20",
-        ]
-        with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        self._wait_ready()
-
-
 @pytest.fixture(scope="module")
 def default_server(engine, tmp_path_factory):
     # after `engine`: the first start converts the GGUF into the cache; the server then reuses it
-    server = DefaultModelServer(tmp_path_factory.mktemp("default-server"))
+    server = ServerProcess(None, tmp_path_factory.mktemp("default-server"))
     yield server
     server.stop()
 

@@ -289,7 +289,7 @@ def test_async_scheduling_server(make_server, reference, tiny_model):
     """``--async-scheduling``: the same answers, and aborts still free every block."""
     srv = make_server(extra_args=("--async-scheduling",))
     check_concurrent_streams(srv, reference, tiny_model)
-    test_killed_client_frees_blocks(srv)
+    check_killed_client_frees_blocks(srv)
 
 
 def check_concurrent_streams(server, reference, tiny_model):
@@ -331,6 +331,10 @@ def aborted_requests(server) -> float:
 
 
 def test_killed_client_frees_blocks(server):
+    check_killed_client_frees_blocks(server)
+
+
+def check_killed_client_frees_blocks(server):
     aborted = aborted_requests(server)
     proc = subprocess.Popen([sys.executable, "-c", CLIENT_SCRIPT, server.url], stdout=subprocess.PIPE)
     try:
