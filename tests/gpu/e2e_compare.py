@@ -1,0 +1,70 @@
+"""Same-call end-to-end comparison on the GPU: several atom trees (e.g. before/after a change)
+and vLLM, one benchmark process per run, a short table last.
+
+    python tests/gpu/e2e_compare.py --tree after=. --tree before=.stage_before \
+        --run after:qwen3-0.6b:async --run before:qwen3-0.6b:async --run vllm:qwen3-0.6b
+
+A run is ``TREE:MODEL[:FLAG,...]`` with TREE a ``--tree`` name or ``vllm`` (vLLM native on the
+first tree's PYTHONPATH with the plugin disabled); flags: ``async`` (--async-scheduling),
+``eager`` (--enforce-eager), ``latency`` (benchmark_latency instead of benchmark_throughput).
+Each run's log and JSON go to $OUT (or ./gpu-results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+
+def run_one(spec: str, trees: dict[str, str], out: str, timeout: int) -> dict:
+    tree, model, *rest = spec.split(":")
+    flags = rest[0].split(",") if rest else []
+    engine = "vllm" if tree == "vllm" else "atom"
+    path = os.path.abspath(trees[next(iter(trees))] if engine == "vllm" else trees[tree])
+    bench = "benchmark_latency" if "latency" in flags else "benchmark_throughput"
+    name = spec.replace(":", "_").replace(",", "-")
+    cmd = [sys.executable, "-m", f"atom.benchmarks.{bench}", "--engine", engine, "--model", model,
+           "--output-json", f"{out}/{name}.json"]
+    cmd += ["--async-scheduling"] if "async" in flags else []
+    cmd += ["--enforce-eager"] if "eager" in flags else []
+    env = dict(os.environ, PYTHONPATH=":".join(p for p in ("/tmp/site", path) if os.path.isdir(p)),
+               ATOM_DISABLE_VLLM_PLUGIN="1", PYTHONUNBUFFERED="1")
+    start = time.time()
+    with open(f"{out}/{name}.log", "w") as log:
+        try:
+            proc = subprocess.run(cmd, cwd=path, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    result = {"run": spec, "rc": rc, "wall_s": round(time.time() - start, 1)}
+    if os.path.exists(f"{out}/{name}.json"):
+        result.update(json.load(open(f"{out}/{name}.json")))
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tree", action="append", default=[], help="NAME=PATH of an atom checkout")
+    p.add_argument("--run", action="append", default=[], help="TREE:MODEL[:FLAGS]")
+    p.add_argument("--timeout", type=int, default=240, help="seconds per run")
+    args = p.parse_args()
+    trees = dict(t.split("=", 1) for t in args.tree)
+    out = os.environ.get("OUT", "gpu-results")
+    os.makedirs(out, exist_ok=True)
+    results = []
+    for spec in args.run:
+        results.append(run_one(spec, trees, out, args.timeout))
+        print(json.dumps(results[-1]), flush=True)
+    json.dump(results, open(f"{out}/e2e_compare.json", "w"), indent=1)
+    print("\n| run | rc | wall s | output tok/s | TPOT ms |\n|---|---|---|---|---|")
+    for r in results:
+        tpot = r.get("tpot_ms", r.get("median_tpot_ms", ""))
+        print(f"| {r['run']} | {r['rc']} | {r['wall_s']} | {r.get('output_tokens_per_s', '')} | {tpot} |")
+
+
+if __name__ == "__main__":
+    main()
