@@ -1,7 +1,8 @@
 """Typed engine configuration, validated at construction and never mutated afterwards.
 
 Sizes measured at start-up (how many KV blocks fit) are returned by the model runner
-to whoever asked, not written back here.
+to whoever asked, not written back here. Each value lives in one place: ``max_model_len``
+in ``ModelConfig`` only, and these dataclasses' defaults are ``EngineArgs``' defaults.
 """
 
 from __future__ import annotations
@@ -97,7 +98,6 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_batched_tokens: int = 16384
     max_num_seqs: int = 512
-    max_model_len: int = 4096
     scheduler_delay_factor: float = 0.0
     # schedule and launch step N+1 before waiting for step N's tokens (vLLM's name)
     async_scheduling: bool = False
@@ -117,7 +117,6 @@ class ParallelConfig:
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
     enable_dp_attention: bool = False
-    port: int = 8006
 
     def __post_init__(self):
         for name in ("tensor_parallel_size", "data_parallel_size"):
@@ -162,8 +161,6 @@ class Config:
     torch_profiler_dir: str | None = field(default_factory=lambda: os.environ.get("ATOM_TORCH_PROFILER_DIR"))
 
     def __post_init__(self):
-        if self.scheduler_config.max_model_len != self.model_config.max_model_len:
-            raise ValueError("scheduler_config.max_model_len must equal model_config.max_model_len")
         self._refuse_unbuilt()
 
     def _refuse_unbuilt(self) -> None:

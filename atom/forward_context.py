@@ -4,11 +4,17 @@ The model runner builds an ``AttentionMetadata`` for each step and enters
 ``set_forward_context`` around the model's forward; attention layers read it with
 ``get_forward_context``. Models never take metadata arguments (vLLM passes metadata the
 same way, which keeps plugin mode thin).
+
+The context is a ``ForwardContext`` object held in a ``contextvars.ContextVar``, not a
+module global: each thread (and asyncio task) sees its own, and leaving the ``with``
+block restores the enclosing one, so nested uses (CUDA graph capture inside the runner's
+context, a draft model inside a target step) cannot leak into each other.
 """
 
 from __future__ import annotations
 
 import contextlib
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +31,7 @@ class AttentionMetadata:
     num_decode_tokens: int = 0  # rows with q_len == 1, placed first
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class ForwardContext:
     attn_metadata: AttentionMetadata | None
     positions: torch.Tensor | None = None
@@ -33,22 +39,22 @@ class ForwardContext:
     attn_layers: dict | None = None
 
 
-_forward_context: ForwardContext | None = None
+_CURRENT: ContextVar[ForwardContext | None] = ContextVar("atom_forward_context", default=None)
 
 
 def get_forward_context() -> ForwardContext:
-    if _forward_context is None:
+    ctx = _CURRENT.get()
+    if ctx is None:
         raise RuntimeError("no forward context: run the model inside set_forward_context(...)")
-    return _forward_context
+    return ctx
 
 
 @contextlib.contextmanager
 def set_forward_context(attn_metadata: AttentionMetadata | None, positions: torch.Tensor | None = None,
                         attn_layers: dict | None = None):
-    global _forward_context
-    prev = _forward_context
-    _forward_context = ForwardContext(attn_metadata, positions, attn_layers)
+    ctx = ForwardContext(attn_metadata, positions, attn_layers)
+    token = _CURRENT.set(ctx)
     try:
-        yield _forward_context
+        yield ctx
     finally:
-        _forward_context = prev
+        _CURRENT.reset(token)

@@ -14,7 +14,6 @@ import torch
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
 from atom.config import (
-    DEFAULT_CUDAGRAPH_SIZES,
     CacheConfig,
     CompilationConfig,
     Config,
@@ -28,49 +27,42 @@ from atom.config import (
 logger = logging.getLogger(__name__)
 
 
-def _bool(v: str | bool) -> bool:
-    if isinstance(v, bool):
-        return v
-    if v.lower() in ("1", "true", "yes", "on"):
-        return True
-    if v.lower() in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected a boolean, got {v!r}")
-
-
 @dataclass
 class EngineArgs:
+    """Defaults come from the config dataclasses (one place), and each config section is
+    built from the arguments of its field names (``_section``)."""
+
     model: str | None = None  # None: the embedded default model
     tokenizer: str | None = None
     skip_tokenizer_init: bool = False  # token-id prompts only; no text in outputs
-    trust_remote_code: bool = False
-    tensor_parallel_size: int = 1
-    data_parallel_size: int = 1
-    enforce_eager: bool = False
-    enable_prefix_caching: bool = False
-    port: int = 8006
-    kv_cache_dtype: str = "bf16"
-    block_size: int = 16
-    max_model_len: int | None = None
-    max_num_batched_tokens: int = 16384
-    max_num_seqs: int = 512
-    gpu_memory_utilization: float = 0.9
-    scheduler_delay_factor: float = 0.0
-    async_scheduling: bool = False
-    cudagraph_capture_sizes: list[int] = field(default_factory=lambda: list(DEFAULT_CUDAGRAPH_SIZES))
-    level: int = 3
-    load_dummy: bool = False
-    enable_expert_parallel: bool = False
-    enable_dp_attention: bool = False
+    trust_remote_code: bool = ModelConfig.trust_remote_code
+    tensor_parallel_size: int = ParallelConfig.tensor_parallel_size
+    data_parallel_size: int = ParallelConfig.data_parallel_size
+    enforce_eager: bool = CompilationConfig.enforce_eager
+    enable_prefix_caching: bool = CacheConfig.enable_prefix_caching
+    port: int = 8006  # the guide's flag; accepted and unused (the core talks over IPC sockets)
+    kv_cache_dtype: str = CacheConfig.kv_cache_dtype
+    block_size: int = CacheConfig.block_size
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
+    max_num_seqs: int = SchedulerConfig.max_num_seqs
+    gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization
+    scheduler_delay_factor: float = SchedulerConfig.scheduler_delay_factor
+    async_scheduling: bool = SchedulerConfig.async_scheduling
+    cudagraph_capture_sizes: list[int] = field(default_factory=lambda: list(CompilationConfig.cudagraph_capture_sizes))
+    level: int = CompilationConfig.level
+    load_dummy: bool = ModelConfig.load_dummy
+    enable_expert_parallel: bool = ParallelConfig.enable_expert_parallel
+    enable_dp_attention: bool = ParallelConfig.enable_dp_attention
     torch_profiler_dir: str | None = None
-    method: str | None = None
-    num_speculative_tokens: int = 1
+    method: str | None = SpeculativeConfig.method
+    num_speculative_tokens: int = SpeculativeConfig.num_speculative_tokens
     # beyond the guide's table: what vLLM users expect
     dtype: str = "auto"
-    seed: int = 0
+    seed: int = ModelConfig.seed
     device: str = "auto"
-    kv_cache_memory_bytes: int | None = None
-    num_gpu_blocks_override: int | None = None
+    kv_cache_memory_bytes: int | None = CacheConfig.kv_cache_memory_bytes
+    num_gpu_blocks_override: int | None = CacheConfig.num_gpu_blocks_override
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -143,23 +135,20 @@ class EngineArgs:
         )
         return Config(
             model_config=model_config,
-            cache_config=CacheConfig(self.block_size, self.kv_cache_dtype, self.enable_prefix_caching,
-                                     self.gpu_memory_utilization, self.kv_cache_memory_bytes,
-                                     self.num_gpu_blocks_override),
-            scheduler_config=SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs, max_len,
-                                             self.scheduler_delay_factor, self.async_scheduling),
-            parallel_config=ParallelConfig(self.tensor_parallel_size, self.data_parallel_size,
-                                           self.enable_expert_parallel, self.enable_dp_attention, self.port),
-            compilation_config=CompilationConfig(self.level, self.enforce_eager, tuple(self.cudagraph_capture_sizes)),
-            speculative_config=SpeculativeConfig(self.method, self.num_speculative_tokens),
+            cache_config=self._section(CacheConfig),
+            scheduler_config=self._section(SchedulerConfig),
+            parallel_config=self._section(ParallelConfig),
+            compilation_config=self._section(CompilationConfig,
+                                             cudagraph_capture_sizes=tuple(self.cudagraph_capture_sizes)),
+            speculative_config=self._section(SpeculativeConfig),
             device=device,
             torch_profiler_dir=self.torch_profiler_dir or os.environ.get("ATOM_TORCH_PROFILER_DIR"),
         )
 
-    def create_engine(self):
-        from atom.engine.llm_engine import LLMEngine
-
-        return LLMEngine(**dataclasses.asdict(self))
+    def _section(self, cls, **overrides):
+        """A config dataclass from the arguments of the same names."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(cls)}
+        return cls(**(values | overrides))
 
 
 def load_hf_config(model: str, trust_remote_code: bool = False) -> PretrainedConfig:

@@ -19,9 +19,9 @@ from typing import TypeVar
 from atom.config import Config
 from atom.engine.arg_utils import EngineArgs, eos_token_ids
 from atom.engine.core_client import AsyncEngineCoreClient, CoreInfo, EngineDeadError
-from atom.engine.engine_core import EngineCoreOutput, EngineCoreRequest, EngineStats
 from atom.engine.llm_engine import load_tokenizer
 from atom.engine.output_processor import RequestOutput, RequestState
+from atom.engine.outputs import EngineCoreOutput, EngineCoreRequest, EngineStats
 from atom.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

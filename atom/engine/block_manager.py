@@ -52,6 +52,11 @@ class BlockManager:
         return len(self.free_blocks)
 
     @property
+    def capacity(self) -> int:
+        """Tokens the KV cache holds: the one place KV capacity is computed."""
+        return self.num_blocks * self.block_size
+
+    @property
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
@@ -92,7 +97,8 @@ class BlockManager:
 
     def allocate(self, seq: Sequence, num_new_tokens: int, cached: list[int] = ()) -> None:
         """Attach ``cached`` prefix blocks (first scheduling only), then grow the block
-        table to cover ``num_new_tokens`` more computed tokens."""
+        table to cover ``num_new_tokens`` more computed tokens. The scheduler, the one
+        writer of ``num_computed_tokens``, counts the cached tokens as computed."""
         if cached:
             assert not seq.block_table, "cached prefix blocks attach to an empty sequence"
             for block_id in cached:
@@ -102,8 +108,7 @@ class BlockManager:
                 block.ref_count += 1
                 seq.block_table.append(block_id)
                 seq.block_hashes.append(block.hash)
-            seq.num_computed_tokens = seq.num_cached_tokens = len(cached) * self.block_size
-        needed = self.blocks_needed(seq, num_new_tokens)
+        needed = self.blocks_needed_after(seq, num_new_tokens, len(cached))
         if needed > self.num_free_blocks:
             raise RuntimeError(f"out of KV blocks: need {needed}, {self.num_free_blocks} free")
         for _ in range(needed):
@@ -144,16 +149,16 @@ class BlockManager:
                 self.free_blocks[block_id] = None
         seq.block_table.clear()
         seq.block_hashes.clear()
-        seq.num_computed_tokens = 0
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
+    def fork(self, parent: Sequence, child: Sequence) -> int:
         """Share ``parent``'s full computed blocks with ``child`` (e.g. parallel sampling of
-        one prompt). The partial last block is not shared: the child recomputes those few
-        tokens into a block of its own, so no copy-on-write is ever needed."""
+        one prompt) and return how many tokens they hold (the child's computed tokens).
+        The partial last block is not shared: the child recomputes those few tokens into a
+        block of its own, so no copy-on-write is ever needed."""
         assert not child.block_table, "fork into an empty sequence"
         num_full = min(parent.num_computed_tokens, child.num_tokens - 1) // self.block_size
         for block_id in parent.block_table[:num_full]:
             self.blocks[block_id].ref_count += 1
             child.block_table.append(block_id)
         child.block_hashes = list(parent.block_hashes[:num_full])
-        child.num_computed_tokens = num_full * self.block_size
+        return num_full * self.block_size

@@ -3,8 +3,8 @@ read its outputs in an asyncio task.
 
 The API process binds two IPC sockets in a private temporary directory: a PUSH socket that
 carries requests, aborts and utility calls to the core, and a PULL socket that receives
-outputs. Messages are pickled tuples (see ``engine_core_proc``); ZMQ keeps the order of each
-socket, so an abort sent before a stats call is applied first.
+outputs. Messages are the tagged msgspec Structs of ``atom.engine.outputs``; ZMQ keeps the
+order of each socket, so an abort sent before a stats call is applied first.
 """
 
 from __future__ import annotations
@@ -14,19 +14,33 @@ import itertools
 import logging
 import multiprocessing as mp
 import os
-import pickle
 import shutil
 import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import zmq
 import zmq.asyncio
 
 from atom.config import Config
-from atom.engine.engine_core import EngineCoreOutput, EngineCoreRequest, EngineStats
-from atom.engine.engine_core_proc import IDLE_POLL_MS, CoreInfo, pack, run_engine_core
+from atom.engine.engine_core_proc import IDLE_POLL_MS, run_engine_core
+from atom.engine.outputs import (
+    AbortRequests,
+    AddError,
+    CoreDead,
+    CoreInfo,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineStats,
+    FromCore,
+    Shutdown,
+    StatsUpdate,
+    UtilityCall,
+    UtilityReply,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +78,8 @@ class AsyncEngineCoreClient:
         self._reader: asyncio.Task | None = None
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
+        self._encode = msgspec.msgpack.Encoder().encode
+        self._decode = msgspec.msgpack.Decoder(FromCore).decode
 
     @property
     def is_dead(self) -> bool:
@@ -111,11 +127,11 @@ class AsyncEngineCoreClient:
 
     # requests (sends never block: the socket's queue is unbounded)
     def add_request(self, req: EngineCoreRequest) -> None:
-        self._send(("add", req))
+        self._send(req)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids and not self.is_dead:
-            self._send(("abort", list(request_ids)))
+            self._send(AbortRequests(list(request_ids)))
 
     async def call(self, method: str, *args, timeout: float = 60.0) -> Any:
         """Run a utility method in the core ('stats', 'start_profile', 'stop_profile')."""
@@ -123,7 +139,7 @@ class AsyncEngineCoreClient:
         fut = asyncio.get_running_loop().create_future()
         self._calls[call_id] = fut
         try:
-            self._send(("call", call_id, method, args))
+            self._send(UtilityCall(call_id, method, list(args)))
             ok, result = await asyncio.wait_for(fut, timeout)
         finally:
             self._calls.pop(call_id, None)
@@ -131,10 +147,10 @@ class AsyncEngineCoreClient:
             raise RuntimeError(result)
         return result
 
-    def _send(self, msg: tuple) -> None:
+    def _send(self, msg: EngineCoreRequest | AbortRequests | UtilityCall | Shutdown) -> None:
         if self.is_dead:
             raise EngineDeadError(f"the engine core process is dead: {self.dead_reason}")
-        self._inp.send(pack(msg), copy=False)
+        self._inp.send(self._encode(msg), copy=False)
 
     # outputs
     async def _read_loop(self) -> None:
@@ -144,30 +160,30 @@ class AsyncEngineCoreClient:
                     self._mark_dead(f"engine core process exited with code {self.proc.exitcode}")
                     return
                 continue
-            msg = pickle.loads(await self._out.recv())
+            msg = self._decode(await self._out.recv())
             try:
                 if self._dispatch(msg):
                     return
             except Exception:  # a bug in a callback must not stop the reader of every request
-                logger.exception("error while handling engine core message %r", msg[0])
+                logger.exception("error while handling engine core message %s", type(msg).__name__)
 
-    def _dispatch(self, msg: tuple) -> bool:
+    def _dispatch(self, msg: FromCore) -> bool:
         """Handle one message from the core; True when the core is gone."""
-        kind = msg[0]
-        if kind == "outputs":
-            self.stats = msg[2]
-            self.on_outputs(msg[1], msg[2])
-        elif kind == "stats":
-            self.stats = msg[1]
-        elif kind == "add_error":
-            self.on_add_error(msg[1], msg[2])
-        elif kind == "reply":
-            fut = self._calls.get(msg[1])
-            if fut is not None and not fut.done():
-                fut.set_result((msg[2], msg[3]))
-        elif kind == "dead":
-            self._mark_dead(f"engine core failed:\n{msg[1]}")
-            return True
+        match msg:
+            case EngineCoreOutputs(outputs, stats):
+                self.stats = stats
+                self.on_outputs(outputs, stats)
+            case StatsUpdate(stats):
+                self.stats = stats
+            case AddError(request_id, message):
+                self.on_add_error(request_id, message)
+            case UtilityReply(call_id, ok, result):
+                fut = self._calls.get(call_id)
+                if fut is not None and not fut.done():
+                    fut.set_result((ok, result))
+            case CoreDead(message):
+                self._mark_dead(f"engine core failed:\n{message}")
+                return True
         return False
 
     def _mark_dead(self, reason: str) -> None:
@@ -186,7 +202,7 @@ class AsyncEngineCoreClient:
             self._reader.cancel()
         if self.proc is not None and self.proc.is_alive():
             if not self.is_dead:
-                self._inp.send(pack(("shutdown",)))
+                self._inp.send(self._encode(Shutdown()))
             await asyncio.get_running_loop().run_in_executor(None, self._join_or_kill)
         self.dead_reason = self.dead_reason or "the engine was shut down"
         for sock in (self._inp, self._out):

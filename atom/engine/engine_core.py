@@ -9,53 +9,16 @@ hit a stop string.
 from __future__ import annotations
 
 import logging
-import time
-from dataclasses import dataclass, field
 
 from atom.config import Config
+from atom.core_types import RunnerOutput, SchedulerOutput
 from atom.engine.block_manager import BlockManager
-from atom.engine.scheduler import ScheduledBatch, Scheduler
+from atom.engine.outputs import CoreInfo, EngineCoreOutput, EngineCoreRequest, EngineStats
+from atom.engine.scheduler import Scheduler
 from atom.engine.sequence import Sequence
-from atom.sampling_params import SamplingParams
-from atom.worker.logprobs import TokenLogprobs
 from atom.worker.model_runner import ModelRunner, PendingOutput
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineCoreRequest:
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    eos_token_ids: tuple[int, ...] = ()
-    arrival_time: float = field(default_factory=time.time)
-
-
-@dataclass
-class EngineCoreOutput:
-    request_id: str
-    new_token_ids: list[int]
-    finish_reason: str | None = None
-    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
-    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
-    num_cached_tokens: int = 0
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_free_blocks: int
-    num_blocks: int
-    num_preemptions: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
 
 
 class EngineCore:
@@ -68,9 +31,13 @@ class EngineCore:
         self.runner.capture_cudagraphs()
         self.block_manager = BlockManager(num_blocks, config.cache_config.block_size,
                                           config.cache_config.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler_config, self.block_manager)
+        self.scheduler = Scheduler(config.scheduler_config, self.block_manager, config.model_config.max_model_len)
         self.requests: dict[str, Sequence] = {}
-        self._in_flight: tuple[ScheduledBatch, PendingOutput] | None = None  # async scheduling
+        self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None  # async scheduling
+
+    def info(self) -> CoreInfo:
+        bm = self.block_manager
+        return CoreInfo(bm.num_blocks, bm.block_size, self.scheduler.max_seq_len, bm.capacity)
 
     def add_request(self, req: EngineCoreRequest) -> None:
         if req.request_id in self.requests:
@@ -101,31 +68,48 @@ class EngineCore:
         it (async scheduling: the device runs one step while the host prepares the next)
         or of this one."""
         batch = self.scheduler.schedule()
-        launched = (batch, self.runner.launch(batch)) if batch.seqs else None
+        launched = (batch, self.runner.launch(batch)) if not batch.is_empty else None
         if not self.config.scheduler_config.async_scheduling:
             return self._collect(*launched) if launched else []
         previous, self._in_flight = self._in_flight, launched
         return self._collect(*previous) if previous else []
 
-    def _collect(self, batch: ScheduledBatch, pending: PendingOutput) -> list[EngineCoreOutput]:
-        result = pending.result()
-        sampled = self.scheduler.collect(batch, result.sampled)
+    def _collect(self, batch: SchedulerOutput, pending: PendingOutput) -> list[EngineCoreOutput]:
+        result: RunnerOutput = pending.result()
+        sampled = self.scheduler.collect(batch, result)
         outputs = []
-        for i, seq in enumerate(batch.seqs):
-            if i not in sampled and (seq.is_finished or i not in result.prompt_logprobs):
-                continue  # nothing new, or aborted while the step ran
+        for i, seq in enumerate(batch.requests):
+            if self.requests.get(seq.request_id) is not seq:
+                continue  # aborted while the step ran, or finished by an earlier step
+            failed = seq.finish_reason == "error"
+            if i not in sampled and not failed and (seq.is_finished or i not in result.prompt_logprobs):
+                continue  # nothing new
+            prompt_lps = result.prompt_logprobs.get(i)
             outputs.append(EngineCoreOutput(
                 request_id=seq.request_id,
                 new_token_ids=[sampled[i]] if i in sampled else [],
                 finish_reason=seq.finish_reason,
                 new_logprobs=[result.logprobs[i]] if i in result.logprobs else [],
-                prompt_logprobs=result.prompt_logprobs.get(i, []),
+                prompt_logprobs=self.scheduler.new_prompt_logprobs(seq, batch.starts[i], prompt_lps)
+                if prompt_lps is not None and not failed else [],
                 num_cached_tokens=seq.num_cached_tokens,
+                error=seq.error,
             ))
             if seq.is_finished:
                 self.requests.pop(seq.request_id, None)
                 self.runner.release(seq.request_id)
         return outputs
+
+    # utilities (the engine-core process calls them by name)
+    def start_profile(self) -> None:
+        self.runner.start_profile()
+
+    def stop_profile(self) -> None:
+        self.runner.stop_profile()
+
+    @property
+    def profiling(self) -> bool:
+        return self.runner.profiler is not None
 
     def stats(self) -> EngineStats:
         bm = self.block_manager

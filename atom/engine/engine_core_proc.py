@@ -2,7 +2,8 @@
 
 It drains its input socket (requests, aborts, utility calls, shutdown), runs one step while
 there is work, and sends the step's outputs with fresh stats; when idle it blocks on its
-input. It never outlives the API process: the kernel kills it when its parent dies
+input. Messages are the tagged msgspec Structs of ``atom.engine.outputs`` (msgpack on the
+wire). It never outlives the API process: the kernel kills it when its parent dies
 (``PR_SET_PDEATHSIG``), it checks its parent while idle, and it ignores Ctrl-C so that the
 API process can finish or abort in-flight requests and then shut it down in order.
 """
@@ -12,36 +13,34 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import pickle
 import signal
 import sys
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 from multiprocessing import util as mp_util
 from typing import Any
 
+import msgspec
 import zmq
 
 from atom.config import Config
-from atom.engine.engine_core import EngineCore, EngineCoreRequest
+from atom.engine.engine_core import EngineCore
+from atom.engine.outputs import (
+    AbortRequests,
+    AddError,
+    CoreDead,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    Shutdown,
+    StatsUpdate,
+    ToCore,
+    UtilityCall,
+    UtilityReply,
+)
 
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 500  # how often an idle core checks that its parent is alive
-
-
-@dataclass(frozen=True)
-class CoreInfo:
-    """What the core measured at start-up and the API process needs for validation."""
-
-    num_blocks: int
-    block_size: int
-    max_seq_len: int  # longest sequence that fits: min(max_model_len, KV capacity)
-
-
-def pack(msg: tuple) -> bytes:
-    return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def _die_with_parent() -> None:
@@ -75,8 +74,7 @@ def run_engine_core(config: Config, in_addr: str, out_addr: str, ready_conn, par
     out.setsockopt(zmq.SNDHWM, 0)
     inp.connect(in_addr)
     out.connect(out_addr)
-    bm = core.block_manager
-    ready_conn.send(("ready", CoreInfo(bm.num_blocks, bm.block_size, core.scheduler.max_seq_len)))
+    ready_conn.send(("ready", core.info()))
     ready_conn.close()
     try:
         EngineCoreProc(core, inp, out, parent_pid).run()
@@ -102,6 +100,11 @@ class EngineCoreProc:
         self.out = out
         self.parent_pid = parent_pid
         self.running = True
+        self._encode = msgspec.msgpack.Encoder().encode
+        self._decode = msgspec.msgpack.Decoder(ToCore).decode
+        self._handlers: dict[type, Callable[[Any], None]] = {
+            EngineCoreRequest: self._add, AbortRequests: self._abort, UtilityCall: self._call, Shutdown: self._shutdown,
+        }
 
     def run(self) -> None:
         try:
@@ -110,12 +113,12 @@ class EngineCoreProc:
                 if self.running and self.core.has_unfinished_requests():
                     outputs = self.core.step()
                     if outputs:
-                        self.out.send(pack(("outputs", outputs, self.core.stats())))
+                        self.out.send(self._encode(EngineCoreOutputs(outputs, self.core.stats())))
         except SystemExit:
             logger.info("engine core: terminated by signal")
         except BaseException:
             logger.exception("engine core failed")
-            self.out.send(pack(("dead", traceback.format_exc())))
+            self.out.send(self._encode(CoreDead(traceback.format_exc())))
             raise
         finally:
             self._stop_profiler()
@@ -129,46 +132,41 @@ class EngineCoreProc:
                     return
         while self.running:
             try:
-                msg = pickle.loads(self.inp.recv(zmq.NOBLOCK))
+                msg = self._decode(self.inp.recv(zmq.NOBLOCK))
             except zmq.Again:
                 return
-            self._handle(msg)
+            self._handlers[type(msg)](msg)
 
-    def _handle(self, msg: tuple) -> None:
-        kind = msg[0]
-        if kind == "add":
-            req: EngineCoreRequest = msg[1]
-            try:
-                self.core.add_request(req)
-            except ValueError as e:
-                self.out.send(pack(("add_error", req.request_id, str(e))))
-        elif kind == "abort":
-            self.core.abort_requests(msg[1])
-            self.out.send(pack(("stats", self.core.stats())))
-        elif kind == "call":
-            self._call(msg[1], msg[2], msg[3])
-        elif kind == "shutdown":
-            self.core.abort_requests(list(self.core.requests))
-            self.running = False
-        else:
-            logger.error("engine core: unknown message %r", kind)
+    def _add(self, req: EngineCoreRequest) -> None:
+        try:
+            self.core.add_request(req)
+        except ValueError as e:
+            self.out.send(self._encode(AddError(req.request_id, str(e))))
 
-    def _call(self, call_id: int, method: str, args: tuple) -> None:
+    def _abort(self, msg: AbortRequests) -> None:
+        self.core.abort_requests(msg.request_ids)
+        self.out.send(self._encode(StatsUpdate(self.core.stats())))
+
+    def _shutdown(self, msg: Shutdown) -> None:
+        self.core.abort_requests(list(self.core.requests))
+        self.running = False
+
+    def _call(self, msg: UtilityCall) -> None:
         handlers: dict[str, Callable[..., Any]] = {
             "stats": self.core.stats,
-            "start_profile": self.core.runner.start_profile,
-            "stop_profile": self.core.runner.stop_profile,
+            "start_profile": self.core.start_profile,
+            "stop_profile": self.core.stop_profile,
         }
         try:
-            result, ok = handlers[method](*args), True
+            result, ok = handlers[msg.method](*msg.args), True
         except Exception as e:  # the caller gets the error; the engine keeps serving
             result, ok = f"{type(e).__name__}: {e}", False
-        self.out.send(pack(("reply", call_id, ok, result)))
+        self.out.send(self._encode(UtilityReply(msg.call_id, ok, result)))
 
     def _stop_profiler(self) -> None:
         # flush a trace that is still being recorded rather than lose it
-        if self.core.runner.profiler is not None:
+        if self.core.profiling:
             try:
-                self.core.runner.stop_profile()
+                self.core.stop_profile()
             except Exception:
                 logger.exception("engine core: could not stop the profiler")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections.abc import Callable, Sequence
@@ -10,8 +11,9 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
 from atom.engine.arg_utils import EngineArgs, eos_token_ids
-from atom.engine.engine_core import EngineCore, EngineCoreRequest
+from atom.engine.engine_core import EngineCore
 from atom.engine.output_processor import RequestOutput, RequestState
+from atom.engine.outputs import EngineCoreRequest
 from atom.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -41,6 +43,10 @@ class LLMEngine:
         self.core = EngineCore(self.config)
         self.states: dict[str, RequestState] = {}
         self._ids = itertools.count()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        return cls(**dataclasses.asdict(args))
 
     # requests
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
@@ -78,15 +84,15 @@ class LLMEngine:
         return ids
 
     def _check_lengths(self, token_lists: list[list[int]]) -> None:
-        limit = self.core.scheduler.max_seq_len
-        limit_kv = self.core.block_manager.num_blocks * self.core.block_manager.block_size
+        info = self.core.info()
+        limit = info.max_seq_len
         for ids in token_lists:
             if not ids:
                 raise ValueError("prompt is empty: at least one token is needed")
             if len(ids) > limit:
                 raise ValueError(f"prompt of {len(ids)} tokens exceeds the limit of {limit} tokens "
                                  f"(max_model_len={self.config.model_config.max_model_len}, "
-                                 f"KV cache capacity={limit_kv})")
+                                 f"KV cache capacity={info.kv_capacity})")
 
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
@@ -144,14 +150,10 @@ class LLMEngine:
 
     # the serving guide's extras
     def start_profile(self) -> None:
-        self.core.runner.start_profile()
+        self.core.start_profile()
 
     def stop_profile(self) -> None:
-        self.core.runner.stop_profile()
-
-    def print_mtp_statistics(self) -> None:
-        if self.config.speculative_config.method is None:
-            logger.info("MTP statistics: speculative decoding is not enabled")
+        self.core.stop_profile()
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:

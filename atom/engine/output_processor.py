@@ -8,9 +8,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from atom.engine.engine_core import EngineCoreOutput
+from atom.engine.outputs import EngineCoreOutput, TokenLogprobs
 from atom.sampling_params import SamplingParams
-from atom.worker.logprobs import TokenLogprobs
 
 # tokens of context decoded before the new ones, so that a word's leading space and
 # multi-byte characters split across tokens come out right
@@ -58,6 +57,7 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     num_cached_tokens: int = 0
     stop_reason: str | int | None = None
+    error: str | None = None  # with finish_reason "error": what failed
 
     def to_dict(self) -> dict:
         """The serving guide's result dict."""
@@ -130,7 +130,7 @@ class RequestState:
 
     def fail(self) -> RequestOutput:
         """The final output of a request that failed while being processed."""
-        empty = EngineCoreOutput(self.request_id, [], "error")
+        empty = EngineCoreOutput(self.request_id, [], "error", error="output processing failed")
         return self._output(empty, "", "error", time.time())
 
     def _find_stop(self, old_len: int) -> int | None:
@@ -164,4 +164,5 @@ class RequestState:
             prompt_logprobs=self.prompt_logprobs,
             num_cached_tokens=out.num_cached_tokens,
             stop_reason=self.stop_reason,
+            error=out.error,
         )

@@ -8,42 +8,36 @@ in arrival order while budget, ``max_num_seqs`` and blocks allow.
 
 Scheduling a step also books its effect: the scheduled tokens count as computed and a
 sequence that samples gets a ``PLACEHOLDER`` token. ``collect`` later writes the sampled
-ids in and retires finished sequences. With async scheduling the engine schedules (and
+ids (a ``RunnerOutput``) in and retires finished sequences. The scheduler is the one
+writer of sequence state; a failure while collecting one sequence finishes only that one
+(finish_reason "error"). With async scheduling the engine schedules (and
 launches) step N+1 before collecting step N, so the host work of one step overlaps the
 device work of the other; a sequence that step N finishes then wastes one row of N+1.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
-from dataclasses import dataclass
 
 from atom.config import SchedulerConfig
+from atom.core_types import PLACEHOLDER, RunnerOutput, SchedulerOutput, TokenLogprobs
 from atom.engine.block_manager import BlockManager
-from atom.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
+from atom.engine.sequence import Sequence, SequenceStatus
 
-
-@dataclass
-class ScheduledBatch:
-    seqs: list[Sequence]
-    num_new_tokens: list[int]  # tokens to compute per sequence this step
-    starts: list[int]  # computed tokens of each sequence before this step
-    samples: list[bool]  # whether the sequence reaches its last token (and samples one)
-
-    @classmethod
-    def empty(cls) -> ScheduledBatch:
-        return cls([], [], [], [])
+logger = logging.getLogger(__name__)
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int):
         self.config = config
+        self.max_model_len = max_model_len
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         # KV capacity bounds the length a sequence may reach
-        self.max_seq_len = min(config.max_model_len, block_manager.num_blocks * block_manager.block_size)
+        self.max_seq_len = min(max_model_len, block_manager.capacity)
         self.num_preemptions = 0
         # scheduler_delay_factor bookkeeping (as vLLM's v0 scheduler)
         self._prev_time = 0.0
@@ -54,15 +48,15 @@ class Scheduler:
         if seq.num_tokens > self.max_seq_len:
             raise ValueError(
                 f"prompt has {seq.num_tokens} tokens but at most {self.max_seq_len} fit "
-                f"(max_model_len={self.config.max_model_len}, KV cache holds "
-                f"{self.block_manager.num_blocks * self.block_manager.block_size} tokens)"
+                f"(max_model_len={self.max_model_len}, KV cache holds "
+                f"{self.block_manager.capacity} tokens)"
             )
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self) -> SchedulerOutput:
         seqs, counts = [], []
         budget = self.config.max_num_batched_tokens
         preempted = False
@@ -101,6 +95,8 @@ class Scheduler:
                     break
                 self.waiting.popleft()
                 self.block_manager.allocate(seq, n, cached)
+                if cached:
+                    seq.num_computed_tokens = seq.num_cached_tokens = len(cached) * self.block_manager.block_size
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
                 seqs.append(seq)
@@ -109,23 +105,23 @@ class Scheduler:
                 self._prev_prompt = True
         # decode rows first: the attention kernel launches them with their own tile shape
         order = sorted(range(len(seqs)), key=lambda i: counts[i] != 1)
-        batch = ScheduledBatch.empty()
+        requests, num_new, starts, samples = [], [], [], []
         for i in order:
             seq, n = seqs[i], counts[i]
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(n)
-            batch.starts.append(seq.num_computed_tokens)
-            samples = seq.num_computed_tokens + n == seq.num_tokens
-            batch.samples.append(samples)
+            requests.append(seq)
+            num_new.append(n)
+            starts.append(seq.num_computed_tokens)
+            last = seq.num_computed_tokens + n == seq.num_tokens
+            samples.append(last)
             seq.num_computed_tokens += n
-            if samples:
+            if last:
                 seq.append_token(PLACEHOLDER)
-        return batch
+        return SchedulerOutput(requests, num_new, starts, samples, sum(1 for n in counts if n == 1))
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
-        seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
@@ -138,26 +134,46 @@ class Scheduler:
         earliest = min(s.arrival_time for s in self.waiting)
         return (time.time() - earliest) > self.config.scheduler_delay_factor * self._last_prompt_latency
 
-    def collect(self, batch: ScheduledBatch, sampled: dict[int, int]) -> dict[int, int]:
-        """Write in a step's sampled tokens (``sampled``: batch index -> token), register
-        newly full blocks in the prefix cache and retire finished sequences. Returns the
-        tokens that count (not those of sequences finished or aborted in the meantime)."""
+    def collect(self, batch: SchedulerOutput, out: RunnerOutput) -> dict[int, int]:
+        """Write in a step's sampled tokens, register newly full blocks in the prefix cache
+        and retire finished sequences. Returns the tokens that count (row -> token; not
+        those of sequences finished or aborted in the meantime). A row that failed, in the
+        runner or here, finishes its sequence with finish_reason "error"."""
         kept = {}
-        for i, seq in enumerate(batch.seqs):
+        for i, seq in enumerate(batch.requests):
             if seq.is_finished:
                 continue
-            if i in sampled:
-                at = batch.starts[i] + batch.num_new_tokens[i]  # the placeholder's index
-                seq.token_ids[at] = kept[i] = sampled[i]
-                reason = seq.check_stop(self.max_seq_len, at + 1)
-                if reason is not None:
-                    del seq.token_ids[at + 1 :]  # a placeholder of a step already launched
-                    self.finish(seq, reason)
+            error = out.errors.get(i)
+            if error is None:
+                try:
+                    self._collect_row(seq, batch.starts[i] + batch.num_new_tokens[i], out.sampled.get(i), kept, i)
                     continue
-            if seq.status == SequenceStatus.RUNNING:
-                real = seq.num_tokens - (seq.token_ids[-1] == PLACEHOLDER)
-                self.block_manager.cache_full_blocks(seq, min(seq.num_computed_tokens, real))
+                except Exception as e:  # this request's own failure: the others go on
+                    logger.exception("request %s failed while collecting its step", seq.request_id)
+                    error = f"{type(e).__name__}: {e}"
+            kept.pop(i, None)
+            seq.error = error
+            self.finish(seq, "error")
         return kept
+
+    def _collect_row(self, seq: Sequence, end: int, token: int | None, kept: dict[int, int], i: int) -> None:
+        if token is not None:
+            seq.token_ids[end] = kept[i] = token  # the placeholder's index is ``end``
+        if seq.status == SequenceStatus.RUNNING:  # (before finishing: a one-step request's prompt counts)
+            real = seq.num_tokens - (seq.token_ids[-1] == PLACEHOLDER)
+            self.block_manager.cache_full_blocks(seq, min(seq.num_computed_tokens, real))
+        if token is not None:
+            reason = seq.check_stop(self.max_seq_len, end + 1)
+            if reason is not None:
+                del seq.token_ids[end + 1 :]  # a placeholder of a step already launched
+                self.finish(seq, reason)
+
+    def new_prompt_logprobs(self, seq: Sequence, start: int, logprobs: list[TokenLogprobs]) -> list[TokenLogprobs]:
+        """Of the prompt logprobs a chunk starting at ``start`` produced, those not returned
+        before (a recompute after preemption repeats them)."""
+        skip = max(0, seq.num_prompt_logprobs_done - (start + 1))
+        seq.num_prompt_logprobs_done = max(seq.num_prompt_logprobs_done, start + 1 + len(logprobs))
+        return logprobs[skip:]
 
     def finish(self, seq: Sequence, reason: str) -> None:
         if seq.status == SequenceStatus.RUNNING:

@@ -7,10 +7,6 @@ from enum import Enum, auto
 
 from atom.sampling_params import SamplingParams
 
-# Stands for a sampled token that is still on the device (async scheduling): the step
-# after it reads the real id from the device, and the engine writes it in when it arrives.
-PLACEHOLDER = -1
-
 
 class SequenceStatus(Enum):
     WAITING = auto()
@@ -20,7 +16,9 @@ class SequenceStatus(Enum):
 
 class Sequence:
     """vLLM v1 style: there is no prefill or decode phase, only ``num_computed_tokens``
-    catching up with ``len(token_ids)``; the scheduler gives each step a slice of it."""
+    catching up with ``len(token_ids)``; the scheduler gives each step a slice of it.
+    The scheduler (with its block manager) is the only writer of this state; the model
+    runner reads it as a ``ScheduledRequest``."""
 
     def __init__(
         self,
@@ -38,11 +36,11 @@ class Sequence:
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
+        self.error: str | None = None  # why it finished with finish_reason "error"
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # hashes of the full blocks of block_table, in order
-        self.num_preemptions = 0
         # prompt tokens whose logprobs were already returned (a recompute after preemption
         # must not return them again)
         self.num_prompt_logprobs_done = 1

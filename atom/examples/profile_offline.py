@@ -18,7 +18,7 @@ import os
 import random
 import time
 
-from atom import SamplingParams
+from atom import LLMEngine, SamplingParams
 from atom.engine.arg_utils import EngineArgs
 
 logger = logging.getLogger("atom.examples.profile_offline")
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> list[str]:
     """Run the profile; returns the trace files written."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
-    llm = EngineArgs.from_cli_args(args).create_engine()
+    llm = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
     vocab = llm.config.model_config.hf_config.vocab_size
     prompts = make_prompts(llm.tokenizer, vocab, args.input_length, args.bs, args.random_input)
     params = SamplingParams(temperature=0, max_tokens=args.output_length, ignore_eos=True)

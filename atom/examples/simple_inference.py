@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from atom import SamplingParams
+from atom import LLMEngine, SamplingParams
 from atom.engine.arg_utils import EngineArgs
 
 PROMPTS = [
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--temperature", type=float, default=0.6)
     parser.add_argument("--max-tokens", type=int, default=256)
     args = parser.parse_args(argv)
-    llm = EngineArgs.from_cli_args(args).create_engine()
+    llm = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
     prompts = build_prompts(llm.tokenizer)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
@@ -44,7 +44,6 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\nPrompt: {prompt!r}\nCompletion: {out['text']!r}\n"
               f"  ({out['num_tokens_output']} tokens, ttft {out['ttft'] * 1000:.1f} ms, "
               f"tpot {out['tpot'] * 1000:.1f} ms, finish {out['finish_reason']})")
-    llm.print_mtp_statistics()
 
 
 if __name__ == "__main__":

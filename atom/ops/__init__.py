@@ -1,9 +1,14 @@
 """The kernel boundary: one function per (fused) op.
 
-Each function takes plain tensors and dispatches by device: the Triton kernel of
-``atom.ops.triton`` on a CUDA/ROCm tensor when Triton is importable, the PyTorch
-reference of ``atom.ops.reference`` otherwise. ``ATOM_FORCE_REFERENCE_OPS=1`` forces the
-reference everywhere (for debugging a kernel).
+Each function takes plain tensors and dispatches by device: the Triton kernel on a
+CUDA/ROCm tensor when Triton is importable, the PyTorch reference of
+``atom.ops.reference`` otherwise. ``ATOM_FORCE_REFERENCE_OPS=1`` forces the reference
+everywhere (for debugging a kernel).
+
+Ops are declared once, in the table at the end, with ``register_op``: the reference (whose
+signature is the op's), the Triton kernel as ``"module:function"`` (imported lazily), the
+output shapes for torch.compile's fake tensors and the arguments it writes. A new kernel is
+its file under ``atom/ops/triton/`` plus one ``register_op`` line here.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import functools
 import importlib
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -28,8 +34,35 @@ __all__ = [
     "store_kv_cache",
     "top_k_top_p_min_p",
     "init_device_ops",
+    "register_op",
     "use_triton",
 ]
+
+
+@dataclass(frozen=True, slots=True)
+class OpSpec:
+    name: str
+    reference: Callable  # the PyTorch implementation; its signature is the custom op's schema
+    triton: str  # "module:function" of the Triton kernel with the same semantics
+    fake: Callable  # output shapes for torch.compile
+    mutates: tuple[str, ...] = ()  # arguments written in place
+
+
+# name -> spec, filled at import by the table below (constant afterwards)
+_OPS: dict[str, OpSpec] = {}
+
+
+def register_op(name: str, *, triton: str, fake: Callable, mutates: tuple[str, ...] = ()):
+    """Decorator for an op's reference implementation: records the op and returns the
+    public function that dispatches to the Triton kernel or to the reference."""
+
+    def wrap(ref: Callable) -> Callable:
+        if name in _OPS:
+            raise ValueError(f"op {name!r} is registered twice")
+        _OPS[name] = OpSpec(name, ref, triton, fake, tuple(mutates))
+        return _dispatch(name, ref)
+
+    return wrap
 
 
 @functools.cache
@@ -51,48 +84,20 @@ def _empty_like(t: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(t)
 
 
-# Output shapes for torch.compile's fake tensors. Each Triton op is registered as an opaque
-# custom op, so compiled graphs call the kernel rather than tracing its Python launcher.
-_FAKES: dict[str, Callable] = {
-    "rms_norm": lambda x, weight, eps: _empty_like(x),
-    "fused_add_rms_norm": lambda x, weight, eps, residual: (_empty_like(x), _empty_like(x)),
-    "silu_and_mul": lambda x: x.new_empty((*x.shape[:-1], x.shape[-1] // 2)),
-    "rotary_embedding": lambda positions, q, k, cos_sin_cache: (_empty_like(q), _empty_like(k)),
-    "store_kv_cache": lambda *args: None,
-    "qk_norm_rope_store": lambda q, k, *args: (_empty_like(q), _empty_like(k)),
-    "paged_attention": lambda q, *args: _empty_like(q),
-    "moe_topk": lambda logits, top_k, renormalize: (
-        logits.new_empty((logits.shape[0], top_k), dtype=torch.float32),
-        logits.new_empty((logits.shape[0], top_k), dtype=torch.int64)),
-    "fused_moe": lambda x, *args: _empty_like(x),
-    "top_k_top_p_min_p": lambda logits, *args: _empty_like(logits),
-}
-_MUTATES = {"store_kv_cache": ("k_cache", "v_cache"), "qk_norm_rope_store": ("k_cache", "v_cache")}
+def _kernel(spec: OpSpec) -> Callable:
+    module, _, fn = spec.triton.partition(":")
+    return getattr(importlib.import_module(module), fn)
 
 
-def _fused_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                        residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return reference.rms_norm(x, weight, eps, residual)
-
-
-def _plain_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return reference.rms_norm(x, weight, eps)
-
-
-def _make_custom_op(mod, name: str):
-    """``torch.ops.atom.triton_<name>`` backed by the Triton kernel of the same semantics."""
-    if name == "rms_norm":
-        sig_fn, impl = _plain_rms_norm, lambda x, w, eps: mod.rms_norm(x, w, eps)
-    elif name == "fused_add_rms_norm":
-        sig_fn, impl = _fused_add_rms_norm, lambda x, w, eps, r: mod.rms_norm(x, w, eps, r)
-    else:
-        sig_fn, impl = getattr(reference, name), getattr(mod, name)
-    mutates = _MUTATES.get(name, ())
-    schema = torch.library.infer_schema(sig_fn, mutates_args=mutates)
-    op = torch.library.custom_op(f"atom::triton_{name}", impl, mutates_args=mutates, device_types="cuda",
-                                 schema=schema)
-    op.register_fake(_FAKES[name])
-    return getattr(torch.ops.atom, f"triton_{name}").default
+def _make_custom_op(spec: OpSpec):
+    """``torch.ops.atom.triton_<name>``: an opaque custom op around the Triton kernel, so
+    compiled graphs call the kernel rather than tracing its Python launcher."""
+    schema = torch.library.infer_schema(spec.reference, mutates_args=spec.mutates)
+    op = torch.library.custom_op(
+        f"atom::triton_{spec.name}", _kernel(spec), mutates_args=spec.mutates, device_types="cuda", schema=schema
+    )
+    op.register_fake(spec.fake)
+    return getattr(torch.ops.atom, f"triton_{spec.name}").default
 
 
 # name -> custom op, filled once by init_device_ops; a plain dict, so torch.compile traces
@@ -106,16 +111,13 @@ def init_device_ops(device) -> None:
     that tests can switch it to its interpreter first."""
     if getattr(device, "type", device) != "cuda" or _CUDA_OPS:
         return
-    mod = _triton_module()
-    if mod is None:
+    if _triton_module() is None:
         return
-    for name in _FAKES:
-        _CUDA_OPS[name] = _make_custom_op(mod, name)
+    for name, spec in _OPS.items():
+        _CUDA_OPS[name] = _make_custom_op(spec)
 
 
-def _dispatch(name: str) -> Callable:
-    ref = getattr(reference, name)
-
+def _dispatch(name: str, ref: Callable) -> Callable:
     @functools.wraps(ref)
     def op(*args, **kwargs):
         first = args[0] if args else next(iter(kwargs.values()))
@@ -123,23 +125,74 @@ def _dispatch(name: str) -> Callable:
             if not _CUDA_OPS:
                 init_device_ops(first.device)
             if _CUDA_OPS:
-                if name == "rms_norm":
-                    residual = args[3] if len(args) > 3 else kwargs.get("residual")
-                    if residual is not None:
-                        return _CUDA_OPS["fused_add_rms_norm"](*args[:3], residual)
-                    return _CUDA_OPS["rms_norm"](*args[:3])
                 return _CUDA_OPS[name](*args, **kwargs)
         return ref(*args, **kwargs)
 
     return op
 
 
-rms_norm = _dispatch("rms_norm")
-silu_and_mul = _dispatch("silu_and_mul")
-rotary_embedding = _dispatch("rotary_embedding")
-store_kv_cache = _dispatch("store_kv_cache")
-qk_norm_rope_store = _dispatch("qk_norm_rope_store")
-paged_attention = _dispatch("paged_attention")
-moe_topk = _dispatch("moe_topk")
-fused_moe = _dispatch("fused_moe")
-top_k_top_p_min_p = _dispatch("top_k_top_p_min_p")
+# the ops: one line each
+_T = "atom.ops.triton"
+
+
+@register_op("rms_norm", triton=f"{_T}.norm:rms_norm", fake=lambda x, weight, eps: _empty_like(x))
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return reference.rms_norm(x, weight, eps)
+
+
+@register_op(
+    "fused_add_rms_norm",
+    triton=f"{_T}.norm:rms_norm",
+    fake=lambda x, weight, eps, residual: (_empty_like(x), _empty_like(x)),
+)
+def _fused_add_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return reference.rms_norm(x, weight, eps, residual)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """RMSNorm over the last dim; with ``residual``, first ``x = x + residual`` and return
+    ``(normed, x)`` (see ``reference.rms_norm``). Two ops underneath: a custom op's schema
+    returns either one tensor or two."""
+    if residual is None:
+        return _rms_norm(x, weight, eps)
+    return _fused_add_rms_norm(x, weight, eps, residual)
+
+
+silu_and_mul = register_op(
+    "silu_and_mul",
+    triton=f"{_T}.activation:silu_and_mul",
+    fake=lambda x: x.new_empty((*x.shape[:-1], x.shape[-1] // 2)),
+)(reference.silu_and_mul)
+rotary_embedding = register_op(
+    "rotary_embedding",
+    triton=f"{_T}.rope_cache:rotary_embedding",
+    fake=lambda positions, q, k, cos_sin_cache: (_empty_like(q), _empty_like(k)),
+)(reference.rotary_embedding)
+store_kv_cache = register_op(
+    "store_kv_cache", triton=f"{_T}.rope_cache:store_kv_cache", fake=lambda *args: None, mutates=("k_cache", "v_cache")
+)(reference.store_kv_cache)
+qk_norm_rope_store = register_op(
+    "qk_norm_rope_store",
+    triton=f"{_T}.rope_cache:qk_norm_rope_store",
+    fake=lambda q, k, *args: (_empty_like(q), _empty_like(k)),
+    mutates=("k_cache", "v_cache"),
+)(reference.qk_norm_rope_store)
+paged_attention = register_op(
+    "paged_attention", triton=f"{_T}.attention:paged_attention", fake=lambda q, *args: _empty_like(q)
+)(reference.paged_attention)
+moe_topk = register_op(
+    "moe_topk",
+    triton=f"{_T}.moe:moe_topk",
+    fake=lambda logits, top_k, renormalize: (
+        logits.new_empty((logits.shape[0], top_k), dtype=torch.float32),
+        logits.new_empty((logits.shape[0], top_k), dtype=torch.int64),
+    ),
+)(reference.moe_topk)
+fused_moe = register_op("fused_moe", triton=f"{_T}.moe:fused_moe", fake=lambda x, *args: _empty_like(x))(
+    reference.fused_moe
+)
+top_k_top_p_min_p = register_op(
+    "top_k_top_p_min_p", triton=f"{_T}.sampling:top_k_top_p_min_p", fake=lambda logits, *args: _empty_like(logits)
+)(reference.top_k_top_p_min_p)

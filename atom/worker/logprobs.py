@@ -4,19 +4,12 @@ tokens (completions with ``echo``, as lm-eval's loglikelihood tasks need)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
+from atom.core_types import ScheduledRequest, TokenLogprobs
+
 PROMPT_LOGPROBS_CHUNK = 512  # rows of logits materialised at a time for prompt logprobs
-
-
-@dataclass
-class TokenLogprobs:
-    token_id: int
-    logprob: float
-    rank: int
-    top: list[tuple[int, float]]  # (token id, logprob), best first
 
 
 def top_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, n: int):
@@ -35,10 +28,10 @@ def token_logprobs(lp, j: int, token_id: int, n: int) -> TokenLogprobs:
     return TokenLogprobs(token_id, float(chosen[j]), int(ranks[j]), top)
 
 
-def prompt_logprobs(compute_logits: Callable, hidden: torch.Tensor, seq, start: int, row0: int,
-                    n: int) -> list[TokenLogprobs]:
+def prompt_logprobs(compute_logits: Callable, hidden: torch.Tensor, seq: ScheduledRequest, start: int,
+                    row0: int, n: int) -> list[TokenLogprobs]:
     """Logprobs of the prompt tokens this step's chunk predicts (``start+1 .. start+n``, each
-    from the row before), skipping those already returned before a preemption."""
+    from the row before). The scheduler drops those already returned before a preemption."""
     count = min(n, seq.num_prompt_tokens - 1 - start)
     result, top_n = [], seq.sampling_params.prompt_logprobs
     for off in range(0, max(count, 0), PROMPT_LOGPROBS_CHUNK):
@@ -47,6 +40,4 @@ def prompt_logprobs(compute_logits: Callable, hidden: torch.Tensor, seq, start: 
         targets = torch.tensor(seq.token_ids[start + off + 1 : start + off + 1 + m], device=logits.device)
         lp = top_logprobs(logits, targets, top_n)
         result.extend(token_logprobs(lp, j, int(targets[j]), top_n) for j in range(m))
-    skip = max(0, seq.num_prompt_logprobs_done - (start + 1))
-    seq.num_prompt_logprobs_done = max(seq.num_prompt_logprobs_done, start + 1 + len(result))
-    return result[skip:]
+    return result

@@ -1,10 +1,16 @@
-"""Runs the model for one scheduled batch: build inputs and the forward context, run the
+"""Runs the model for one ``SchedulerOutput``: build inputs and the forward context, run the
 model (eagerly or through a captured CUDA graph) and sample. ``launch`` queues all of it
-on the device and returns a handle whose ``result()`` waits for the token ids, so the
-engine can prepare the next step meanwhile (async scheduling)."""
+on the device and returns a handle whose ``result()`` waits for the token ids and gives a
+``RunnerOutput``, so the engine can prepare the next step meanwhile (async scheduling).
+
+The runner imports the step messages (``atom.core_types``) and config, never the engine,
+and never writes request state. A failure that belongs to one request (its seeded
+generator, its logprobs) is reported in ``RunnerOutput.errors`` for that row; a device
+failure raises."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -14,26 +20,17 @@ import torch
 
 from atom import ops
 from atom.config import Config
-from atom.engine.scheduler import ScheduledBatch
-from atom.engine.sequence import PLACEHOLDER
+from atom.core_types import PLACEHOLDER, RunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from atom.forward_context import AttentionMetadata, set_forward_context
 from atom.layers.attention import Attention
 from atom.model_loader.loader import load_model
-from atom.worker.logprobs import TokenLogprobs, prompt_logprobs, token_logprobs, top_logprobs
+from atom.worker.logprobs import prompt_logprobs, token_logprobs, top_logprobs
 from atom.worker.profiler import start_torch_profiler
 from atom.worker.sampler import SamplingTensors, sample
 
 logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_BYTES = 2 << 30
-
-
-@dataclass
-class RunnerOutput:
-    sampled: dict[int, int] = field(default_factory=dict)  # batch index -> token id
-    logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
-    # batch index -> logprobs of the prompt tokens this step's chunk predicts
-    prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -86,7 +83,8 @@ class ModelRunner:
         num_blocks = budget // self.block_bytes()
         if self.device.type != "cuda":
             # on the CPU, never allocate more than the scheduler can use
-            num_blocks = min(num_blocks, sc.max_num_seqs * -(-sc.max_model_len // self.block_size))
+            max_len = self.config.model_config.max_model_len
+            num_blocks = min(num_blocks, sc.max_num_seqs * -(-max_len // self.block_size))
         if num_blocks <= 0:
             raise RuntimeError("no memory left for the KV cache: lower max_num_batched_tokens or raise "
                                "gpu_memory_utilization")
@@ -99,7 +97,7 @@ class ModelRunner:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         num_tokens = sc.max_num_batched_tokens
-        seq_len = min(sc.max_model_len, num_tokens)
+        seq_len = min(self.config.model_config.max_model_len, num_tokens)
         num_seqs = max(1, num_tokens // seq_len)
         cu = torch.arange(0, num_seqs + 1, dtype=torch.int32, device=self.device) * seq_len
         meta = AttentionMetadata(
@@ -139,7 +137,7 @@ class ModelRunner:
             return t.pin_memory().to(self.device, non_blocking=True)
         return t
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def prepare(self, batch: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Flatten the batch. Plain Python lists for the per-token fields (a decode row is a
         handful of integer ops), then one packed host-to-device copy for everything. A decode
         row whose token is still a ``PLACEHOLDER`` (async scheduling) gets it from the last
@@ -147,7 +145,7 @@ class ModelRunner:
         bs = self.block_size
         ids, pos, slots, cu, seq_lens = [], [], [], [0], []
         fill_at, fill_from = [], []  # placeholder token index -> row of the last step's samples
-        for seq, start, n in zip(batch.seqs, batch.starts, batch.num_new_tokens):
+        for seq, start, n in zip(batch.requests, batch.starts, batch.num_new_tokens):
             table = seq.block_table
             if n == 1:  # decode
                 token = seq.token_ids[start]
@@ -164,8 +162,8 @@ class ModelRunner:
                 slots.extend(table[i // bs] * bs + i % bs for i in p)
             cu.append(cu[-1] + n)
             seq_lens.append(start + n)
-        num_seqs, num_tokens, num_fills = len(batch.seqs), len(ids), len(fill_at)
-        width = max(len(s.block_table) for s in batch.seqs)
+        num_seqs, num_tokens, num_fills = len(batch.requests), len(ids), len(fill_at)
+        width = max(len(s.block_table) for s in batch.requests)
         # one int64 buffer: ids | positions | slots | cu_seqlens | seq_lens | fills | block tables
         buf = np.zeros(3 * num_tokens + 2 * num_seqs + 1 + 2 * num_fills + num_seqs * width, dtype=np.int64)
         buf[: 3 * num_tokens] = ids + pos + slots
@@ -175,7 +173,7 @@ class ModelRunner:
         f = o + 2 * num_seqs + 1
         buf[f : f + 2 * num_fills] = fill_at + fill_from
         tables = buf[f + 2 * num_fills :].reshape(num_seqs, width)
-        for i, seq in enumerate(batch.seqs):
+        for i, seq in enumerate(batch.requests):
             tables[i, : len(seq.block_table)] = seq.block_table
         dev = self._tensor(buf, torch.int64)
         t = num_tokens
@@ -189,13 +187,12 @@ class ModelRunner:
             block_tables=dev[f + 2 * num_fills :].view(num_seqs, width).to(torch.int32),
             max_seqlen_q=max(batch.num_new_tokens),
             max_seqlen_k=max(seq_lens),
-            num_decode_tokens=_leading_decodes(batch.num_new_tokens),
+            num_decode_tokens=batch.num_decodes,
         )
         return input_ids, dev[t : 2 * t], meta
 
-    def sampling_tensors(self, seqs) -> SamplingTensors:
+    def sampling_tensors(self, seqs: list[ScheduledRequest], gens: list[torch.Generator | None]) -> SamplingTensors:
         params = [s.sampling_params for s in seqs]
-        gens = [self._generator(seq) for seq in seqs]
         temps = [p.temperature for p in params]
         top_k = [float(p.top_k) for p in params]
         top_p = [p.top_p for p in params]
@@ -210,7 +207,7 @@ class ModelRunner:
             all_greedy=all(t == 0 for t in temps),
         )
 
-    def _generator(self, seq) -> torch.Generator | None:
+    def _generator(self, seq: ScheduledRequest) -> torch.Generator | None:
         p = seq.sampling_params
         if p.seed is None or p.temperature == 0:
             return None
@@ -243,7 +240,7 @@ class ModelRunner:
         if self.device.type != "cuda":
             return
         sc = self.config.scheduler_config
-        seq_len = min(sc.max_model_len, max(2, sc.max_num_batched_tokens // 2))
+        seq_len = min(self.config.model_config.max_model_len, max(2, sc.max_num_batched_tokens // 2))
         num_seqs = 2
         start = time.perf_counter()
         cu = torch.arange(num_seqs + 1, dtype=torch.int32, device=self.device) * seq_len
@@ -281,24 +278,29 @@ class ModelRunner:
         self.graph_runner = runner
 
     @torch.inference_mode()
-    def launch(self, batch: ScheduledBatch) -> PendingOutput:
+    def launch(self, batch: SchedulerOutput) -> PendingOutput:
         """Queue the step's device work (model, logits, sampling, the copy of the sampled ids
         to the host) without waiting for it; ``result()`` of the returned handle waits."""
         input_ids, positions, meta = self.prepare(batch)
         hidden = self.run_model(input_ids, positions, meta)
         pending = PendingOutput()
         cu = np.cumsum([0] + batch.num_new_tokens)
-        for i, seq in enumerate(batch.seqs):
+        for i, seq in enumerate(batch.requests):
             # now, while ``hidden`` (a CUDA graph's output buffer) is this step's
             if seq.sampling_params.prompt_logprobs is not None and batch.starts[i] < seq.num_prompt_tokens:
-                pending.output.prompt_logprobs[i] = prompt_logprobs(
-                    self.model.compute_logits, hidden, seq, batch.starts[i], int(cu[i]), batch.num_new_tokens[i])
+                with _row_errors(pending.errors, i, seq):
+                    pending.prompt_logprobs[i] = prompt_logprobs(
+                        self.model.compute_logits, hidden, seq, batch.starts[i], int(cu[i]), batch.num_new_tokens[i])
         rows = [i for i, samples in enumerate(batch.samples) if samples]
         if not rows:
             return pending
-        seqs = [batch.seqs[i] for i in rows]
+        seqs = [batch.requests[i] for i in rows]
+        gens = [None] * len(seqs)
+        for j, seq in enumerate(seqs):
+            with _row_errors(pending.errors, rows[j], seq):  # e.g. a seed out of range
+                gens[j] = self._generator(seq)
         logits = self.model.compute_logits(hidden[self._tensor(cu[1:][rows] - 1, torch.int64)])
-        tokens = sample(logits, self.sampling_tensors(seqs))
+        tokens = sample(logits, self.sampling_tensors(seqs, gens))
         self._last_sampled = tokens
         self._last_sampled_rows = {seq.request_id: j for j, seq in enumerate(seqs)}
         pending.rows = rows
@@ -319,29 +321,34 @@ class ModelRunner:
 class PendingOutput:
     """A launched step's results, on their way to the host."""
 
-    output: RunnerOutput = field(default_factory=RunnerOutput)
     rows: list[int] = field(default_factory=list)  # batch indices that sampled
     tokens: torch.Tensor | None = None  # their tokens (pinned host memory on CUDA)
     ready: torch.cuda.Event | None = None  # recorded after the device-to-host copy
     want_logprobs: list[int | None] = field(default_factory=list)
     logprobs: tuple | None = None  # top_logprobs(...) of the sampled rows, on the device
+    prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
+    errors: dict[int, str] = field(default_factory=dict)
 
     def result(self) -> RunnerOutput:
         if self.ready is not None:
             self.ready.synchronize()
-        out = self.output
-        if self.tokens is None:
-            return out
-        for j, (i, tok) in enumerate(zip(self.rows, self.tokens.tolist())):
-            out.sampled[i] = tok
-            if self.logprobs is not None and self.want_logprobs[j] is not None:
-                out.logprobs[i] = token_logprobs(self.logprobs, j, tok, self.want_logprobs[j])
-        return out
+        sampled, logprobs, errors = {}, {}, self.errors
+        if self.tokens is not None:
+            for j, (i, tok) in enumerate(zip(self.rows, self.tokens.tolist())):
+                sampled[i] = tok
+                if self.logprobs is not None and self.want_logprobs[j] is not None and i not in errors:
+                    logprobs[i] = token_logprobs(self.logprobs, j, tok, self.want_logprobs[j])
+        return RunnerOutput(sampled, logprobs, self.prompt_logprobs, errors)
 
 
-def _leading_decodes(counts: list[int]) -> int:
-    """Rows with one new token at the head of the batch (the scheduler puts decodes first)."""
-    n = 0
-    while n < len(counts) and counts[n] == 1:
-        n += 1
-    return n
+@contextlib.contextmanager
+def _row_errors(errors: dict[int, str], row: int, seq: ScheduledRequest):
+    """Record an exception of one request's own work as that row's error. Device failures
+    (CUDA errors, out of memory) are not one request's fault: they propagate."""
+    try:
+        yield
+    except Exception as e:
+        if isinstance(e, torch.OutOfMemoryError) or "CUDA" in str(e):
+            raise
+        logger.exception("request %s failed in the model runner", seq.request_id)
+        errors[row] = f"{type(e).__name__}: {e}"

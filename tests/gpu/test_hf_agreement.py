@@ -47,7 +47,7 @@ def build(tmp_path, arch):
 
 def atom_logits(path, tokens):
     from atom import LLMEngine
-    from atom.engine.scheduler import ScheduledBatch
+    from atom.core_types import SchedulerOutput
     from atom.engine.sequence import Sequence
     from atom.sampling_params import SamplingParams
 
@@ -59,7 +59,7 @@ def atom_logits(path, tokens):
     with torch.inference_mode():
         for n in [PREFILL] + [1] * (POSITIONS - PREFILL):
             bm.allocate(seq, n)
-            batch = ScheduledBatch([seq], [n], [seq.num_computed_tokens], [False])
+            batch = SchedulerOutput([seq], [n], [seq.num_computed_tokens], [False], int(n == 1))
             ids, pos, meta = runner.prepare(batch)
             hidden = runner.run_model(ids, pos, meta)
             out.append(runner.model.compute_logits(hidden).float())

@@ -46,7 +46,6 @@ def test_random_operations_keep_refcounts_exact(ops, prefix_caching):
             n = seq.num_tokens - len(cached) * BLOCK
             if bm.can_allocate(seq, n, cached):
                 bm.allocate(seq, n, cached)
-                assert seq.num_computed_tokens + n == seq.num_tokens
                 seq.num_computed_tokens = seq.num_tokens
                 bm.cache_full_blocks(seq, seq.num_computed_tokens)
                 live.append(seq)
@@ -66,7 +65,7 @@ def test_random_operations_keep_refcounts_exact(ops, prefix_caching):
             parent = live[a % len(live)]
             counter += 1
             child = Sequence(str(counter), list(parent.token_ids), SamplingParams())
-            bm.fork(parent, child)
+            child.num_computed_tokens = bm.fork(parent, child)
             n = child.num_tokens - child.num_computed_tokens
             if bm.can_allocate(child, n):
                 bm.allocate(child, n)

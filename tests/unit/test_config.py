@@ -1,8 +1,9 @@
 import argparse
+import dataclasses
 
 import pytest
 
-from atom.config import CacheConfig, CompilationConfig, SchedulerConfig
+from atom.config import CacheConfig, CompilationConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig
 from atom.engine.arg_utils import EngineArgs
 
 
@@ -42,3 +43,13 @@ def test_cli_spellings():
 def test_invalid_config_rejected_at_construction(make):
     with pytest.raises(ValueError):
         make()
+
+
+@pytest.mark.parametrize("section", [CacheConfig, SchedulerConfig, ParallelConfig, CompilationConfig,
+                                     SpeculativeConfig])
+def test_every_config_field_is_an_engine_argument_with_the_same_default(section):
+    args = EngineArgs()
+    for f in dataclasses.fields(section):
+        value = getattr(args, f.name)  # an AttributeError names a config field no argument sets
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        assert (tuple(value) if isinstance(value, list) else value) == default, f.name

@@ -172,3 +172,20 @@ def test_request_failing_in_its_callback_fails_alone(engine):
     assert done[bad[0]].finish_reason == "error"
     assert done[good[0]].finish_reason == "length" and len(done[good[0]].token_ids) == 6
     assert engine.core.block_manager.num_free_blocks == engine.core.block_manager.num_blocks
+
+
+def test_request_failing_in_the_core_fails_alone(engine):
+    """A seed that passes SamplingParams but not torch's generator (a value a client can
+    send): that request finishes with an error message, the batch it ran in goes on."""
+    bad_params = SamplingParams(temperature=0.8, max_tokens=6)
+    bad_params.seed = 2**64
+    bad = engine.add_request(["Once upon a time"], bad_params)
+    good = engine.add_request(["def add(a, b):", "The quick brown fox"], SamplingParams(temperature=0, max_tokens=6))
+    done = {}
+    while not engine.is_finished():
+        for out in engine.step():
+            done[out.request_id] = out
+    assert done[bad[0]].finish_reason == "error" and "Overflow" in done[bad[0]].error
+    for rid in good:
+        assert done[rid].finish_reason == "length" and len(done[rid].token_ids) == 6 and done[rid].error is None
+    assert engine.core.block_manager.num_free_blocks == engine.core.block_manager.num_blocks

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from atom.engine.output_processor import RequestOutput
+from atom.engine.outputs import TokenLogprobs
 from atom.entrypoints.openai.protocol import (
     ChatCompletionLogProbs,
     ChatCompletionRequest,
@@ -23,7 +24,6 @@ from atom.entrypoints.openai.protocol import (
     random_id,
 )
 from atom.entrypoints.openai.serving_engine import OpenAIError, OpenAIServing, Prompt, prepend, sse
-from atom.worker.logprobs import TokenLogprobs
 
 
 class OpenAIServingChat(OpenAIServing):
