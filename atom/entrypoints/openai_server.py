@@ -15,14 +15,17 @@ import argparse
 import asyncio
 import contextlib
 import hmac
+import json
 import logging
 import os
 from contextlib import asynccontextmanager
 
+import msgspec
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -38,6 +41,77 @@ logger = logging.getLogger("atom.entrypoints.openai_server")
 
 # paths that work without the API key (probes and scrapers)
 OPEN_PATHS = frozenset({"/health", "/metrics"})
+DEFAULT_MAX_REQUEST_BODY_SIZE = 64 << 20
+DEFAULT_MAX_QUEUED_REQUESTS = 4096
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class BodySizeLimitMiddleware:
+    """413 for a request body over ``limit`` bytes: at once if its Content-Length says so,
+    else as soon as that much has arrived (a chunked upload)."""
+
+    def __init__(self, app, limit: int):
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.limit:
+            return await self._too_large()(scope, receive, send)
+        received = 0
+        started = False
+
+        async def counting_receive():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.limit:
+                raise _BodyTooLarge
+            return message
+
+        async def tracking_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counting_receive, tracking_send)
+        except _BodyTooLarge:
+            if not started:
+                await self._too_large()(scope, receive, send)
+
+    def _too_large(self):
+        return OpenAIError(f"request body too large: the limit is {self.limit} bytes (--max-request-body-size)",
+                           status=413).response()
+
+
+class _JSONRequest(Request):
+    async def json(self):
+        # msgspec parses a large body several times faster than the json module, and the
+        # event loop waits while it does; json.loads takes what msgspec refuses (NaN, lone
+        # surrogates...) so that the field validation can name the field at fault
+        if not hasattr(self, "_json"):
+            body = await self.body()
+            try:
+                self._json = msgspec.json.decode(body)
+            except (msgspec.DecodeError, UnicodeDecodeError):
+                self._json = json.loads(body)
+        return self._json
+
+
+class _Route(APIRoute):
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def route_handler(request: Request):
+            return await handler(_JSONRequest(request.scope, request.receive))
+
+        return route_handler
 
 
 class ApiKeyMiddleware:
@@ -88,13 +162,20 @@ async def run_until_disconnect(request: Request, coro):
 
 
 def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    err = exc.errors()[0] if exc.errors() else {"msg": "invalid request", "loc": ()}
-    names = [str(p) for p in err.get("loc", ()) if p != "body" and not isinstance(p, int)]
-    param = names[0] if names else None
-    message = err.get("msg", "invalid request").removeprefix("Value error, ")
-    if param:
-        message = f"{'.'.join(names)}: {message}"
-    return OpenAIError(message, param=param).response()
+    errors = exc.errors() or [{"msg": "invalid request", "loc": ()}]
+    # each branch of a union (str | list[str] ...) reports; the one that is not a type
+    # mismatch says what is wrong
+    err = next((e for e in errors if not str(e.get("type", "")).endswith("_type")), errors[0])
+    # loc: "body", field names, list indices, and union-branch tags such as "list[int]"
+    parts = [p for p in err.get("loc", ()) if p != "body" and not (isinstance(p, str) and _is_type_tag(p))]
+    names = [p for p in parts if isinstance(p, str)]
+    path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts).lstrip(".")
+    message = str(err.get("msg", "invalid request")).removeprefix("Value error, ")
+    return OpenAIError(f"{path}: {message}" if path else message, param=names[0] if names else None).response()
+
+
+def _is_type_tag(part: str) -> bool:
+    return "[" in part or part in ("str", "int", "float", "bool", "list", "dict")
 
 
 def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -103,18 +184,20 @@ def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
 
 
 def _internal_error(request: Request, exc: Exception) -> JSONResponse:
-    logger.exception("unhandled error in %s", request.url.path, exc_info=exc)
-    return OpenAIError(f"internal server error: {type(exc).__name__}: {exc}", status=500,
+    logger.error("unhandled error in %s", request.url.path, exc_info=exc)
+    return OpenAIError(f"internal server error ({type(exc).__name__})", status=500,
                        type="internal_server_error").response()
 
 
-def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | None = None) -> FastAPI:
+def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | None = None,
+              max_request_body_size: int = DEFAULT_MAX_REQUEST_BODY_SIZE,
+              request_timeout: float | None = None) -> FastAPI:
     """The FastAPI app; its lifespan starts the engine (so the port opens once the model is
     loaded) and shuts it down."""
     metrics = ServerMetrics(served_model_names[0])
     engine.finished_callbacks.append(metrics.observe_finished)
-    chat = OpenAIServingChat(engine, served_model_names)
-    completion = OpenAIServingCompletion(engine, served_model_names)
+    chat = OpenAIServingChat(engine, served_model_names, request_timeout)
+    completion = OpenAIServingCompletion(engine, served_model_names, request_timeout)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -126,12 +209,14 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
             await engine.shutdown()
 
     app = FastAPI(title="atom OpenAI-compatible server", lifespan=lifespan)
+    app.router.route_class = _Route
     app.add_exception_handler(OpenAIError, lambda request, exc: exc.response())
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    app.add_middleware(BodySizeLimitMiddleware, limit=max_request_body_size)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request):
@@ -151,12 +236,13 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
     @app.get("/health")
     async def health():
         if not engine.is_healthy:
-            return engine_dead_error(RuntimeError(engine.client.dead_reason or "the engine is not running")).response()
+            return engine_dead_error(RuntimeError(engine.dead_reason)).response()
         return {"status": "ok"}
 
     @app.get("/metrics")
     async def prometheus_metrics():
-        stats = await engine.get_stats(fresh=engine.is_healthy)
+        # the stats the core sent with its latest step (or abort): a scrape never waits on a step
+        stats = await engine.get_stats(fresh=False)
         if stats is not None:
             metrics.set_engine_stats(stats)
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
@@ -197,6 +283,13 @@ def make_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--disable-uvicorn-access-log", action="store_true", help="no log line per HTTP request")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds in-flight requests may take to finish on SIGINT/SIGTERM before being aborted")
+    parser.add_argument("--max-request-body-size", type=int, default=DEFAULT_MAX_REQUEST_BODY_SIZE,
+                        help="largest request body in bytes (413 beyond)")
+    parser.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED_REQUESTS,
+                        help="engine requests (n counts n) allowed to wait beyond --max-num-seqs; more get 503 "
+                             "with Retry-After")
+    parser.add_argument("--request-timeout", type=float, default=None,
+                        help="seconds a request may run before it is aborted (504); default: no limit")
     EngineArgs.add_cli_args(parser)
     return parser
 
@@ -208,9 +301,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--skip-tokenizer-init: the server needs the tokenizer (chat templates, text in and out)")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = EngineArgs.from_cli_args(args).create_engine_config()
-    engine = AsyncLLM(config)
+    engine = AsyncLLM(config, max_queued_requests=args.max_queued_requests)
     names = args.served_model_name or [config.model_config.model]
-    app = build_app(engine, names, args.api_key)
+    app = build_app(engine, names, args.api_key, args.max_request_body_size, args.request_timeout)
     logger.info("serving %s on http://%s:%d", ", ".join(names), args.host, args.server_port)
     config = uvicorn.Config(app, host=args.host, port=args.server_port, log_level=args.log_level,
                             access_log=not args.disable_uvicorn_access_log,
