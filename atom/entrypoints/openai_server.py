@@ -45,10 +45,6 @@ DEFAULT_MAX_REQUEST_BODY_SIZE = 64 << 20
 DEFAULT_MAX_QUEUED_REQUESTS = 4096
 
 
-class _BodyTooLarge(Exception):
-    pass
-
-
 class BodySizeLimitMiddleware:
     """413 for a request body over ``limit`` bytes: at once if its Content-Length says so,
     else as soon as that much has arrived (a chunked upload)."""
@@ -62,32 +58,22 @@ class BodySizeLimitMiddleware:
             return await self.app(scope, receive, send)
         length = dict(scope["headers"]).get(b"content-length", b"")
         if length.isdigit() and int(length) > self.limit:
-            return await self._too_large()(scope, receive, send)
+            return await OpenAIError(self._message(), status=413).response()(scope, receive, send)
         received = 0
-        started = False
 
         async def counting_receive():
             nonlocal received
             message = await receive()
             received += len(message.get("body", b""))
             if received > self.limit:
-                raise _BodyTooLarge
+                # an HTTPException raised while the body is read becomes this response
+                raise StarletteHTTPException(413, self._message())
             return message
 
-        async def tracking_send(message):
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
+        await self.app(scope, counting_receive, send)
 
-        try:
-            await self.app(scope, counting_receive, tracking_send)
-        except _BodyTooLarge:
-            if not started:
-                await self._too_large()(scope, receive, send)
-
-    def _too_large(self):
-        return OpenAIError(f"request body too large: the limit is {self.limit} bytes (--max-request-body-size)",
-                           status=413).response()
+    def _message(self) -> str:
+        return f"request body too large: the limit is {self.limit} bytes (--max-request-body-size)"
 
 
 class _JSONRequest(Request):
