@@ -95,5 +95,8 @@ def is_encodable(s: str) -> bool:
 
 def _short(value) -> str:
     """A value for an error message: bounded in length and printable."""
-    text = ascii(value)
+    try:
+        text = ascii(value)
+    except ValueError:  # an int too long to print
+        return "a number too large to print"
     return text if len(text) <= 60 else text[:57] + "..."
