@@ -36,7 +36,7 @@ class ServerProcess:
         self.log_path = workdir / "server.log"
         cmd = [
             sys.executable, "-m", "atom.entrypoints.openai_server",
-            *(["--model", model] if model else []), "--host", "127.0.0.1", "--server-port", str(self.port),
+            *(["--model", model] if model else []), "--host", "127.0.0.1", "--port", str(self.port),
             "--dtype", "float32", "--device", "cpu", "--max-model-len", str(MAX_MODEL_LEN),
             "--kv-cache-memory-bytes", str(32 << 20),
             "--disable-uvicorn-access-log", "--torch-profiler-dir", str(self.profiler_dir),
