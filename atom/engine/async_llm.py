@@ -110,10 +110,10 @@ class AsyncLLM:
 
     # input processing, off the event loop
     async def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True,
-                       param: str = "prompt") -> ProcessedPrompt:
+                       param: str = "prompt", check_length: bool = True) -> ProcessedPrompt:
         """A text or token-id prompt as checked token ids; ``InvalidInputError`` (a
         ValueError naming ``param``) if it is unusable."""
-        return await self._in_pool(self.input_processor.tokenize, prompt, add_special_tokens, param)
+        return await self._in_pool(self.input_processor.tokenize, prompt, add_special_tokens, param, check_length)
 
     async def apply_chat_template(self, messages: list[dict], **kwargs) -> ProcessedPrompt:
         return await self._in_pool(self.input_processor.apply_chat_template, messages, **kwargs)

@@ -40,22 +40,24 @@ class InputProcessor:
         self.max_seq_len = max_seq_len if max_seq_len is not None else max_model_len
         self.max_token_chars = _max_token_chars(tokenizer)
 
-    def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True,
-                 param: str = "prompt") -> ProcessedPrompt:
-        """A text or token-id prompt as token ids, checked."""
+    def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True, param: str = "prompt",
+                 check_length: bool = True) -> ProcessedPrompt:
+        """A text or token-id prompt as token ids, checked (its length only if
+        ``check_length``: ``/tokenize`` counts the tokens of any text)."""
         if isinstance(prompt, str):
-            return ProcessedPrompt(prompt, self._encode(prompt, add_special_tokens, param))
+            return ProcessedPrompt(prompt, self._encode(prompt, add_special_tokens, param, check_length))
         ids = list(prompt)
         if not ids:
             raise InvalidInputError("prompt is empty: at least one token is needed", param)
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in ids):
             raise InvalidInputError(f"prompt token ids must be ints in [0, {self.vocab_size})", param)
-        self._check_length(len(ids), param)
+        if check_length:
+            self._check_length(len(ids), param)
         return ProcessedPrompt(None, ids)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            continue_final_message: bool = False,
-                            chat_template_kwargs: dict[str, Any] | None = None) -> ProcessedPrompt:
+                            continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None,
+                            add_special_tokens: bool = False, check_length: bool = True) -> ProcessedPrompt:
         """The messages through the tokenizer's chat template, tokenised."""
         if not messages:
             raise InvalidInputError("messages must be a non-empty list", "messages")
@@ -68,15 +70,20 @@ class InputProcessor:
         except Exception as e:  # no template, or the template refused the messages
             raise InvalidInputError(f"cannot apply the chat template: {_printable(e)}", "messages") from e
         # the template already holds the special tokens (BOS, role markers)
-        return ProcessedPrompt(text, self._encode(text, False, "messages"))
+        return ProcessedPrompt(text, self._encode(text, add_special_tokens, "messages", check_length))
 
-    def _encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+    def _encode(self, text: str, add_special_tokens: bool, param: str, check_length: bool = True) -> list[int]:
         if self.tokenizer is None:
             raise InvalidInputError("text prompts need a tokenizer (the engine runs with skip_tokenizer_init)", param)
         if not text:
             raise InvalidInputError("prompt is empty", param)
         if not is_encodable(text):
             raise InvalidInputError(f"{param} is not valid Unicode: it holds a lone surrogate (e.g. \\ud800)", param)
+        if not check_length:
+            try:
+                return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+            except Exception as e:
+                raise InvalidInputError(f"cannot tokenize the {param}: {_printable(e)}", param) from e
         limit = self.max_seq_len
         if self.max_token_chars is not None and len(text) > 2 * limit * self.max_token_chars:
             # no token covers more than max_token_chars characters, so this text cannot

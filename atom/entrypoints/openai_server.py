@@ -33,10 +33,19 @@ from atom.engine.arg_utils import EngineArgs
 from atom.engine.async_llm import AsyncLLM
 from atom.entrypoints.openai.metrics import ServerMetrics
 from atom.entrypoints.openai.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware, JSONRoute
-from atom.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from atom.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
 from atom.entrypoints.openai.serving_chat import OpenAIServingChat
 from atom.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from atom.entrypoints.openai.serving_engine import OpenAIError, engine_dead_error
+from atom.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
 logger = logging.getLogger("atom.entrypoints.openai_server")
 
@@ -115,6 +124,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
     engine.finished_callbacks.append(metrics.observe_finished)
     chat = OpenAIServingChat(engine, served_model_names, request_timeout)
     completion = OpenAIServingCompletion(engine, served_model_names, request_timeout)
+    tokenization = OpenAIServingTokenization(engine, served_model_names)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -142,6 +152,14 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
     @app.post("/v1/completions")
     async def create_completion(request: CompletionRequest, raw_request: Request):
         return await run_until_disconnect(raw_request, completion.create_completion(request))
+
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeCompletionRequest | TokenizeChatRequest):
+        return await tokenization.tokenize(request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest):
+        return await tokenization.detokenize(request)
 
     @app.get("/v1/models")
     async def list_models():

@@ -24,19 +24,21 @@ def free_port() -> int:
 
 class ServerProcess:
     """``python -m atom.entrypoints.openai_server`` in a subprocess, float32 on the CPU;
-    ``model=None`` starts it with no ``--model`` (the embedded default)."""
+    ``model=None`` starts it with no model (the embedded default)."""
 
     def __init__(self, model: str | None, workdir: Path, api_key: str | None = None, extra_args: tuple[str, ...] = (),
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, via_cli: bool = False):
         self.model = model
         self.api_key = api_key
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.profiler_dir = workdir / "traces"
         self.log_path = workdir / "server.log"
+        # via_cli: ``atom serve MODEL`` (the console script's entry point), else ``--model MODEL``
+        entry = ["atom.entrypoints.cli", "serve", *([model] if model else [])] if via_cli else [
+            "atom.entrypoints.openai_server", *(["--model", model] if model else [])]
         cmd = [
-            sys.executable, "-m", "atom.entrypoints.openai_server",
-            *(["--model", model] if model else []), "--host", "127.0.0.1", "--port", str(self.port),
+            sys.executable, "-m", *entry, "--host", "127.0.0.1", "--port", str(self.port),
             "--dtype", "float32", "--device", "cpu", "--max-model-len", str(MAX_MODEL_LEN),
             "--kv-cache-memory-bytes", str(32 << 20),
             "--disable-uvicorn-access-log", "--torch-profiler-dir", str(self.profiler_dir),

@@ -310,3 +310,39 @@ class ModelCard(OpenAIBaseModel):
 class ModelList(OpenAIBaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# /tokenize and /detokenize (vLLM's)
+
+
+class TokenizeCompletionRequest(OpenAIRequest):
+    model: Text | None = None
+    prompt: Text
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(OpenAIRequest):
+    model: Text | None = None
+    messages: list[ChatMessage]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeResponse(OpenAIBaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(OpenAIRequest):
+    model: Text | None = None
+    tokens: list[TokenId]
+
+
+class DetokenizeResponse(OpenAIBaseModel):
+    prompt: str
