@@ -50,8 +50,11 @@ class SamplingParams:
             self.top_k = 0
         self._validate()
         if 0 < self.temperature < MIN_TEMPERATURE:
-            logger.warning("temperature %g is below %g and is raised to it, as too small a value overflows",
-                           self.temperature, MIN_TEMPERATURE)
+            logger.warning(
+                "temperature %g is below %g and is raised to it, as too small a value overflows",
+                self.temperature,
+                MIN_TEMPERATURE,
+            )
             self.temperature = MIN_TEMPERATURE
 
     def _validate(self) -> None:
@@ -67,15 +70,27 @@ class SamplingParams:
             ("top_k", count(self.top_k, 0, INT32_MAX), f"must be in [0, {INT32_MAX}] (0 or -1 disables it)"),
             ("min_p", number(self.min_p) and 0 <= self.min_p <= 1, "must be in [0, 1]"),
             ("max_tokens", count(self.max_tokens, 1, INT64_MAX), f"must be an int in [1, {INT64_MAX}]"),
-            ("seed", self.seed is None or count(self.seed, INT64_MIN, INT64_MAX),
-             f"must be a signed 64-bit int in [{INT64_MIN}, {INT64_MAX}]"),
-            ("stop", all(isinstance(s, str) and s and is_encodable(s) for s in self.stop),
-             "must be non-empty strings of valid Unicode (no lone surrogates)"),
+            (
+                "seed",
+                self.seed is None or count(self.seed, INT64_MIN, INT64_MAX),
+                f"must be a signed 64-bit int in [{INT64_MIN}, {INT64_MAX}]",
+            ),
+            (
+                "stop",
+                all(isinstance(s, str) and s and is_encodable(s) for s in self.stop),
+                "must be non-empty strings of valid Unicode (no lone surrogates)",
+            ),
             ("stop_token_ids", all(count(t, 0, INT64_MAX) for t in self.stop_token_ids), "must be non-negative ints"),
-            ("logprobs", self.logprobs is None or count(self.logprobs, 0, MAX_LOGPROBS),
-             f"must be in [0, {MAX_LOGPROBS}]"),
-            ("prompt_logprobs", self.prompt_logprobs is None or count(self.prompt_logprobs, 0, MAX_LOGPROBS),
-             f"must be in [0, {MAX_LOGPROBS}]"),
+            (
+                "logprobs",
+                self.logprobs is None or count(self.logprobs, 0, MAX_LOGPROBS),
+                f"must be in [0, {MAX_LOGPROBS}]",
+            ),
+            (
+                "prompt_logprobs",
+                self.prompt_logprobs is None or count(self.prompt_logprobs, 0, MAX_LOGPROBS),
+                f"must be in [0, {MAX_LOGPROBS}]",
+            ),
         ]
         for name, ok, why in checks:
             if not ok:

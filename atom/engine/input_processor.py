@@ -40,8 +40,9 @@ class InputProcessor:
         self.max_seq_len = max_seq_len if max_seq_len is not None else max_model_len
         self.max_token_chars = _max_token_chars(tokenizer)
 
-    def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True, param: str = "prompt",
-                 check_length: bool = True) -> ProcessedPrompt:
+    def tokenize(
+        self, prompt: str | list[int], add_special_tokens: bool = True, param: str = "prompt", check_length: bool = True
+    ) -> ProcessedPrompt:
         """A text or token-id prompt as token ids, checked (its length only if
         ``check_length``: ``/tokenize`` counts the tokens of any text)."""
         if isinstance(prompt, str):
@@ -55,9 +56,15 @@ class InputProcessor:
             self._check_length(len(ids), param)
         return ProcessedPrompt(None, ids)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None,
-                            add_special_tokens: bool = False, check_length: bool = True) -> ProcessedPrompt:
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        add_special_tokens: bool = False,
+        check_length: bool = True,
+    ) -> ProcessedPrompt:
         """The messages through the tokenizer's chat template, tokenised."""
         if not messages:
             raise InvalidInputError("messages must be a non-empty list", "messages")
@@ -65,8 +72,12 @@ class InputProcessor:
             raise InvalidInputError("chat messages need a tokenizer", "messages")
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt and not continue_final_message,
-                continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
+                messages,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message,
+                **(chat_template_kwargs or {}),
+            )
         except Exception as e:  # no template, or the template refused the messages
             raise InvalidInputError(f"cannot apply the chat template: {_printable(e)}", "messages") from e
         # the template already holds the special tokens (BOS, role markers)
@@ -92,8 +103,9 @@ class InputProcessor:
         try:
             # truncated in the tokenizer (no Python list of millions of ids): one token
             # past the limit is enough to know that the prompt does not fit
-            ids = self.tokenizer(text, add_special_tokens=add_special_tokens, truncation=True,
-                                 max_length=limit + 1)["input_ids"]
+            ids = self.tokenizer(text, add_special_tokens=add_special_tokens, truncation=True, max_length=limit + 1)[
+                "input_ids"
+            ]
         except Exception as e:
             raise InvalidInputError(f"cannot tokenize the {param}: {_printable(e)}", param) from e
         if not ids:
@@ -109,7 +121,10 @@ class InputProcessor:
     def _too_long(self, count: str, param: str) -> InvalidInputError:
         return InvalidInputError(
             f"prompt of {count} tokens exceeds the limit of {self.max_seq_len} tokens (max_model_len="
-            f"{self.max_model_len}, or the KV cache's capacity if smaller)", param, code="context_length_exceeded")
+            f"{self.max_model_len}, or the KV cache's capacity if smaller)",
+            param,
+            code="context_length_exceeded",
+        )
 
 
 def _max_token_chars(tokenizer) -> int | None:

@@ -1,6 +1,6 @@
 """The ``atom`` command, shaped like vLLM's ``vllm``:
 
-    atom serve [MODEL] [options]     the OpenAI-compatible server (``atom serve --help``)
+atom serve [MODEL] [options]     the OpenAI-compatible server (``atom serve --help``)
 """
 
 from __future__ import annotations

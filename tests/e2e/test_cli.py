@@ -27,8 +27,9 @@ def cli_server(tiny_model, tmp_path_factory):
 
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "atom.entrypoints.cli", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "atom.entrypoints.cli", *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_console_script_is_declared():
@@ -102,15 +103,19 @@ def test_tokenize_and_detokenize(cli_server, tiny_model):
     assert r.status_code == 200 and r.json()["count"] > MAX_MODEL_LEN
 
 
-@pytest.mark.parametrize("path,body,status,param", [
-    ("/tokenize", {"prompt": "a\ud800"}, 400, "prompt"),
-    ("/tokenize", {"prompt": "Hi", "model": "other"}, 404, "model"),
-    ("/detokenize", {"tokens": [1, 10**9]}, 400, "tokens"),
-    ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
-])
+@pytest.mark.parametrize(
+    "path,body,status,param",
+    [
+        ("/tokenize", {"prompt": "a\ud800"}, 400, "prompt"),
+        ("/tokenize", {"prompt": "Hi", "model": "other"}, 404, "model"),
+        ("/detokenize", {"tokens": [1, 10**9]}, 400, "tokens"),
+        ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
+    ],
+)
 def test_tokenization_bad_requests(cli_server, path, body, status, param):
-    r = requests.post(f"{cli_server.url}{path}", data=json.dumps(body), headers={"Content-Type": "application/json"},
-                      timeout=60)
+    r = requests.post(
+        f"{cli_server.url}{path}", data=json.dumps(body), headers={"Content-Type": "application/json"}, timeout=60
+    )
     assert r.status_code == status, r.text
     assert r.json()["error"]["param"] == param
     assert_serving(cli_server)

@@ -493,7 +493,7 @@ def test_sigterm_finishes_in_flight_and_leaves_no_orphans(make_server):
     result = {}
 
     def stream():
-        r = srv.post("/v1/completions", {"prompt": "Hello", "max_tokens": 12, "ignore_eos": True, "stream": True},
+        r = srv.post("/v1/completions", {"prompt": "Hello", "max_tokens": 200, "ignore_eos": True, "stream": True},
                      stream=True)
         result["events"] = sse_events(r)
 

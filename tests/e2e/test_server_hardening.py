@@ -26,8 +26,12 @@ FAULTS_DIR = Path(__file__).parent / "faults"
 
 def post_raw(server, path: str, body: bytes, headers: dict | None = None) -> requests.Response:
     """POST bytes as they are: the JSON may hold what a client library would not send."""
-    return requests.post(f"{server.url}{path}", data=body, timeout=120,
-                         headers={"Content-Type": "application/json", **server.headers, **(headers or {})})
+    return requests.post(
+        f"{server.url}{path}",
+        data=body,
+        timeout=120,
+        headers={"Content-Type": "application/json", **server.headers, **(headers or {})},
+    )
 
 
 def assert_error(r: requests.Response, status: int, param: str | None) -> dict:
@@ -43,17 +47,24 @@ def assert_error(r: requests.Response, status: int, param: str | None) -> dict:
 ISSUE_CASES = [
     ("seed 2**64", "/v1/completions", {"prompt": "Hi", "seed": 2**64, "temperature": 1.0}, "seed"),
     ("seed below int64", "/v1/completions", {"prompt": "Hi", "seed": -(2**63) - 1, "temperature": 1.0}, "seed"),
-    ("seed + i overflows", "/v1/completions", {"prompt": "Hi", "seed": 2**63 - 1, "n": 2, "temperature": 1.0},
-     "seed"),
+    ("seed + i overflows", "/v1/completions", {"prompt": "Hi", "seed": 2**63 - 1, "n": 2, "temperature": 1.0}, "seed"),
     ("chat seed 2**64", "/v1/chat/completions", {"messages": MESSAGES, "seed": 2**64}, "seed"),
     ("top_k 2**63 greedy", "/v1/completions", {"prompt": "Hi", "top_k": 2**63, "temperature": 0}, "top_k"),
     ("top_k 10**400", "/v1/completions", {"prompt": "Hi", "top_k": 10**400, "temperature": 0}, "top_k"),
     ("surrogate prompt", "/v1/completions", {"prompt": "Hi \ud800 there"}, "prompt"),
     ("surrogate in a prompt list", "/v1/completions", {"prompt": ["fine", "x\udc00"]}, "prompt"),
-    ("surrogate chat message", "/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]},
-     "messages"),
-    ("surrogate content part", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": [{"type": "text", "text": "a\ud800"}]}]}, "messages"),
+    (
+        "surrogate chat message",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "\ud800"}]},
+        "messages",
+    ),
+    (
+        "surrogate content part",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "a\ud800"}]}]},
+        "messages",
+    ),
     ("surrogate role", "/v1/chat/completions", {"messages": [{"role": "us\ud800er", "content": "hi"}]}, "messages"),
     ("surrogate model", "/v1/completions", {"prompt": "Hi", "model": "\ud800"}, "model"),
     ("surrogate chat model", "/v1/chat/completions", {"messages": MESSAGES, "model": "gpt\udfff"}, "model"),
@@ -102,8 +113,7 @@ def test_health_and_metrics_answer_during_a_50mb_request(server):
     """A 50 MB prompt: /health and /metrics keep answering while it is received, parsed and
     refused (the engine could not hold it). The measured latencies are printed; the
     assertion is a loose bound so that a loaded CI machine does not make it flaky."""
-    body = json.dumps({"prompt": "The quick brown fox jumps over the lazy dog. " * 1_111_112,
-                       "max_tokens": 1}).encode()
+    body = json.dumps({"prompt": "The quick brown fox jumps over the lazy dog. " * 1_111_112, "max_tokens": 1}).encode()
     assert len(body) > 50_000_000
     result = {}
 
@@ -126,8 +136,10 @@ def test_health_and_metrics_answer_during_a_50mb_request(server):
     assert error["code"] == "context_length_exceeded"
     latencies.sort()
     p99 = latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))]
-    print(f"/health and /metrics during a 50 MB request: {len(latencies)} calls, median "
-          f"{statistics.median(latencies) * 1e3:.1f} ms, p99 {p99 * 1e3:.1f} ms, max {latencies[-1] * 1e3:.1f} ms")
+    print(
+        f"/health and /metrics during a 50 MB request: {len(latencies)} calls, median "
+        f"{statistics.median(latencies) * 1e3:.1f} ms, p99 {p99 * 1e3:.1f} ms, max {latencies[-1] * 1e3:.1f} ms"
+    )
     assert latencies[-1] < 1.0
     assert_serving(server)
 
@@ -146,11 +158,17 @@ def test_chat_template_of_a_long_conversation_is_refused_cleanly(server):
 def faulty_server(tiny_model, tmp_path_factory):
     from server_process import ServerProcess
 
-    env = {**os.environ, "ATOM_TEST_FAIL_OUTPUT": "FAIL-HERE",
-           "PYTHONPATH": os.pathsep.join([str(FAULTS_DIR), os.environ.get("PYTHONPATH", "")])}
-    srv = ServerProcess(tiny_model, tmp_path_factory.mktemp("faulty"), env=env,
-                        extra_args=("--max-num-seqs", "4", "--max-queued-requests", "4",
-                                    "--max-request-body-size", "200000"))
+    env = {
+        **os.environ,
+        "ATOM_TEST_FAIL_OUTPUT": "FAIL-HERE",
+        "PYTHONPATH": os.pathsep.join([str(FAULTS_DIR), os.environ.get("PYTHONPATH", "")]),
+    }
+    srv = ServerProcess(
+        tiny_model,
+        tmp_path_factory.mktemp("faulty"),
+        env=env,
+        extra_args=("--max-num-seqs", "4", "--max-queued-requests", "4", "--max-request-body-size", "200000"),
+    )
     yield srv
     srv.stop()
 
@@ -176,8 +194,11 @@ def test_output_processing_failure_fails_that_request_alone(faulty_server):
     assert all(r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 24 for r in results.values())
 
     # streaming: the stream has started, so the failure is an error event, then [DONE]
-    r = srv.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "FAIL-HERE"}], "max_tokens": 24,
-                                          "ignore_eos": True, "stream": True}, stream=True)
+    r = srv.post(
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "FAIL-HERE"}], "max_tokens": 24, "ignore_eos": True, "stream": True},
+        stream=True,
+    )
     assert r.status_code == 200
     events = [line[6:] for line in r.iter_lines(decode_unicode=True) if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
@@ -197,10 +218,11 @@ def test_body_size_limit(faulty_server):
     # chunked upload: no Content-Length, so the limit applies as the bytes arrive
     def chunks():
         for i in range(0, len(big), 65536):
-            yield big[i:i + 65536]
+            yield big[i : i + 65536]
 
-    r = requests.post(f"{srv.url}/v1/completions", data=chunks(), headers={"Content-Type": "application/json"},
-                      timeout=60)
+    r = requests.post(
+        f"{srv.url}/v1/completions", data=chunks(), headers={"Content-Type": "application/json"}, timeout=60
+    )
     assert_error(r, 413, None)
     assert_serving(srv)
 
@@ -209,16 +231,20 @@ def test_full_queue_gets_503_with_retry_after(faulty_server):
     """--max-num-seqs 4 --max-queued-requests 4: eight engine requests in flight fill it."""
     srv = faulty_server
     socks = []
-    body = json.dumps({"prompt": "Hello", "max_tokens": MAX_MODEL_LEN - 16, "ignore_eos": True,
-                       "stream": True}).encode()
+    body = json.dumps(
+        {"prompt": "Hello", "max_tokens": MAX_MODEL_LEN - 16, "ignore_eos": True, "stream": True}
+    ).encode()
     try:
         for _ in range(8):  # raw sockets that send a streaming request and do not read the answer
             s = socket.create_connection(("127.0.0.1", srv.port))
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            s.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+            )
             socks.append(s)
-        assert wait_until(lambda: (m := srv.metrics())["atom:num_requests_running"]
-                          + m["atom:num_requests_waiting"] == 8, timeout=30), srv.metrics()
+        assert wait_until(
+            lambda: (m := srv.metrics())["atom:num_requests_running"] + m["atom:num_requests_waiting"] == 8, timeout=30
+        ), srv.metrics()
         r = srv.post("/v1/completions", {"prompt": "Hi", "max_tokens": 1})
         error = assert_error(r, 503, None)
         assert error["code"] == "server_overloaded" and r.headers["Retry-After"] == "1"
@@ -263,8 +289,7 @@ def test_fuzz_openapi_no_5xx(api_schema, path, mode):
     statuses = []
 
     @given(case=api_schema[path]["POST"].as_strategy(mode))
-    @settings(max_examples=25, deadline=None, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck))
+    @settings(max_examples=25, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
     def check(case):
         response = case.call(timeout=120)
         statuses.append(response.status_code)
@@ -278,5 +303,3 @@ def test_fuzz_openapi_no_5xx(api_schema, path, mode):
 def test_fuzzing_left_the_engine_alive(server):
     assert_all_blocks_free(server)
     assert_serving(server)
-
-

@@ -22,8 +22,14 @@ DISCONNECT_FRACTION = 0.1
 
 async def one_stream(session: aiohttp.ClientSession, url: str, i: int, hang_up_after: int | None) -> dict:
     max_tokens = 4 + i % 29
-    body = {"prompt": f"Request {i}: once upon a time", "max_tokens": max_tokens, "ignore_eos": True,
-            "temperature": 0.8, "seed": i, "stream": True}
+    body = {
+        "prompt": f"Request {i}: once upon a time",
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0.8,
+        "seed": i,
+        "stream": True,
+    }
     events = []
     async with session.post(f"{url}/v1/completions", json=body) as r:
         if r.status != 200:
@@ -69,6 +75,8 @@ def test_1000_concurrent_streams_with_disconnects(server):
         check_complete(r)
     assert_all_blocks_free(server, timeout=60)
     m = server.metrics()
-    print(f"soak: {len(completed)} streams completed, {len(disconnected)} disconnected, 0 errors, "
-          f"{seconds:.1f} s; KV blocks free {m['atom:num_free_kv_blocks']:.0f}/{m['atom:num_kv_blocks']:.0f}")
+    print(
+        f"soak: {len(completed)} streams completed, {len(disconnected)} disconnected, 0 errors, "
+        f"{seconds:.1f} s; KV blocks free {m['atom:num_free_kv_blocks']:.0f}/{m['atom:num_kv_blocks']:.0f}"
+    )
     assert_serving(server)

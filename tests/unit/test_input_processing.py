@@ -13,12 +13,26 @@ from atom import LLMEngine, SamplingParams
 from atom.engine.input_processor import InputProcessor, InvalidInputError
 
 
-@pytest.mark.parametrize("field, value", [
-    ("seed", 2**64), ("seed", 2**63), ("seed", -(2**63) - 1), ("top_k", 2**31), ("top_k", 10**400),
-    ("max_tokens", 2**63), ("max_tokens", True), ("temperature", math.nan), ("temperature", math.inf),
-    ("top_p", math.nan), ("min_p", math.nan), ("logprobs", 21), ("prompt_logprobs", 10**6),
-    ("stop", ["\ud800"]), ("stop_token_ids", [2**64]),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("seed", 2**64),
+        ("seed", 2**63),
+        ("seed", -(2**63) - 1),
+        ("top_k", 2**31),
+        ("top_k", 10**400),
+        ("max_tokens", 2**63),
+        ("max_tokens", True),
+        ("temperature", math.nan),
+        ("temperature", math.inf),
+        ("top_p", math.nan),
+        ("min_p", math.nan),
+        ("logprobs", 21),
+        ("prompt_logprobs", 10**6),
+        ("stop", ["\ud800"]),
+        ("stop_token_ids", [2**64]),
+    ],
+)
 def test_sampling_params_refuse_what_the_engine_cannot_run(field, value):
     with pytest.raises(ValueError, match=f"SamplingParams.{field} "):
         SamplingParams(**{field: value})
@@ -44,10 +58,18 @@ def test_tokenize_matches_the_tokenizer(processor):
     assert processor.tokenize([1, 2, 3]).token_ids == [1, 2, 3]
 
 
-@pytest.mark.parametrize("prompt, match", [
-    ("", "empty"), ([], "empty"), ("a\ud800b", "lone surrogate"), ([1, -1], "token ids"),
-    ([1, 10**9], "token ids"), ([1, True], "token ids"), ([5] * 65, "65 tokens exceeds the limit of 64"),
-])
+@pytest.mark.parametrize(
+    "prompt, match",
+    [
+        ("", "empty"),
+        ([], "empty"),
+        ("a\ud800b", "lone surrogate"),
+        ([1, -1], "token ids"),
+        ([1, 10**9], "token ids"),
+        ([1, True], "token ids"),
+        ([5] * 65, "65 tokens exceeds the limit of 64"),
+    ],
+)
 def test_bad_prompts_name_the_field(processor, prompt, match):
     with pytest.raises(InvalidInputError, match=match) as info:
         processor.tokenize(prompt, param="prompt")
@@ -88,6 +110,7 @@ def test_llm_engine_refuses_before_the_engine_runs(tiny_model):
         engine.add_request(["Hello \ud800"])
     with pytest.raises(ValueError, match="SamplingParams.seed"):
         engine.add_request(["Hello"], SamplingParams(seed=2**64))
-    out = engine.generate(["Hello"], SamplingParams(temperature=1.0, seed=2**63 - 1, top_k=2**31 - 1, max_tokens=3),
-                          use_tqdm=False)
+    out = engine.generate(
+        ["Hello"], SamplingParams(temperature=1.0, seed=2**63 - 1, top_k=2**31 - 1, max_tokens=3), use_tqdm=False
+    )
     assert out[0]["num_tokens_output"] == 3

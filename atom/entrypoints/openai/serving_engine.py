@@ -101,7 +101,7 @@ class OpenAIServing:
 
     def check_alive(self) -> None:
         if not self.engine.is_healthy:
-            raise engine_dead_error(EngineDeadError("the engine core process is dead"))
+            raise engine_dead_error(EngineDeadError(f"the engine is dead: {self.engine.dead_reason}"))
 
     async def serve(self, request_id: str, handler):
         """Run a request's handler; every failure becomes an OpenAI error naming the request."""

@@ -32,13 +32,16 @@ class OpenAIServingTokenization(OpenAIServing):
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
                 chat_template_kwargs=request.chat_template_kwargs,
-                add_special_tokens=request.add_special_tokens, check_length=False)
+                add_special_tokens=request.add_special_tokens,
+                check_length=False,
+            )
         else:
             prompt = await self.engine.tokenize(request.prompt, request.add_special_tokens, check_length=False)
         ids = prompt.token_ids
         strs = [self.token_str(t) for t in ids] if request.return_token_strs else None
-        response = TokenizeResponse(count=len(ids), max_model_len=self.engine.config.model_config.max_model_len,
-                                    tokens=ids, token_strs=strs)
+        response = TokenizeResponse(
+            count=len(ids), max_model_len=self.engine.config.model_config.max_model_len, tokens=ids, token_strs=strs
+        )
         return JSONResponse(response.model_dump())
 
     async def _detokenize(self, request: DetokenizeRequest):
