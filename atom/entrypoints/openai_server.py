@@ -260,7 +260,10 @@ def main(argv: list[str] | None = None) -> None:
 
 def serve(args: argparse.Namespace) -> None:
     sock = _bind(args.host, args.http_port)  # before the model loads: a taken port fails at once
-    config = EngineArgs.from_cli_args(args).create_engine_config()
+    try:
+        config = EngineArgs.from_cli_args(args).create_engine_config()
+    except FileNotFoundError as e:
+        raise StartupError(f"{e}; give a local model directory or .gguf file as MODEL (or --model)") from e
     engine = AsyncLLM(config, max_queued_requests=args.max_queued_requests)
     names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
     app = build_app(engine, names, args.api_key, args.max_request_body_size, args.request_timeout)
