@@ -1,8 +1,28 @@
-"""Per-request sampling parameters (the serving guide's fields plus vLLM's)."""
+"""Per-request sampling parameters (the serving guide's fields plus vLLM's).
+
+``SamplingParams`` validates every field against what the engine can represent (a seed
+feeds a 64-bit ``torch.Generator``, ``top_k`` an int32 tensor), so that a bad value is a
+``ValueError`` naming the field here, for the offline API and the server alike, and never
+an error inside a kernel.
+"""
 
 from __future__ import annotations
 
+import logging
+import math
 from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+INT32_MAX = 2**31 - 1
+MAX_LOGPROBS = 20  # top-N logprobs per position, as vLLM's default max_logprobs
+# below this a temperature overflows the scaled logits to inf (vLLM clamps the same way)
+MIN_TEMPERATURE = 1e-2
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 @dataclass
@@ -13,7 +33,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: off
     min_p: float = 0.0
-    seed: int | None = None
+    seed: int | None = None  # a signed 64-bit integer
     stop: list[str] | str | None = None  # stop strings, not included in the text
     stop_strings: list[str] | None = None  # the serving guide's name for `stop`
     stop_token_ids: list[int] = field(default_factory=list)
@@ -29,20 +49,69 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            logger.warning(
+                "temperature %g is below %g and is raised to it, as too small a value overflows",
+                self.temperature,
+                MIN_TEMPERATURE,
+            )
+            self.temperature = MIN_TEMPERATURE
 
     def _validate(self) -> None:
+        def number(v) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+        def count(v, lo, hi) -> bool:
+            return _is_int(v) and lo <= v <= hi
+
         checks = [
-            ("temperature", self.temperature >= 0, "must be >= 0"),
-            ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
-            ("top_k", self.top_k >= 0, "must be >= 0 (0 or -1 disables it)"),
-            ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
-            ("max_tokens", self.max_tokens >= 1, "must be >= 1"),
-            ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
-            ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-             "must be non-negative ints"),
-            ("logprobs", self.logprobs is None or self.logprobs >= 0, "must be >= 0"),
-            ("prompt_logprobs", self.prompt_logprobs is None or self.prompt_logprobs >= 0, "must be >= 0"),
+            ("temperature", number(self.temperature) and self.temperature >= 0, "must be a finite number >= 0"),
+            ("top_p", number(self.top_p) and 0 < self.top_p <= 1, "must be in (0, 1]"),
+            ("top_k", count(self.top_k, 0, INT32_MAX), f"must be in [0, {INT32_MAX}] (0 or -1 disables it)"),
+            ("min_p", number(self.min_p) and 0 <= self.min_p <= 1, "must be in [0, 1]"),
+            ("max_tokens", count(self.max_tokens, 1, INT64_MAX), f"must be an int in [1, {INT64_MAX}]"),
+            (
+                "seed",
+                self.seed is None or count(self.seed, INT64_MIN, INT64_MAX),
+                f"must be a signed 64-bit int in [{INT64_MIN}, {INT64_MAX}]",
+            ),
+            (
+                "stop",
+                all(isinstance(s, str) and s and is_encodable(s) for s in self.stop),
+                "must be non-empty strings of valid Unicode (no lone surrogates)",
+            ),
+            ("stop_token_ids", all(count(t, 0, INT64_MAX) for t in self.stop_token_ids), "must be non-negative ints"),
+            (
+                "logprobs",
+                self.logprobs is None or count(self.logprobs, 0, MAX_LOGPROBS),
+                f"must be in [0, {MAX_LOGPROBS}]",
+            ),
+            (
+                "prompt_logprobs",
+                self.prompt_logprobs is None or count(self.prompt_logprobs, 0, MAX_LOGPROBS),
+                f"must be in [0, {MAX_LOGPROBS}]",
+            ),
         ]
         for name, ok, why in checks:
             if not ok:
-                raise ValueError(f"SamplingParams.{name} {why}, got {getattr(self, name)!r}")
+                raise ValueError(f"SamplingParams.{name} {why}, got {_short(getattr(self, name))}")
+
+
+def is_encodable(s: str) -> bool:
+    """True if ``s`` can be encoded as UTF-8 (no lone surrogates such as "\\ud800")."""
+    if s.isascii():  # O(1) in CPython
+        return True
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _short(value) -> str:
+    """A value for an error message: bounded in length and printable."""
+    try:
+        text = ascii(value)
+    except ValueError:  # an int too long to print
+        return "a number too large to print"
+    return text if len(text) <= 60 else text[:57] + "..."

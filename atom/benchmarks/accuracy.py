@@ -283,7 +283,7 @@ def atom_server(model: str | None, server_args: list[str], log_path: str, startu
     model when ``model`` is None); yields its base URL and stops it with SIGTERM."""
     port = _free_port()
     cmd = [sys.executable, "-m", "atom.entrypoints.openai_server", *(["--model", model] if model else []),
-           "--host", "127.0.0.1", "--server-port", str(port), "--disable-uvicorn-access-log", *server_args]
+           "--host", "127.0.0.1", "--port", str(port), "--disable-uvicorn-access-log", *server_args]
     print(f"starting: {shlex.join(cmd)} (log: {log_path})", flush=True)
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)

@@ -1,10 +1,12 @@
 """``AsyncLLM``: the engine as the API process sees it.
 
-Tokenizing, detokenizing and stop strings happen here (``RequestState``, shared with
-``LLMEngine``); the token work happens in the engine core process. Each request owns an
+Tokenizing (``InputProcessor``, in a worker thread so that a long prompt never stalls the
+event loop), detokenizing and stop strings (``RequestState``) happen here, shared with
+``LLMEngine``; the token work happens in the engine core process. Each request owns an
 asyncio queue that the reader task fills; ``generate`` drains it. A consumer that stops
 early (a client that disconnects, a cancelled task) aborts its request in the core, which
-frees its KV blocks.
+frees its KV blocks. A request whose output processing fails ends with a
+``RequestFailedError`` and is aborted in the core; the others go on.
 """
 
 from __future__ import annotations
@@ -13,12 +15,14 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 from atom.config import Config
 from atom.engine.arg_utils import EngineArgs, eos_token_ids
 from atom.engine.core_client import AsyncEngineCoreClient, CoreInfo, EngineDeadError
+from atom.engine.input_processor import InputProcessor, ProcessedPrompt
 from atom.engine.llm_engine import load_tokenizer
 from atom.engine.output_processor import RequestOutput, RequestState
 from atom.engine.outputs import EngineCoreOutput, EngineCoreRequest, EngineStats
@@ -29,6 +33,18 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+class RequestFailedError(RuntimeError):
+    """One request failed in the API process or the engine (the others go on)."""
+
+    def __init__(self, request_id: str, message: str):
+        super().__init__(f"request {request_id} failed: {message}")
+        self.request_id = request_id
+
+
+class EngineOverloadedError(RuntimeError):
+    """Too many requests in flight: the caller should retry later."""
+
+
 @dataclass
 class _Request:
     state: RequestState
@@ -36,13 +52,22 @@ class _Request:
 
 
 class AsyncLLM:
-    def __init__(self, config: Config, tokenizer=None):
+    def __init__(self, config: Config, tokenizer=None, max_queued_requests: int | None = None):
+        """``max_queued_requests``: engine requests allowed beyond ``max_num_seqs`` before
+        ``check_capacity`` refuses more (None: no limit)."""
         self.config = config
         mc = config.model_config
         self.tokenizer = tokenizer or load_tokenizer(mc.tokenizer, mc.trust_remote_code)
         self.eos_token_ids = eos_token_ids(mc.model, mc.hf_config, self.tokenizer)
+        self.input_processor = InputProcessor(self.tokenizer, mc.hf_config.vocab_size, mc.max_model_len)
+        # one thread, as vLLM's server: a fast tokenizer releases the GIL while it works,
+        # and its settings (truncation) must not change under a concurrent call
+        self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="atom-tokenizer")
+        self.max_in_flight = (config.scheduler_config.max_num_seqs + max_queued_requests
+                              if max_queued_requests is not None else None)
         self.client = AsyncEngineCoreClient(config, self._on_outputs, self._on_add_error, self._on_dead)
         self.requests: dict[str, _Request] = {}
+        self._start_stats: EngineStats | None = None
         # called with every finished (or aborted) request's last output, e.g. for metrics
         self.finished_callbacks: list[Callable[[RequestOutput], None]] = []
 
@@ -52,6 +77,8 @@ class AsyncLLM:
 
     async def start(self) -> CoreInfo:
         info = await self.client.start()
+        self.input_processor.max_seq_len = info.max_seq_len
+        self._start_stats = await self.client.call("stats")  # /metrics has numbers before the first step
         logger.info("engine core ready: %d KV blocks of %d tokens, longest sequence %d tokens",
                     info.num_blocks, info.block_size, info.max_seq_len)
         return info
@@ -75,32 +102,48 @@ class AsyncLLM:
     def max_seq_len(self) -> int:
         return self.client.info.max_seq_len
 
-    # requests
-    def encode(self, prompt: str | list[int], add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
-        """(text, token ids) of a text or token-id prompt; ValueError if it is unusable."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-        ids = list(prompt)
-        if not ids:
-            raise ValueError("prompt is empty: at least one token is needed")
-        vocab = self.config.model_config.hf_config.vocab_size
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt token ids must be ints in [0, {vocab})")
-        return None, ids
+    @property
+    def dead_reason(self) -> str:
+        """Why the engine is not running, in one line (the log has the traceback)."""
+        reason = (self.client.dead_reason or "the engine is not running").strip().splitlines()
+        return reason[0] if len(reason) == 1 else f"{reason[0].rstrip(':')}: {reason[-1].strip()}"
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
+    # input processing, off the event loop
+    async def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True,
+                       param: str = "prompt", check_length: bool = True) -> ProcessedPrompt:
+        """A text or token-id prompt as checked token ids; ``InvalidInputError`` (a
+        ValueError naming ``param``) if it is unusable."""
+        return await self._in_pool(self.input_processor.tokenize, prompt, add_special_tokens, param, check_length)
+
+    async def apply_chat_template(self, messages: list[dict], **kwargs) -> ProcessedPrompt:
+        return await self._in_pool(self.input_processor.apply_chat_template, messages, **kwargs)
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        return await self._in_pool(self.tokenizer.decode, token_ids)
+
+    async def _in_pool(self, fn, *args, **kwargs):
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, lambda: fn(*args, **kwargs))
+
+    def check_capacity(self, num_requests: int) -> None:
+        """Refuse ``num_requests`` more engine requests if the queue is full."""
+        if self.max_in_flight is not None and len(self.requests) + num_requests > self.max_in_flight:
+            raise EngineOverloadedError(f"the server is at capacity ({self.max_in_flight} requests in flight); "
+                                        "retry later")
+
+    # requests
+    async def generate(self, prompt: str | list[int] | ProcessedPrompt, params: SamplingParams, request_id: str,
                        prompt_text: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream the outputs of one request; the last has ``finished`` set. Raises
-        ValueError for a request the engine refuses and EngineDeadError if the engine died."""
+        ValueError for a request the engine refuses, RequestFailedError if processing this
+        request failed, and EngineDeadError if the engine died."""
         arrival = time.time()
         if self.client.is_dead:
-            raise EngineDeadError(f"the engine core process is dead: {self.client.dead_reason}")
+            raise EngineDeadError(f"the engine is dead: {self.dead_reason}")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, ids = self.encode(prompt)
-        req = _Request(RequestState(request_id, prompt_text or text, ids, params, self.tokenizer,
+        processed = prompt if isinstance(prompt, ProcessedPrompt) else await self.tokenize(prompt)
+        ids = processed.token_ids
+        req = _Request(RequestState(request_id, prompt_text or processed.text, ids, params, self.tokenizer,
                                     arrival_time=arrival))
         self.requests[request_id] = req
         finished = False
@@ -131,7 +174,7 @@ class AsyncLLM:
         """The core's stats; ``fresh`` asks the core (after every message sent before)."""
         if fresh and not self.client.is_dead:
             return await self.client.call("stats", timeout=10.0)
-        return self.client.stats
+        return self.client.stats or self._start_stats
 
     async def start_profile(self) -> None:
         await self.client.call("start_profile")
@@ -143,6 +186,7 @@ class AsyncLLM:
     async def shutdown(self) -> None:
         for rid in list(self.requests):
             self._fail(rid, EngineDeadError("the engine is shutting down"))
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
         await self.client.shutdown()
 
     # callbacks of the reader task
@@ -153,36 +197,49 @@ class AsyncLLM:
             if req is None:
                 continue  # aborted while the step ran
             try:
-                result, hit_stop_string = req.state.update(out)
-            except Exception as e:
+                if self._process_output(req, out):
+                    stopped.append(out.request_id)
+            except Exception as e:  # this request fails alone: abort it, go on with the others
                 logger.exception("request %s failed while processing its output", out.request_id)
-                self._fail(out.request_id, RuntimeError(f"output processing failed: {e}"))
+                self._fail(out.request_id, RequestFailedError(out.request_id,
+                                                              f"output processing failed ({type(e).__name__})"))
                 stopped.append(out.request_id)
-                continue
-            if hit_stop_string:
-                stopped.append(out.request_id)
-            if result.finished:
-                self.requests.pop(out.request_id, None)
-                self._notify_finished(result)
-            req.queue.put_nowait(result)
         self.client.abort_requests(stopped)
+
+    def _process_output(self, req: _Request, out: EngineCoreOutput) -> bool:
+        """Detokenize one core output and hand it to its consumer; True if the request
+        must be aborted in the core (a stop string matched)."""
+        if out.finish_reason == "error":  # the engine failed this request alone
+            self._fail(out.request_id, RequestFailedError(out.request_id, "the engine could not process it"))
+            return False
+        result, hit_stop_string = req.state.update(out)
+        if result.finished:
+            self.requests.pop(out.request_id, None)
+            self._notify_finished(result)
+        req.queue.put_nowait(result)
+        return hit_stop_string
 
     def _on_add_error(self, request_id: str, message: str) -> None:
         self._fail(request_id, ValueError(message))
 
     def _on_dead(self, reason: str) -> None:
         for rid in list(self.requests):
-            self._fail(rid, EngineDeadError(f"the engine core process died: {reason.splitlines()[0]}"))
+            self._fail(rid, EngineDeadError(f"the engine is dead: {self.dead_reason}"))
 
     def _fail(self, request_id: str, error: BaseException) -> None:
         req = self.requests.pop(request_id, None)
         if req is not None:
+            if isinstance(error, RequestFailedError):
+                self._record_finished(req.state, "error")
             req.queue.put_nowait(error)
 
     def _record_finished(self, state: RequestState, reason: str) -> None:
         # an aborted request still consumed prompt and generated tokens; count them
-        out = EngineCoreOutput(state.request_id, [], finish_reason=reason)
-        self._notify_finished(state._output(out, "", reason, time.time()))
+        try:
+            out = EngineCoreOutput(state.request_id, [], finish_reason=reason)
+            self._notify_finished(state._output(out, "", reason, time.time()))
+        except Exception:
+            logger.exception("could not record the end of request %s", state.request_id)
 
     def _notify_finished(self, result: RequestOutput) -> None:
         for cb in self.finished_callbacks:

@@ -12,6 +12,7 @@ from transformers import AutoTokenizer
 
 from atom.engine.arg_utils import EngineArgs, eos_token_ids
 from atom.engine.engine_core import EngineCore
+from atom.engine.input_processor import InputProcessor
 from atom.engine.output_processor import RequestOutput, RequestState
 from atom.engine.outputs import EngineCoreRequest
 from atom.sampling_params import SamplingParams
@@ -41,6 +42,8 @@ class LLMEngine:
         self.tokenizer = None if self.args.skip_tokenizer_init else load_tokenizer(mc.tokenizer, mc.trust_remote_code)
         self.eos_token_ids = eos_token_ids(mc.model, mc.hf_config, self.tokenizer)
         self.core = EngineCore(self.config)
+        self.input_processor = InputProcessor(self.tokenizer, mc.hf_config.vocab_size, mc.max_model_len,
+                                              self.core.info().max_seq_len)
         self.states: dict[str, RequestState] = {}
         self._ids = itertools.count()
 
@@ -50,16 +53,9 @@ class LLMEngine:
 
     # requests
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("text prompts need a tokenizer (the engine runs with skip_tokenizer_init)")
-            if not prompt:
-                raise ValueError("prompt is empty")
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
-        ids = list(prompt)
-        if not all(isinstance(t, int) for t in ids):
-            raise ValueError("a token-id prompt must be a list of ints")
-        return None, ids
+        """(text, token ids) of a prompt; ValueError naming what is wrong with it."""
+        processed = self.input_processor.tokenize(prompt)
+        return processed.text, processed.token_ids
 
     def add_request(
         self,
@@ -76,23 +72,11 @@ class LLMEngine:
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         ids = list(request_ids) if request_ids is not None else [str(next(self._ids)) for _ in prompts]
-        tokenized = [self.tokenize(p) for p in prompts]
-        self._check_lengths([t for _, t in tokenized])
+        tokenized = [self.tokenize(p) for p in prompts]  # checked: empty, vocabulary, length
         for rid, (text, token_ids), sp in zip(ids, tokenized, params):
             self.core.add_request(EngineCoreRequest(rid, token_ids, sp, self.eos_token_ids))
             self.states[rid] = RequestState(rid, text, token_ids, sp, self.tokenizer, stream_callback)
         return ids
-
-    def _check_lengths(self, token_lists: list[list[int]]) -> None:
-        info = self.core.info()
-        limit = info.max_seq_len
-        for ids in token_lists:
-            if not ids:
-                raise ValueError("prompt is empty: at least one token is needed")
-            if len(ids) > limit:
-                raise ValueError(f"prompt of {len(ids)} tokens exceeds the limit of {limit} tokens "
-                                 f"(max_model_len={self.config.model_config.max_model_len}, "
-                                 f"KV cache capacity={info.kv_capacity})")
 
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)

@@ -1,12 +1,14 @@
 """The OpenAI-compatible HTTP server (serving guide section 1).
 
-    python -m atom.entrypoints.openai_server --model PATH [--host 0.0.0.0] [--server-port 8000]
-        [--api-key KEY] [all EngineArgs]
+    atom serve [MODEL] [--host 0.0.0.0] [--port 8000] [--api-key KEY] [all EngineArgs]
+    python -m atom.entrypoints.openai_server [MODEL] ...   (the same)
 
-The engine core runs in its own process; this process parses HTTP, tokenizes, detokenizes
-and streams. On SIGINT/SIGTERM uvicorn stops accepting connections and lets in-flight
-requests finish (up to ``--shutdown-timeout`` seconds, then cancels them, which aborts them
-in the engine); the engine process is shut down last.
+Start-up checks the port first (before the model loads) and reports any failure in one line
+(the traceback with ``--log-level debug``). The engine core runs in its own process; this
+process parses HTTP, tokenizes, detokenizes and streams. On SIGINT/SIGTERM uvicorn stops
+accepting connections and lets in-flight requests finish (up to ``--shutdown-timeout``
+seconds, then cancels them, which aborts them in the engine); the engine process is shut
+down last.
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hmac
 import logging
 import os
+import socket
+import sys
 from contextlib import asynccontextmanager
 
 import uvicorn
@@ -29,33 +32,30 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from atom.engine.arg_utils import EngineArgs
 from atom.engine.async_llm import AsyncLLM
 from atom.entrypoints.openai.metrics import ServerMetrics
-from atom.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from atom.entrypoints.openai.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware, JSONRoute
+from atom.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
 from atom.entrypoints.openai.serving_chat import OpenAIServingChat
 from atom.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from atom.entrypoints.openai.serving_engine import OpenAIError, engine_dead_error
+from atom.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
 logger = logging.getLogger("atom.entrypoints.openai_server")
 
-# paths that work without the API key (probes and scrapers)
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+DEFAULT_MAX_REQUEST_BODY_SIZE = 64 << 20
+DEFAULT_MAX_QUEUED_REQUESTS = 4096
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # the served name of the embedded default model
 
 
-class ApiKeyMiddleware:
-    """Bearer-token check as plain ASGI middleware (``BaseHTTPMiddleware`` would get in the
-    way of streaming and of noticing client disconnects)."""
-
-    def __init__(self, app, api_key: str):
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or scope["method"] == "OPTIONS":
-            return await self.app(scope, receive, send)
-        auth = dict(scope["headers"]).get(b"authorization", b"")
-        if not hmac.compare_digest(auth, self.expected):
-            error = OpenAIError("Incorrect API key provided.", status=401, code="invalid_api_key")
-            return await error.response()(scope, receive, send)
-        return await self.app(scope, receive, send)
+class StartupError(Exception):
+    """The server cannot start; the message says why and which flag fixes it."""
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -88,13 +88,20 @@ async def run_until_disconnect(request: Request, coro):
 
 
 def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    err = exc.errors()[0] if exc.errors() else {"msg": "invalid request", "loc": ()}
-    names = [str(p) for p in err.get("loc", ()) if p != "body" and not isinstance(p, int)]
-    param = names[0] if names else None
-    message = err.get("msg", "invalid request").removeprefix("Value error, ")
-    if param:
-        message = f"{'.'.join(names)}: {message}"
-    return OpenAIError(message, param=param).response()
+    errors = exc.errors() or [{"msg": "invalid request", "loc": ()}]
+    # each branch of a union (str | list[str] ...) reports; the one that is not a type
+    # mismatch says what is wrong
+    err = next((e for e in errors if not str(e.get("type", "")).endswith("_type")), errors[0])
+    # loc: "body", field names, list indices, and union-branch tags such as "list[int]"
+    parts = [p for p in err.get("loc", ()) if p != "body" and not (isinstance(p, str) and _is_type_tag(p))]
+    names = [p for p in parts if isinstance(p, str)]
+    path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts).lstrip(".")
+    message = str(err.get("msg", "invalid request")).removeprefix("Value error, ")
+    return OpenAIError(f"{path}: {message}" if path else message, param=names[0] if names else None).response()
+
+
+def _is_type_tag(part: str) -> bool:
+    return "[" in part or part in ("str", "int", "float", "bool", "list", "dict")
 
 
 def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -103,22 +110,24 @@ def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
 
 
 def _internal_error(request: Request, exc: Exception) -> JSONResponse:
-    logger.exception("unhandled error in %s", request.url.path, exc_info=exc)
-    return OpenAIError(f"internal server error: {type(exc).__name__}: {exc}", status=500,
+    logger.error("unhandled error in %s", request.url.path, exc_info=exc)
+    return OpenAIError(f"internal server error ({type(exc).__name__})", status=500,
                        type="internal_server_error").response()
 
 
-def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | None = None) -> FastAPI:
-    """The FastAPI app; its lifespan starts the engine (so the port opens once the model is
-    loaded) and shuts it down."""
+def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | None = None,
+              max_request_body_size: int = DEFAULT_MAX_REQUEST_BODY_SIZE,
+              request_timeout: float | None = None) -> FastAPI:
+    """The FastAPI app; its lifespan shuts the engine down (``serve`` starts it before the
+    port opens)."""
     metrics = ServerMetrics(served_model_names[0])
     engine.finished_callbacks.append(metrics.observe_finished)
-    chat = OpenAIServingChat(engine, served_model_names)
-    completion = OpenAIServingCompletion(engine, served_model_names)
+    chat = OpenAIServingChat(engine, served_model_names, request_timeout)
+    completion = OpenAIServingCompletion(engine, served_model_names, request_timeout)
+    tokenization = OpenAIServingTokenization(engine, served_model_names)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        await engine.start()
         try:
             yield
         finally:
@@ -126,12 +135,15 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
             await engine.shutdown()
 
     app = FastAPI(title="atom OpenAI-compatible server", lifespan=lifespan)
+    app.state.served_model_names = served_model_names
+    app.router.route_class = JSONRoute
     app.add_exception_handler(OpenAIError, lambda request, exc: exc.response())
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    app.add_middleware(BodySizeLimitMiddleware, limit=max_request_body_size)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request):
@@ -140,6 +152,14 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
     @app.post("/v1/completions")
     async def create_completion(request: CompletionRequest, raw_request: Request):
         return await run_until_disconnect(raw_request, completion.create_completion(request))
+
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeCompletionRequest | TokenizeChatRequest):
+        return await tokenization.tokenize(request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest):
+        return await tokenization.detokenize(request)
 
     @app.get("/v1/models")
     async def list_models():
@@ -151,12 +171,13 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
     @app.get("/health")
     async def health():
         if not engine.is_healthy:
-            return engine_dead_error(RuntimeError(engine.client.dead_reason or "the engine is not running")).response()
+            return engine_dead_error(RuntimeError(engine.dead_reason)).response()
         return {"status": "ok"}
 
     @app.get("/metrics")
     async def prometheus_metrics():
-        stats = await engine.get_stats(fresh=engine.is_healthy)
+        # the stats the core sent with its latest step (or abort): a scrape never waits on a step
+        stats = await engine.get_stats(fresh=False)
         if stats is not None:
             metrics.set_engine_stats(stats)
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
@@ -183,42 +204,115 @@ async def _profile(action, what: str) -> None:
 
 
 def make_arg_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description="atom OpenAI-compatible server",
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    # "resolve": --port is the HTTP port here, as in vLLM, replacing EngineArgs' --port
+    parser = argparse.ArgumentParser(prog="atom serve", description="atom OpenAI-compatible server",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                     conflict_handler="resolve")
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="HF model directory or .gguf file (or --model; default: the embedded model)")
+    EngineArgs.add_cli_args(parser)
     parser.add_argument("--host", type=str, default="0.0.0.0", help="bind address")
-    parser.add_argument("--server-port", type=int, default=8000,
-                        help="HTTP port (--port is for internal engine communication)")
+    parser.add_argument("--port", dest="http_port", type=int, default=8000, help="HTTP port")
+    parser.add_argument("--engine-port", dest="port", type=int, default=EngineArgs.port,
+                        help="internal engine communication port (not the HTTP port)")
     parser.add_argument("--api-key", type=str, default=os.environ.get("ATOM_API_KEY"),
                         help="require 'Authorization: Bearer KEY' (default: $ATOM_API_KEY; /health and "
                              "/metrics stay open)")
     parser.add_argument("--served-model-name", type=str, nargs="+", default=None,
-                        help="model names the API accepts (default: the --model path)")
-    parser.add_argument("--log-level", type=str, default="info", choices=["debug", "info", "warning", "error"])
+                        help=f"model names the API accepts (default: MODEL as given; {DEFAULT_MODEL_NAME} for the "
+                             "embedded model)")
+    parser.add_argument("--log-level", type=str, default="info", choices=["debug", "info", "warning", "error"],
+                        help="atom's log level; debug also prints start-up tracebacks")
+    parser.add_argument("--uvicorn-log-level", type=str, default="info",
+                        choices=["critical", "error", "warning", "info", "debug", "trace"])
     parser.add_argument("--disable-uvicorn-access-log", action="store_true", help="no log line per HTTP request")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds in-flight requests may take to finish on SIGINT/SIGTERM before being aborted")
-    EngineArgs.add_cli_args(parser)
+    parser.add_argument("--max-request-body-size", type=int, default=DEFAULT_MAX_REQUEST_BODY_SIZE,
+                        help="largest request body in bytes (413 beyond)")
+    parser.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED_REQUESTS,
+                        help="engine requests (n counts n) allowed to wait beyond --max-num-seqs; more get 503 "
+                             "with Retry-After")
+    parser.add_argument("--request-timeout", type=float, default=None,
+                        help="seconds a request may run before it is aborted (504); default: no limit")
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = make_arg_parser()
     args = parser.parse_args(argv)
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            parser.error(f"two models given: {args.model_tag} and --model {args.model}")
+        args.model = args.model_tag
     if args.skip_tokenizer_init:
         parser.error("--skip-tokenizer-init: the server needs the tokenizer (chat templates, text in and out)")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = EngineArgs.from_cli_args(args).create_engine_config()
-    engine = AsyncLLM(config)
-    names = args.served_model_name or [config.model_config.model]
-    app = build_app(engine, names, args.api_key)
-    logger.info("serving %s on http://%s:%d", ", ".join(names), args.host, args.server_port)
-    config = uvicorn.Config(app, host=args.host, port=args.server_port, log_level=args.log_level,
-                            access_log=not args.disable_uvicorn_access_log,
-                            timeout_graceful_shutdown=args.shutdown_timeout)
-    _Server(config).run()
+    try:
+        serve(args)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except Exception as e:  # a start-up failure: one line, the traceback only when debugging
+        logger.debug("start-up failed", exc_info=True)
+        logger.error("%s", _one_line(e))
+        sys.exit(1)
+
+
+def serve(args: argparse.Namespace) -> None:
+    sock = _bind(args.host, args.http_port)  # before the model loads: a taken port fails at once
+    try:
+        config = EngineArgs.from_cli_args(args).create_engine_config()
+    except FileNotFoundError as e:
+        raise StartupError(f"{e}; give a local model directory or .gguf file as MODEL (or --model)") from e
+    engine = AsyncLLM(config, max_queued_requests=args.max_queued_requests)
+    names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
+    app = build_app(engine, names, args.api_key, args.max_request_body_size, args.request_timeout)
+    uv_config = uvicorn.Config(app, host=args.host, port=args.http_port, log_level=args.uvicorn_log_level,
+                               access_log=not args.disable_uvicorn_access_log,
+                               timeout_graceful_shutdown=args.shutdown_timeout)
+    server = _Server(uv_config, engine)
+    server.run(sockets=[sock])
+    if server.startup_error is not None:
+        raise server.startup_error
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise StartupError(f"cannot listen on {host}:{port}: {e.strerror}; choose another port with --port "
+                           "(or the address with --host)") from e
+    return sock
+
+
+def _one_line(e: BaseException) -> str:
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()] or [type(e).__name__]
+    text = lines[0] if len(lines) == 1 else f"{lines[0].rstrip(':')}: {lines[-1]}"
+    return text if isinstance(e, StartupError) else f"{type(e).__name__}: {text}"
 
 
 class _Server(uvicorn.Server):
+    """uvicorn's server, which starts the engine before it listens."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLM):
+        super().__init__(config)
+        self.engine = engine
+        self.startup_error: Exception | None = None
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        try:
+            await self.engine.start()
+        except Exception as e:
+            await self.engine.shutdown()
+            self.startup_error = e
+            return
+        names = ", ".join(self.config.app.state.served_model_names)
+        logger.info("serving %s on http://%s:%d", names, self.config.host, self.config.port)
+        await super().serve(sockets)
+
     @contextlib.contextmanager
     def capture_signals(self):
         with super().capture_signals():

@@ -24,25 +24,28 @@ def free_port() -> int:
 
 class ServerProcess:
     """``python -m atom.entrypoints.openai_server`` in a subprocess, float32 on the CPU;
-    ``model=None`` starts it with no ``--model`` (the embedded default)."""
+    ``model=None`` starts it with no model (the embedded default)."""
 
-    def __init__(self, model: str | None, workdir: Path, api_key: str | None = None, extra_args: tuple[str, ...] = ()):
+    def __init__(self, model: str | None, workdir: Path, api_key: str | None = None, extra_args: tuple[str, ...] = (),
+                 env: dict[str, str] | None = None, via_cli: bool = False):
         self.model = model
         self.api_key = api_key
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.profiler_dir = workdir / "traces"
         self.log_path = workdir / "server.log"
+        # via_cli: ``atom serve MODEL`` (the console script's entry point), else ``--model MODEL``
+        entry = ["atom.entrypoints.cli", "serve", *([model] if model else [])] if via_cli else [
+            "atom.entrypoints.openai_server", *(["--model", model] if model else [])]
         cmd = [
-            sys.executable, "-m", "atom.entrypoints.openai_server",
-            *(["--model", model] if model else []), "--host", "127.0.0.1", "--server-port", str(self.port),
+            sys.executable, "-m", *entry, "--host", "127.0.0.1", "--port", str(self.port),
             "--dtype", "float32", "--device", "cpu", "--max-model-len", str(MAX_MODEL_LEN),
             "--kv-cache-memory-bytes", str(32 << 20),
             "--disable-uvicorn-access-log", "--torch-profiler-dir", str(self.profiler_dir),
             "--shutdown-timeout", "20", *(["--api-key", api_key] if api_key else []), *extra_args,
         ]
         with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         self._wait_ready()
 
     @property
@@ -109,3 +112,18 @@ def wait_until(predicate, timeout: float, interval: float = 0.2):
         if value or time.monotonic() > deadline:
             return value
         time.sleep(interval)
+
+
+def assert_all_blocks_free(server: ServerProcess, timeout: float = 15.0) -> None:
+    def idle():
+        m = server.metrics()
+        return m if (m["atom:num_requests_running"] == 0 and m["atom:num_requests_waiting"] == 0
+                     and m["atom:num_free_kv_blocks"] == m["atom:num_kv_blocks"]) else None
+
+    assert wait_until(idle, timeout), f"engine not idle: {server.metrics()}"
+
+
+def assert_serving(server: ServerProcess) -> None:
+    r = server.post("/v1/completions", {"prompt": "Hello", "max_tokens": 1})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
+    assert requests.get(f"{server.url}/health", timeout=10).json() == {"status": "ok"}

@@ -21,7 +21,7 @@ import openai
 import psutil
 import pytest
 import requests
-from server_process import MAX_MODEL_LEN, wait_until
+from server_process import MAX_MODEL_LEN, assert_all_blocks_free, assert_serving, wait_until
 
 from atom import LLMEngine, SamplingParams
 
@@ -62,20 +62,6 @@ def client(server) -> openai.OpenAI:
 
 def sse_events(response: requests.Response) -> list[str]:
     return [line[len("data: "):] for line in response.iter_lines(decode_unicode=True) if line.startswith("data: ")]
-
-
-def assert_all_blocks_free(server, timeout: float = 15.0) -> None:
-    def idle():
-        m = server.metrics()
-        return m if (m["atom:num_requests_running"] == 0 and m["atom:num_requests_waiting"] == 0
-                     and m["atom:num_free_kv_blocks"] == m["atom:num_kv_blocks"]) else None
-
-    assert wait_until(idle, timeout), f"engine not idle: {server.metrics()}"
-
-
-def assert_serving(server) -> None:
-    r = server.post("/v1/completions", {"prompt": "Hello", "max_tokens": 1})
-    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
 
 
 # basic endpoints
@@ -507,7 +493,7 @@ def test_sigterm_finishes_in_flight_and_leaves_no_orphans(make_server):
     result = {}
 
     def stream():
-        r = srv.post("/v1/completions", {"prompt": "Hello", "max_tokens": 12, "ignore_eos": True, "stream": True},
+        r = srv.post("/v1/completions", {"prompt": "Hello", "max_tokens": 200, "ignore_eos": True, "stream": True},
                      stream=True)
         result["events"] = sse_events(r)
 
@@ -553,6 +539,9 @@ def test_api_key_then_engine_death(make_server):
     assert in_flight["status"] == 503
     assert time.monotonic() - killed < 5  # the pending request failed fast
     assert wait_until(lambda: requests.get(f"{srv.url}/health").status_code == 503, timeout=10)
+    health = requests.get(f"{srv.url}/health").json()["error"]
+    assert health["code"] == "engine_dead" and "exited" in health["message"]
+    assert "\n" not in health["message"] and "Traceback" not in health["message"]  # one line; the log has more
     start = time.monotonic()
     r = srv.post("/v1/completions", {"prompt": "Hello", "max_tokens": 4})
     assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"

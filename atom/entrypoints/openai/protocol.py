@@ -3,21 +3,51 @@ fields that the ``openai`` client, lm-eval and vLLM users send."""
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from atom.sampling_params import INT32_MAX, INT64_MAX, INT64_MIN, MAX_LOGPROBS, is_encodable
+
+logger = logging.getLogger(__name__)
 
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def _encodable(s: str) -> str:
+    if not is_encodable(s):
+        raise ValueError("must be valid Unicode: it holds a lone surrogate (e.g. \\ud800)")
+    return s
+
+
+# every string of a request: JSON can spell a lone surrogate ("\ud800"), which no
+# tokenizer and no UTF-8 response can hold
+Text = Annotated[str, AfterValidator(_encodable)]
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
+
+
 class OpenAIBaseModel(BaseModel):
-    # unknown fields (e.g. `user`, or the `repetition_penalty` of benchmark clients) are
-    # ignored rather than refused, as OpenAI and vLLM do
-    model_config = ConfigDict(extra="ignore")
+    # NaN and Infinity are not JSON, though Python's parser takes them
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class OpenAIRequest(OpenAIBaseModel):
+    """Unknown fields are ignored with a warning in the log, as vLLM does (OpenAI refuses
+    them): clients and benchmark tools send fields of other servers."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _ignore_unknown(self):
+        if self.model_extra:
+            logger.warning("ignored unknown request fields: %s", ", ".join(ascii(k) for k in self.model_extra))
+            self.model_extra.clear()
+        return self
 
 
 # errors
@@ -37,26 +67,26 @@ class ErrorResponse(OpenAIBaseModel):
 # requests
 
 
-class StreamOptions(OpenAIBaseModel):
+class StreamOptions(OpenAIRequest):
     include_usage: bool = False
 
 
-class SamplingRequest(OpenAIBaseModel):
-    """The fields both endpoints share."""
+class SamplingRequest(OpenAIRequest):
+    """The fields both endpoints share, with the ranges the engine can represent."""
 
-    model: str | None = None
+    model: Text | None = None
     temperature: float | None = Field(1.0, ge=0)
     top_p: float | None = Field(1.0, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
     min_p: float | None = Field(None, ge=0, le=1)
-    max_tokens: int | None = Field(None, ge=1)  # None: 256, less if the context is shorter
+    max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)  # None: 256, less if the context is shorter
     n: int = Field(1, ge=1, le=128)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: Text | list[Text] | None = None
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     # accepted only at their neutral values: atom's sampler does not implement them
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
@@ -89,15 +119,15 @@ class SamplingRequest(OpenAIBaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class TextContentPart(OpenAIBaseModel):
+class TextContentPart(OpenAIRequest):
     type: Literal["text"] = "text"
-    text: str
+    text: Text
 
 
-class ChatMessage(OpenAIBaseModel):
-    role: str
-    content: str | list[TextContentPart] | None = None
-    name: str | None = None
+class ChatMessage(OpenAIRequest):
+    role: Text
+    content: Text | list[TextContentPart] | None = None
+    name: Text | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -108,9 +138,9 @@ class ChatMessage(OpenAIBaseModel):
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] | None = None
     prompt: list[ChatMessage] | None = None  # the serving guide's alias for messages
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
@@ -129,10 +159,10 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Text | list[Text] | list[int] | list[list[int]]
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=20)
-    suffix: str | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    suffix: Text | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -280,3 +310,39 @@ class ModelCard(OpenAIBaseModel):
 class ModelList(OpenAIBaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# /tokenize and /detokenize (vLLM's)
+
+
+class TokenizeCompletionRequest(OpenAIRequest):
+    model: Text | None = None
+    prompt: Text
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(OpenAIRequest):
+    model: Text | None = None
+    messages: list[ChatMessage]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeResponse(OpenAIBaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(OpenAIRequest):
+    model: Text | None = None
+    tokens: list[TokenId]
+
+
+class DetokenizeResponse(OpenAIBaseModel):
+    prompt: str

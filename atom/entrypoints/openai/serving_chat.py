@@ -28,18 +28,27 @@ from atom.entrypoints.openai.serving_engine import OpenAIError, OpenAIServing, P
 
 class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, request: ChatCompletionRequest):
+        request_id = random_id("chatcmpl")
+        return await self.serve(request_id, self._create(request, request_id))
+
+    async def _create(self, request: ChatCompletionRequest, request_id: str):
         self.check_model(request.model)
         self.check_alive()
-        prompt = self.apply_chat_template(request)
+        if not request.messages:
+            raise OpenAIError("messages must be a non-empty list", param="messages")
+        prompt = await self.engine.apply_chat_template(
+            [{"role": m.role, "content": m.text()} for m in request.messages],
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+            chat_template_kwargs=request.chat_template_kwargs)
         max_tokens = self.max_tokens(request.requested_max_tokens, len(prompt.token_ids), "messages")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = self.sampling_params(request, max_tokens, logprobs=logprobs)
-        request_id = random_id("chatcmpl")
         outputs = self.generate(request_id, [prompt], [params], request.n)
         if request.stream:
             first = await self.first_output(outputs)
             chunks = self._stream(request, request_id, prompt, first, outputs)
-            return StreamingResponse(self.stream_errors(chunks, outputs), media_type="text/event-stream")
+            return StreamingResponse(self.stream_errors(request_id, chunks, outputs), media_type="text/event-stream")
         finals = await self.collect(outputs, request.n)
         choices = [
             ChatCompletionResponseChoice(
@@ -52,20 +61,6 @@ class OpenAIServingChat(OpenAIServing):
         usage = self.usage([len(prompt.token_ids)], finals)
         response = ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage)
         return JSONResponse(response.model_dump())
-
-    def apply_chat_template(self, request: ChatCompletionRequest) -> Prompt:
-        if not request.messages:
-            raise OpenAIError("messages must be a non-empty list", param="messages")
-        messages = [{"role": m.role, "content": m.text()} for m in request.messages]
-        continue_final = request.continue_final_message
-        try:
-            text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=request.add_generation_prompt and not continue_final,
-                continue_final_message=continue_final, **(request.chat_template_kwargs or {}))
-        except Exception as e:  # no template, or the template refused the messages
-            raise OpenAIError(f"cannot apply the chat template: {e}", param="messages") from e
-        # the template already holds the special tokens (BOS, role markers)
-        return self.encode(text, add_special_tokens=False, param="messages")
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str, prompt: Prompt,
                       first: tuple[int, RequestOutput], rest: AsyncIterator[tuple[int, RequestOutput]]):

@@ -24,9 +24,16 @@ from atom.entrypoints.openai.serving_engine import OpenAIServing, Prompt, prepen
 
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest):
+        request_id = random_id("cmpl")
+        return await self.serve(request_id, self._create(request, request_id))
+
+    async def _create(self, request: CompletionRequest, request_id: str):
         self.check_model(request.model)
         self.check_alive()
-        prompts = [self.encode(p) for p in request.prompts()]
+        prompts = [await self.engine.tokenize(p) for p in request.prompts()]
+        # echo shows the prompt's text: decode token-id prompts once, off the event loop
+        echoed = [p.text if p.text is not None or not request.echo else await self.engine.detokenize(p.token_ids)
+                  for p in prompts]
         want_prompt_logprobs = request.echo and request.logprobs is not None
         params = [
             self.sampling_params(request, self.max_tokens(request.max_tokens, len(p.token_ids), "prompt"),
@@ -34,23 +41,24 @@ class OpenAIServingCompletion(OpenAIServing):
                                  prompt_logprobs=request.logprobs if want_prompt_logprobs else None)
             for p in prompts
         ]
-        request_id = random_id("cmpl")
         outputs = self.generate(request_id, prompts, params, request.n)
         if request.stream:
             first = await self.first_output(outputs)
-            chunks = self._stream(request, request_id, prompts, first, outputs)
-            return StreamingResponse(self.stream_errors(chunks, outputs), media_type="text/event-stream")
+            chunks = self._stream(request, request_id, prompts, echoed, first, outputs)
+            return StreamingResponse(self.stream_errors(request_id, chunks, outputs), media_type="text/event-stream")
         finals = await self.collect(outputs, len(prompts) * request.n)
-        choices = [self._choice(request, i, prompts[i // request.n], out) for i, out in enumerate(finals)]
+        choices = [self._choice(request, i, prompts[i // request.n], echoed[i // request.n], out)
+                   for i, out in enumerate(finals)]
         usage = self.usage([len(p.token_ids) for p in prompts], finals)
         response = CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage)
         return JSONResponse(response.model_dump())
 
-    def _choice(self, request: CompletionRequest, index: int, prompt: Prompt, out: RequestOutput):
+    def _choice(self, request: CompletionRequest, index: int, prompt: Prompt, echoed: str | None,
+                out: RequestOutput):
         text, logprobs = out.text, None
         entries = list(zip(out.token_ids, out.logprobs or []))
         if request.echo:
-            text = self._prompt_text(prompt) + text
+            text = echoed + text
             if request.logprobs is not None:
                 entries = list(zip(prompt.token_ids, out.prompt_logprobs or [])) + entries
         if request.logprobs is not None:
@@ -59,7 +67,8 @@ class OpenAIServingCompletion(OpenAIServing):
                                         finish_reason=out.finish_reason, stop_reason=out.stop_reason)
 
     async def _stream(self, request: CompletionRequest, request_id: str, prompts: list[Prompt],
-                      first: tuple[int, RequestOutput], rest: AsyncIterator[tuple[int, RequestOutput]]):
+                      echoed: list[str | None], first: tuple[int, RequestOutput],
+                      rest: AsyncIterator[tuple[int, RequestOutput]]):
         created = int(time.time())
         num_choices = len(prompts) * request.n
         offsets = [0] * num_choices  # characters streamed per choice, for logprobs' text_offset
@@ -75,7 +84,7 @@ class OpenAIServingCompletion(OpenAIServing):
             if not started[i]:
                 started[i] = True
                 if request.echo:
-                    text = self._prompt_text(prompt) + text
+                    text = echoed[i // request.n] + text
                     if request.logprobs is not None:
                         entries = list(zip(prompt.token_ids, out.prompt_logprobs or [])) + entries
             logprobs = self.logprobs(entries, offsets[i]) if request.logprobs is not None else None
@@ -90,9 +99,6 @@ class OpenAIServingCompletion(OpenAIServing):
             usage = self.usage([len(p.token_ids) for p in prompts], finals)
             yield sse(CompletionStreamResponse(id=request_id, created=created, model=self.model_name, choices=[],
                                                usage=usage))
-
-    def _prompt_text(self, prompt: Prompt) -> str:
-        return prompt.text if prompt.text is not None else self.tokenizer.decode(prompt.token_ids)
 
     def logprobs(self, entries: list[tuple[int, TokenLogprobs | None]], offset: int) -> CompletionLogProbs:
         """Legacy completion logprobs; ``None`` entries (the first prompt token) have none."""

@@ -3,39 +3,79 @@ length checks, sampling parameters, running n sub-requests per prompt, usage and
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
+import logging
+import re
 from collections.abc import AsyncIterator
 from typing import TypeVar
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
-from atom.engine.async_llm import AsyncLLM, merge_async_iterators
+from atom.engine.async_llm import AsyncLLM, EngineOverloadedError, RequestFailedError, merge_async_iterators
 from atom.engine.core_client import EngineDeadError
+from atom.engine.input_processor import InvalidInputError, ProcessedPrompt
 from atom.engine.output_processor import RequestOutput
 from atom.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, SamplingRequest, UsageInfo
-from atom.sampling_params import SamplingParams
+from atom.sampling_params import INT64_MAX, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 256  # the serving guide's default
+RETRY_AFTER_S = 1  # what a 503 for a full queue tells the client
 T = TypeVar("T")
+Prompt = ProcessedPrompt
 
 
 class OpenAIError(Exception):
     """An error that becomes an HTTP response with OpenAI's error body."""
 
     def __init__(self, message: str, status: int = 400, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
+        # a message may quote the client's input: keep it encodable (no lone surrogates)
+        message = message.encode("utf-8", "backslashreplace").decode()
         super().__init__(message)
         self.status = status
+        self.headers = headers
         self.info = ErrorInfo(message=message, type=type, param=param, code=code)
 
     def response(self) -> JSONResponse:
-        return JSONResponse(ErrorResponse(error=self.info).model_dump(), status_code=self.status)
+        return JSONResponse(ErrorResponse(error=self.info).model_dump(), status_code=self.status,
+                            headers=self.headers)
+
+
+class RequestTimeoutError(Exception):
+    """A request ran past ``--request-timeout``."""
 
 
 def engine_dead_error(e: Exception) -> OpenAIError:
     return OpenAIError(str(e), status=503, type="service_unavailable_error", code="engine_dead")
+
+
+def to_openai_error(e: BaseException, request_id: str) -> OpenAIError:
+    """The HTTP error for an exception raised while serving ``request_id``."""
+    if isinstance(e, OpenAIError):
+        return e
+    if isinstance(e, InvalidInputError):
+        return OpenAIError(str(e), param=e.param, code=e.code)
+    if isinstance(e, ValueError):  # refused by SamplingParams or the engine
+        named = re.match(r"SamplingParams\.(\w+) ", str(e))
+        return OpenAIError(str(e), param=named.group(1) if named else None)
+    if isinstance(e, EngineDeadError):
+        return engine_dead_error(e)
+    if isinstance(e, EngineOverloadedError):
+        return OpenAIError(str(e), status=503, type="service_unavailable_error", code="server_overloaded",
+                           headers={"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(e, RequestTimeoutError):
+        return OpenAIError(f"request {request_id} timed out: {e}", status=504, type="timeout_error",
+                           code="request_timeout")
+    if isinstance(e, RequestFailedError):
+        return OpenAIError(str(e), status=500, type="internal_server_error")
+    logger.error("request %s failed", request_id, exc_info=e)
+    return OpenAIError(f"request {request_id} failed: internal error ({type(e).__name__})", status=500,
+                       type="internal_server_error")
 
 
 def sse(data: BaseModel | str) -> str:
@@ -43,17 +83,12 @@ def sse(data: BaseModel | str) -> str:
     return f"data: {payload}\n\n"
 
 
-@dataclasses.dataclass
-class Prompt:
-    text: str | None  # None for a token-id prompt
-    token_ids: list[int]
-
-
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM, served_model_names: list[str]):
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str], request_timeout: float | None = None):
         self.engine = engine
         self.served_model_names = served_model_names
         self.tokenizer = engine.tokenizer
+        self.request_timeout = request_timeout
 
     @property
     def model_name(self) -> str:
@@ -66,14 +101,14 @@ class OpenAIServing:
 
     def check_alive(self) -> None:
         if not self.engine.is_healthy:
-            raise engine_dead_error(EngineDeadError("the engine core process is dead"))
+            raise engine_dead_error(EngineDeadError(f"the engine is dead: {self.engine.dead_reason}"))
 
-    def encode(self, prompt: str | list[int], add_special_tokens: bool = True, param: str = "prompt") -> Prompt:
+    async def serve(self, request_id: str, handler):
+        """Run a request's handler; every failure becomes an OpenAI error naming the request."""
         try:
-            text, ids = self.engine.encode(prompt, add_special_tokens)
-        except ValueError as e:
-            raise OpenAIError(str(e), param=param) from e
-        return Prompt(text, ids)
+            return await handler
+        except Exception as e:
+            raise to_openai_error(e, request_id) from e
 
     def max_tokens(self, requested: int | None, prompt_len: int, param: str) -> int:
         """The request's max_tokens, checked against the context length (400 if over)."""
@@ -93,6 +128,8 @@ class OpenAIServing:
 
     def sampling_params(self, request: SamplingRequest, max_tokens: int, logprobs: int | None = None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
+        if request.seed is not None and request.seed + request.n - 1 > INT64_MAX:
+            raise OpenAIError(f"seed + n - 1 must be at most {INT64_MAX} (sample i gets seed + i)", param="seed")
         try:
             return SamplingParams(
                 temperature=request.temperature if request.temperature is not None else 1.0,
@@ -108,42 +145,32 @@ class OpenAIServing:
                 prompt_logprobs=prompt_logprobs,
             )
         except ValueError as e:
-            raise OpenAIError(str(e)) from e
+            raise to_openai_error(e, "") from e
 
     def generate(self, request_id: str, prompts: list[Prompt], params: list[SamplingParams],
                  n: int) -> AsyncIterator[tuple[int, RequestOutput]]:
         """All choices of a request as (choice index, output); choice ``p * n + i`` is the
         ``i``-th sample of prompt ``p``. Each is its own engine request; a seeded request
         gives each sample its own seed, so that the samples differ."""
+        self.engine.check_capacity(len(prompts) * n)
         streams = []
         for p, (prompt, sp) in enumerate(zip(prompts, params)):
             for i in range(n):
                 sub = sp if sp.seed is None or i == 0 else dataclasses.replace(sp, seed=sp.seed + i)
-                streams.append(self.engine.generate(prompt.token_ids, sub, f"{request_id}-{p}-{i}",
-                                                    prompt_text=prompt.text))
-        return merge_async_iterators(*streams)
+                streams.append(self.engine.generate(prompt, sub, f"{request_id}-{p}-{i}"))
+        return with_timeout(merge_async_iterators(*streams), self.request_timeout)
 
     async def first_output(self, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> tuple[int, RequestOutput]:
         """Wait for the first output, so that a request the engine refuses gets an HTTP error
         status rather than a stream that ends in an error."""
-        try:
-            return await anext(outputs)
-        except ValueError as e:
-            raise OpenAIError(str(e)) from e
-        except EngineDeadError as e:
-            raise engine_dead_error(e) from e
+        return await anext(outputs)
 
     async def collect(self, outputs: AsyncIterator[tuple[int, RequestOutput]], num_choices: int) -> list[RequestOutput]:
         """The final output of every choice."""
         finals: list[RequestOutput | None] = [None] * num_choices
-        try:
-            async for i, out in outputs:
-                if out.finished:
-                    finals[i] = out
-        except ValueError as e:
-            raise OpenAIError(str(e)) from e
-        except EngineDeadError as e:
-            raise engine_dead_error(e) from e
+        async for i, out in outputs:
+            if out.finished:
+                finals[i] = out
         return finals
 
     @staticmethod
@@ -165,21 +192,42 @@ class OpenAIServing:
     def token_str(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    async def stream_errors(self, chunks: AsyncIterator[str], outputs: AsyncIterator) -> AsyncIterator[str]:
+    async def stream_errors(self, request_id: str, chunks: AsyncIterator[str],
+                            outputs: AsyncIterator) -> AsyncIterator[str]:
         """SSE ``chunks`` made from the engine ``outputs``, then ``[DONE]``; an error after
         the stream has started becomes a final error event. Closing this stream (a client
         that went away) closes ``outputs``, which aborts the engine requests."""
         try:
             async for chunk in chunks:
                 yield chunk
-        except EngineDeadError as e:
-            yield sse(ErrorResponse(error=engine_dead_error(e).info))
-        except ValueError as e:
-            yield sse(ErrorResponse(error=OpenAIError(str(e)).info))
+        except Exception as e:
+            yield sse(ErrorResponse(error=to_openai_error(e, request_id).info))
         finally:
             await chunks.aclose()
             await outputs.aclose()
         yield sse("[DONE]")
+
+
+async def with_timeout(outputs: AsyncIterator[T], timeout: float | None) -> AsyncIterator[T]:
+    """``outputs`` until ``timeout`` seconds have passed, then RequestTimeoutError (closing
+    ``outputs``, which aborts the engine requests)."""
+    if timeout is None:
+        async for item in outputs:
+            yield item
+        return
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    try:
+        while True:
+            try:
+                item = await asyncio.wait_for(anext(outputs), max(0.0, deadline - loop.time()))
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                raise RequestTimeoutError(f"it ran longer than --request-timeout ({timeout:g} s)") from None
+            yield item
+    finally:
+        await outputs.aclose()
 
 
 async def prepend(first: T, rest: AsyncIterator[T]) -> AsyncIterator[T]:

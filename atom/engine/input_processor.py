@@ -1,0 +1,143 @@
+"""Prompts into token ids the engine can run: the chat template, tokenisation and the checks
+(text that can be encoded, token ids inside the vocabulary, a length that fits the context),
+shared by ``LLMEngine``, ``AsyncLLM`` and the server.
+
+Every refusal is an ``InvalidInputError``, a ``ValueError`` that names the request field.
+The methods are plain functions of their inputs, so ``AsyncLLM`` runs them in a worker
+thread: tokenising a long text must not stall the event loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from atom.sampling_params import is_encodable
+
+
+class InvalidInputError(ValueError):
+    """A prompt the engine refuses; ``param`` is the request field to blame."""
+
+    def __init__(self, message: str, param: str = "prompt", code: str | None = None):
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessedPrompt:
+    text: str | None  # None for a token-id prompt
+    token_ids: list[int]
+
+
+class InputProcessor:
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, max_seq_len: int | None = None):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        # the longest sequence the engine holds: min(max_model_len, KV cache capacity),
+        # known once the KV cache is allocated
+        self.max_seq_len = max_seq_len if max_seq_len is not None else max_model_len
+        self.max_token_chars = _max_token_chars(tokenizer)
+
+    def tokenize(
+        self, prompt: str | list[int], add_special_tokens: bool = True, param: str = "prompt", check_length: bool = True
+    ) -> ProcessedPrompt:
+        """A text or token-id prompt as token ids, checked (its length only if
+        ``check_length``: ``/tokenize`` counts the tokens of any text)."""
+        if isinstance(prompt, str):
+            return ProcessedPrompt(prompt, self._encode(prompt, add_special_tokens, param, check_length))
+        ids = list(prompt)
+        if not ids:
+            raise InvalidInputError("prompt is empty: at least one token is needed", param)
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in ids):
+            raise InvalidInputError(f"prompt token ids must be ints in [0, {self.vocab_size})", param)
+        if check_length:
+            self._check_length(len(ids), param)
+        return ProcessedPrompt(None, ids)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        add_special_tokens: bool = False,
+        check_length: bool = True,
+    ) -> ProcessedPrompt:
+        """The messages through the tokenizer's chat template, tokenised."""
+        if not messages:
+            raise InvalidInputError("messages must be a non-empty list", "messages")
+        if self.tokenizer is None:
+            raise InvalidInputError("chat messages need a tokenizer", "messages")
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message,
+                **(chat_template_kwargs or {}),
+            )
+        except Exception as e:  # no template, or the template refused the messages
+            raise InvalidInputError(f"cannot apply the chat template: {_printable(e)}", "messages") from e
+        # the template already holds the special tokens (BOS, role markers)
+        return ProcessedPrompt(text, self._encode(text, add_special_tokens, "messages", check_length))
+
+    def _encode(self, text: str, add_special_tokens: bool, param: str, check_length: bool = True) -> list[int]:
+        if self.tokenizer is None:
+            raise InvalidInputError("text prompts need a tokenizer (the engine runs with skip_tokenizer_init)", param)
+        if not text:
+            raise InvalidInputError("prompt is empty", param)
+        if not is_encodable(text):
+            raise InvalidInputError(f"{param} is not valid Unicode: it holds a lone surrogate (e.g. \\ud800)", param)
+        if not check_length:
+            try:
+                return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+            except Exception as e:
+                raise InvalidInputError(f"cannot tokenize the {param}: {_printable(e)}", param) from e
+        limit = self.max_seq_len
+        if self.max_token_chars is not None and len(text) > 2 * limit * self.max_token_chars:
+            # no token covers more than max_token_chars characters, so this text cannot
+            # fit: refuse it without spending seconds of CPU on tokenising it
+            raise self._too_long(f"more than {limit}", param)
+        try:
+            # truncated in the tokenizer (no Python list of millions of ids): one token
+            # past the limit is enough to know that the prompt does not fit
+            ids = self.tokenizer(text, add_special_tokens=add_special_tokens, truncation=True, max_length=limit + 1)[
+                "input_ids"
+            ]
+        except Exception as e:
+            raise InvalidInputError(f"cannot tokenize the {param}: {_printable(e)}", param) from e
+        if not ids:
+            raise InvalidInputError("prompt is empty: it has no tokens", param)
+        if len(ids) > limit:
+            raise self._too_long(f"more than {limit}", param)
+        return list(ids)
+
+    def _check_length(self, num_tokens: int, param: str) -> None:
+        if num_tokens > self.max_seq_len:
+            raise self._too_long(str(num_tokens), param)
+
+    def _too_long(self, count: str, param: str) -> InvalidInputError:
+        return InvalidInputError(
+            f"prompt of {count} tokens exceeds the limit of {self.max_seq_len} tokens (max_model_len="
+            f"{self.max_model_len}, or the KV cache's capacity if smaller)",
+            param,
+            code="context_length_exceeded",
+        )
+
+
+def _max_token_chars(tokenizer) -> int | None:
+    """The most characters one token can stand for, or None where that is unbounded (a
+    tokenizer with an unknown-token fallback maps a whole unknown word to one token)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    model = getattr(backend, "model", None)
+    if model is None or type(model).__name__ != "BPE" or model.unk_token is not None:
+        return None
+    # byte-level tokens spell one byte per character, so a token's text is never longer
+    # than its vocabulary string
+    return max((len(t) for t in tokenizer.get_vocab()), default=1)
+
+
+def _printable(e: Exception) -> str:
+    return str(e).encode("utf-8", "backslashreplace").decode()[:500]
