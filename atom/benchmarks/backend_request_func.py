@@ -10,10 +10,14 @@ reason in ``error``, so one bad request does not abort a benchmark of thousands.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import socket
 import time
 import traceback
+import urllib.parse
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -22,6 +26,10 @@ from tqdm.asyncio import tqdm
 
 # Long generations at high concurrency can take hours; the limit only guards against a hung server.
 AIOHTTP_TIMEOUT = aiohttp.ClientTimeout(total=6 * 60 * 60)
+
+
+class BenchmarkError(RuntimeError):
+    """The benchmark cannot run, e.g. the server is unreachable or the tokenizer cannot be loaded."""
 
 
 @dataclass
@@ -209,3 +217,48 @@ async def async_request(backend: str, request: RequestFuncInput, session: aiohtt
     if pbar is not None:
         pbar.update(1)
     return output
+
+
+def served_model(base_url: str) -> tuple[str, str | None]:
+    """(id, root) of the first model of the server's ``GET /v1/models``; root is the path it loaded."""
+    api_key = os.environ.get("OPENAI_API_KEY")
+    request = urllib.request.Request(f"{base_url}/v1/models",
+                                     headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            card = json.load(response)["data"][0]
+    except (OSError, ValueError, KeyError, IndexError) as exc:
+        raise BenchmarkError(f"Cannot ask {base_url}/v1/models which model is served ({exc}); start the server "
+                             "or pass --model") from exc
+    return card["id"], card.get("root")
+
+
+def _hub_reachable() -> bool:
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    url = urllib.parse.urlsplit(constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=3).close()
+        return True
+    except OSError:
+        return False
+
+
+def get_tokenizer(name: str, tokenizer_mode: str = "auto", trust_remote_code: bool = False, **kwargs):
+    """A Hugging Face tokenizer from a local directory, the hub cache, or the hub when it answers.
+
+    Without a network transformers retries the hub for about a minute before failing, so a name
+    that is neither local nor cached fails at once when the hub cannot be reached."""
+    from transformers import AutoTokenizer
+
+    kwargs.update(trust_remote_code=trust_remote_code, **({"use_fast": False} if tokenizer_mode == "slow" else {}))
+    if not os.path.exists(name):
+        with contextlib.suppress(OSError):
+            return AutoTokenizer.from_pretrained(name, local_files_only=True, **kwargs)
+        if not _hub_reachable():
+            raise BenchmarkError(f"Cannot load the tokenizer {name!r}: it is not a local path nor in the Hugging Face "
+                                 "cache, and the hub cannot be reached. Pass --tokenizer DIR (a directory with the "
+                                 "model's tokenizer files), or leave out --model to use the server's model.")
+    return AutoTokenizer.from_pretrained(name, **kwargs)

@@ -16,18 +16,12 @@ import argparse
 import asyncio
 import contextlib
 import gc
-import json
 import logging
 import os
 import random
-import socket
 import sys
 import time
-import urllib.parse
-import urllib.request
-import warnings
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -39,54 +33,30 @@ from transformers import PreTrainedTokenizerBase
 from atom.benchmarks.backend_request_func import (
     AIOHTTP_TIMEOUT,
     BACKENDS,
+    BenchmarkError,
     RequestFuncInput,
     RequestFuncOutput,
     async_request,
     check_api_url,
+    get_tokenizer,
+    served_model,
 )
-from atom.benchmarks.benchmark_utils import save_to_pytorch_benchmark_format, write_to_json
+from atom.benchmarks.benchmark_utils import (
+    GOODPUT_METRICS,
+    PERCENTILE_METRICS,
+    BenchmarkMetrics,
+    calculate_metrics,
+    percentile_key,
+    print_and_collect_results,
+    save_to_pytorch_benchmark_format,
+    write_to_json,
+)
 from atom.benchmarks.datasets import DATASET_NAMES, SampleRequest, get_samples
 
+# importable from here as from vLLM's benchmark_serving module
+__all__ = ["BenchmarkError", "BenchmarkMetrics", "calculate_metrics", "percentile_key", "print_and_collect_results"]
+
 logger = logging.getLogger(__name__)
-
-# metric -> (short name, table header); the order of the result table
-METRICS = {"ttft": ("TTFT", "Time to First Token"), "tpot": ("TPOT", "Time per Output Token (excl. 1st token)"),
-           "itl": ("ITL", "Inter-token Latency"), "e2el": ("E2EL", "End-to-end Latency")}
-PERCENTILE_METRICS = list(METRICS)
-GOODPUT_METRICS = ["ttft", "tpot", "e2el"]
-
-
-class BenchmarkError(RuntimeError):
-    """The benchmark cannot run, e.g. the server is unreachable or the tokenizer cannot be loaded."""
-
-
-@dataclass
-class BenchmarkMetrics:
-    completed: int
-    total_input: int
-    total_output: int
-    request_throughput: float
-    request_goodput: float
-    output_throughput: float
-    total_token_throughput: float
-    # for each of ttft, tpot, itl, e2el (e2el: end-to-end latency per request, measured on the client)
-    mean_ttft_ms: float
-    median_ttft_ms: float
-    std_ttft_ms: float
-    percentiles_ttft_ms: list[tuple[float, float]]
-    mean_tpot_ms: float
-    median_tpot_ms: float
-    std_tpot_ms: float
-    percentiles_tpot_ms: list[tuple[float, float]]
-    mean_itl_ms: float
-    median_itl_ms: float
-    std_itl_ms: float
-    percentiles_itl_ms: list[tuple[float, float]]
-    mean_e2el_ms: float
-    median_e2el_ms: float
-    std_e2el_ms: float
-    percentiles_e2el_ms: list[tuple[float, float]]
-
 
 def arrival_times(num_requests: int, request_rate: float, burstiness: float = 1.0,
                   rng: np.random.Generator | None = None) -> np.ndarray:
@@ -112,87 +82,6 @@ async def get_request(input_requests: list[SampleRequest], request_rate: float, 
         # sleep until an absolute time, so time spent between sleeps does not lower the achieved rate
         await asyncio.sleep(max(start + send_at - time.perf_counter(), 0))
         yield request
-
-
-def calculate_metrics(input_requests: list[SampleRequest], outputs: list[RequestFuncOutput], dur_s: float,
-                      tokenizer: PreTrainedTokenizerBase, selected_percentile_metrics: list[str],
-                      selected_percentiles: list[float], goodput_config_dict: dict[str, float],
-                      ) -> tuple[BenchmarkMetrics, list[int]]:
-    """Aggregate per-request outputs (seconds) into metrics (ms); also the output length of every
-    request (0 for failed ones)."""
-    done = [(r, o) for r, o in zip(input_requests, outputs) if o.success]
-    # without a count from the server, count the text's tokens (len(itl) undercounts multi-token chunks)
-    lens = {id(o): o.output_tokens or len(tokenizer(o.generated_text, add_special_tokens=False).input_ids)
-            for _, o in done}
-    actual_output_lens = [lens.get(id(o), 0) for o in outputs]
-    # a request with at most one output token has no TPOT; it counts as 0 for goodput
-    all_tpots = [(o.latency - o.ttft) / (lens[id(o)] - 1) if lens[id(o)] > 1 else 0.0 for _, o in done]
-    per_request = {"ttft": [o.ttft for _, o in done], "tpot": all_tpots, "e2el": [o.latency for _, o in done],
-                   "itl": [t for _, o in done for t in o.itl]}
-    good = np.ones(len(done), dtype=bool)
-    for name, slo_ms in goodput_config_dict.items():
-        good &= np.asarray(per_request[name]) <= slo_ms / 1000
-    if not done:
-        warnings.warn("All requests failed. This is likely due to a misconfiguration on the benchmark arguments.",
-                      stacklevel=2)
-    per_request["tpot"] = [t for (_, o), t in zip(done, all_tpots) if lens[id(o)] > 1]
-    stats: dict[str, Any] = {}
-    for name in METRICS:
-        data = np.asarray(per_request[name] or [0.0]) * 1000  # nothing measured (e.g. no ITLs) reports 0
-        stats.update({f"mean_{name}_ms": float(np.mean(data)), f"median_{name}_ms": float(np.median(data)),
-                      f"std_{name}_ms": float(np.std(data)),
-                      f"percentiles_{name}_ms": [(p, float(np.percentile(data, p))) for p in selected_percentiles]})
-    total_input, total_output = sum(r.prompt_len for r, _ in done), sum(actual_output_lens)
-    metrics = BenchmarkMetrics(
-        completed=len(done), total_input=total_input, total_output=total_output,
-        request_throughput=len(done) / dur_s,
-        request_goodput=(int(good.sum()) if goodput_config_dict else 0) / dur_s,
-        output_throughput=total_output / dur_s, total_token_throughput=(total_input + total_output) / dur_s,
-        **stats)  # fmt: skip
-    return metrics, actual_output_lens
-
-
-def percentile_key(p: float) -> str:
-    """ "99" for 99.0, "99.9" for 99.9: the name used in P99 and p99_ttft_ms."""
-    return str(int(p)) if int(p) == p else str(p)
-
-
-def print_and_collect_results(metrics: BenchmarkMetrics, benchmark_duration: float, outputs: list[RequestFuncOutput],
-                              actual_output_lens: list[int], selected_percentile_metrics: list[str],
-                              goodput_config_dict: dict[str, float]) -> dict[str, Any]:
-    """Print vLLM's result table (the program's output, hence print) and return the result dictionary."""
-    rows = [("Successful requests:", metrics.completed), ("Benchmark duration (s):", benchmark_duration),
-            ("Total input tokens:", metrics.total_input), ("Total generated tokens:", metrics.total_output),
-            ("Request throughput (req/s):", metrics.request_throughput)]
-    rows += [("Request goodput (req/s):", metrics.request_goodput)] if goodput_config_dict else []
-    rows += [("Output token throughput (tok/s):", metrics.output_throughput),
-             ("Total Token throughput (tok/s):", metrics.total_token_throughput)]
-    result: dict[str, Any] = {
-        "duration": benchmark_duration, "completed": metrics.completed, "total_input_tokens": metrics.total_input,
-        "total_output_tokens": metrics.total_output, "request_throughput": metrics.request_throughput,
-        "request_goodput": metrics.request_goodput if goodput_config_dict else None,
-        "output_throughput": metrics.output_throughput, "total_token_throughput": metrics.total_token_throughput,
-        "input_lens": [o.prompt_len for o in outputs], "output_lens": actual_output_lens,
-        "ttfts": [o.ttft for o in outputs], "itls": [o.itl for o in outputs],
-        "generated_texts": [o.generated_text for o in outputs], "errors": [o.error for o in outputs],
-    }  # fmt: skip
-    print("{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=50, c="="))
-    for label, value in rows:
-        print(f"{label:<40} {value:<10}" if isinstance(value, int) else f"{label:<40} {value:<10.2f}")
-    for name, (short, header) in METRICS.items():
-        if name not in selected_percentile_metrics:
-            continue
-        print("{s:{c}^{n}}".format(s=header, n=50, c="-"))
-        for stat in ("mean", "median", "std"):
-            result[f"{stat}_{name}_ms"] = getattr(metrics, f"{stat}_{name}_ms")
-        rows = [(f"{stat.capitalize()} {short} (ms):", result[f"{stat}_{name}_ms"]) for stat in ("mean", "median")]
-        for p, value in getattr(metrics, f"percentiles_{name}_ms"):
-            result[f"p{percentile_key(p)}_{name}_ms"] = value
-            rows.append((f"P{percentile_key(p)} {short} (ms):", value))
-        for label, value in rows:
-            print(f"{label:<40} {value:<10.2f}")
-    print("=" * 50)
-    return result
 
 
 async def _post_profile(session: aiohttp.ClientSession, base_url: str, action: str) -> None:
@@ -304,51 +193,6 @@ def _raise_open_file_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
     except (ImportError, ValueError, OSError) as exc:
         logger.debug("Could not raise the open file limit: %s", exc)
-
-
-def served_model(base_url: str) -> tuple[str, str | None]:
-    """(id, root) of the first model of the server's ``GET /v1/models``; root is the path it loaded."""
-    api_key = os.environ.get("OPENAI_API_KEY")
-    request = urllib.request.Request(f"{base_url}/v1/models",
-                                     headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
-    try:
-        with urllib.request.urlopen(request, timeout=30) as response:
-            card = json.load(response)["data"][0]
-    except (OSError, ValueError, KeyError, IndexError) as exc:
-        raise BenchmarkError(f"Cannot ask {base_url}/v1/models which model is served ({exc}); start the server "
-                             "or pass --model") from exc
-    return card["id"], card.get("root")
-
-
-def _hub_reachable() -> bool:
-    from huggingface_hub import constants
-
-    if constants.HF_HUB_OFFLINE:
-        return False
-    url = urllib.parse.urlsplit(constants.ENDPOINT)
-    try:
-        socket.create_connection((url.hostname, url.port or 443), timeout=3).close()
-        return True
-    except OSError:
-        return False
-
-
-def get_tokenizer(name: str, tokenizer_mode: str = "auto", trust_remote_code: bool = False, **kwargs):
-    """A Hugging Face tokenizer from a local directory, the hub cache, or the hub when it answers.
-
-    Without a network transformers retries the hub for about a minute before failing, so a name
-    that is neither local nor cached fails at once when the hub cannot be reached."""
-    from transformers import AutoTokenizer
-
-    kwargs.update(trust_remote_code=trust_remote_code, **({"use_fast": False} if tokenizer_mode == "slow" else {}))
-    if not os.path.exists(name):
-        with contextlib.suppress(OSError):
-            return AutoTokenizer.from_pretrained(name, local_files_only=True, **kwargs)
-        if not _hub_reachable():
-            raise BenchmarkError(f"Cannot load the tokenizer {name!r}: it is not a local path nor in the Hugging Face "
-                                 "cache, and the hub cannot be reached. Pass --tokenizer DIR (a directory with the "
-                                 "model's tokenizer files), or leave out --model to use the server's model.")
-    return AutoTokenizer.from_pretrained(name, **kwargs)
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
