@@ -32,23 +32,15 @@ class BenchmarkMetrics:
     request_goodput: float
     output_throughput: float
     total_token_throughput: float
-    # for each of ttft, tpot, itl, e2el (e2el: end-to-end latency per request, measured on the client)
-    mean_ttft_ms: float
-    median_ttft_ms: float
-    std_ttft_ms: float
-    percentiles_ttft_ms: list[tuple[float, float]]
-    mean_tpot_ms: float
-    median_tpot_ms: float
-    std_tpot_ms: float
-    percentiles_tpot_ms: list[tuple[float, float]]
-    mean_itl_ms: float
-    median_itl_ms: float
-    std_itl_ms: float
-    percentiles_itl_ms: list[tuple[float, float]]
-    mean_e2el_ms: float
-    median_e2el_ms: float
-    std_e2el_ms: float
-    percentiles_e2el_ms: list[tuple[float, float]]
+    # per metric of METRICS (e2el: end-to-end latency per request, measured on the client):
+    # mean_X_ms, median_X_ms, std_X_ms and percentiles_X_ms, a list of (percentile, value)
+    latencies: dict[str, Any]
+
+    def __getattr__(self, name: str) -> Any:  # vLLM's flat names, e.g. metrics.mean_ttft_ms
+        try:
+            return self.__dict__["latencies"][name]
+        except KeyError:
+            raise AttributeError(name) from None
 
 
 def calculate_metrics(input_requests: list[SampleRequest], outputs: list[RequestFuncOutput], dur_s: float,
@@ -85,7 +77,7 @@ def calculate_metrics(input_requests: list[SampleRequest], outputs: list[Request
         request_throughput=len(done) / dur_s,
         request_goodput=(int(good.sum()) if goodput_config_dict else 0) / dur_s,
         output_throughput=total_output / dur_s, total_token_throughput=(total_input + total_output) / dur_s,
-        **stats)  # fmt: skip
+        latencies=stats)  # fmt: skip
     return metrics, actual_output_lens
 
 
