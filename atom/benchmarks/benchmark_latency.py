@@ -8,16 +8,11 @@ bandwidth: ``weight bytes / copy bandwidth``.
 
 from __future__ import annotations
 
-import argparse
-import json
-import logging
 import time
 
 import torch
 
-from atom.benchmarks.model_configs import CONFIGS, model_dir, weight_bytes
-
-logger = logging.getLogger(__name__)
+from atom.benchmarks.model_configs import model_dir, parse_offline_args, report, weight_bytes
 
 
 def copy_bandwidth(nbytes: int = 2 << 30, iters: int = 20) -> float:
@@ -67,17 +62,11 @@ def tpot_vllm(path: str, args) -> float:
 
 
 def main(argv=None) -> dict:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="qwen3-8b", help=f"one of {', '.join(CONFIGS)}")
-    p.add_argument("--engine", choices=["atom", "vllm"], default="atom")
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=256)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--output-json", default=None)
-    args = p.parse_args(argv)
+    args = parse_offline_args(__doc__, argv, "qwen3-8b", [
+        (("--input-len",), dict(type=int, default=128)),
+        (("--output-len",), dict(type=int, default=256)),
+        (("--repeats",), dict(type=int, default=3)),
+    ])  # fmt: skip
     path = model_dir(args.model)
     tpot = (tpot_vllm if args.engine == "vllm" else tpot_atom)(path, args)
     bw = copy_bandwidth()
@@ -85,13 +74,9 @@ def main(argv=None) -> dict:
     result = dict(engine=args.engine, model=args.model, tpot_ms=round(tpot * 1e3, 3),
                   floor_ms=round(floor * 1e3, 3), fraction_of_floor=round(floor / tpot, 3),
                   copy_bandwidth_gbs=round(bw / 1e9, 1), weight_gb=round(weight_bytes(args.model) / 1e9, 3))
-    print("| engine | model | TPOT (ms) | floor (ms) | floor/TPOT | copy GB/s |\n|---|---|---|---|---|---|\n"
-          f"| {args.engine} | {args.model} | {tpot * 1e3:.3f} | {floor * 1e3:.3f} | {floor / tpot:.2f} "
-          f"| {bw / 1e9:.0f} |")
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(result, f, indent=1)
-    return result
+    return report("| engine | model | TPOT (ms) | floor (ms) | floor/TPOT | copy GB/s |\n|---|---|---|---|---|---|\n"
+                  f"| {args.engine} | {args.model} | {tpot * 1e3:.3f} | {floor * 1e3:.3f} | {floor / tpot:.2f} "
+                  f"| {bw / 1e9:.0f} |", result, args.output_json)
 
 
 if __name__ == "__main__":

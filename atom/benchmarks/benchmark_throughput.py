@@ -10,15 +10,10 @@ token ids with lengths ``randint(100, 1024)`` and 256 ``max_tokens`` of
 
 from __future__ import annotations
 
-import argparse
-import json
-import logging
 import random
 import time
 
-from atom.benchmarks.model_configs import CONFIGS, model_dir
-
-logger = logging.getLogger(__name__)
+from atom.benchmarks.model_configs import model_dir, parse_offline_args, report
 
 
 def workload(num_seqs: int, max_input_len: int, max_output_len: int):
@@ -65,31 +60,22 @@ def run_vllm(path: str, args) -> float:
 
 
 def main(argv=None) -> dict:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="qwen3-0.6b", help=f"a model dir or one of {', '.join(CONFIGS)}")
-    p.add_argument("--engine", choices=["atom", "vllm"], default="atom")
-    p.add_argument("--num-seqs", type=int, default=256)
-    p.add_argument("--max-input-len", type=int, default=1024)
-    p.add_argument("--max-output-len", type=int, default=1024)
-    p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--level", type=int, default=None)
-    p.add_argument("--async-scheduling", action="store_true", help="both engines: overlap host work with the device")
-    p.add_argument("--output-json", default=None)
-    args = p.parse_args(argv)
+    args = parse_offline_args(__doc__, argv, "qwen3-0.6b", [
+        (("--num-seqs",), dict(type=int, default=256)),
+        (("--max-input-len",), dict(type=int, default=1024)),
+        (("--max-output-len",), dict(type=int, default=1024)),
+        (("--level",), dict(type=int, default=None)),
+        (("--async-scheduling",), dict(action="store_true", help="both engines: overlap host work with the device")),
+    ])  # fmt: skip
     random.seed(0)  # before the engine starts, as bench.py
     path = model_dir(args.model)
     elapsed, tokens = (run_vllm if args.engine == "vllm" else run_atom)(path, args)
     result = dict(engine=args.engine, model=args.model, num_seqs=args.num_seqs, output_tokens=tokens,
                   elapsed_s=round(elapsed, 3), output_tokens_per_s=round(tokens / elapsed, 1),
                   enforce_eager=args.enforce_eager, level=args.level, async_scheduling=args.async_scheduling)
-    print(f"| engine | model | output tokens | time (s) | output tok/s |\n|---|---|---|---|---|\n"
-          f"| {args.engine} | {args.model} | {tokens} | {elapsed:.2f} | {tokens / elapsed:.1f} |")
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(result, f, indent=1)
-    return result
+    return report(f"| engine | model | output tokens | time (s) | output tok/s |\n|---|---|---|---|---|\n"
+                  f"| {args.engine} | {args.model} | {tokens} | {elapsed:.2f} | {tokens / elapsed:.1f} |",
+                  result, args.output_json)
 
 
 if __name__ == "__main__":

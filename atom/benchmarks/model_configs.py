@@ -1,9 +1,12 @@
 """Real model shapes for benchmarks with random weights: a directory holding only the
-Hugging Face ``config.json`` (no weights, no tokenizer; use ``load_dummy``)."""
+Hugging Face ``config.json`` (no weights, no tokenizer; use ``load_dummy``); and the command line
+shared by the offline benchmarks (throughput, latency)."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import logging
 import os
 import tempfile
 
@@ -48,3 +51,26 @@ def weight_bytes(name: str, dtype_bytes: int = 2) -> int:
     attn = h * hd * (c["num_attention_heads"] * 2 + c["num_key_value_heads"] * 2)
     mlp = 3 * h * c["intermediate_size"]
     return (layers * (attn + mlp) + v * h) * dtype_bytes
+
+
+def parse_offline_args(doc: str, argv: list[str] | None, default_model: str, arguments: list) -> argparse.Namespace:
+    """The flags both offline benchmarks take, then ``arguments`` ((flags, kwargs) pairs)."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=default_model, help=f"a model dir or one of {', '.join(CONFIGS)}")
+    p.add_argument("--engine", choices=["atom", "vllm"], default="atom")
+    for flags, kwargs in arguments:
+        p.add_argument(*flags, **kwargs)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--output-json", default=None)
+    return p.parse_args(argv)
+
+
+def report(table: str, result: dict, output_json: str | None) -> dict:
+    """Print the markdown table and write ``result`` to ``output_json`` when given."""
+    print(table)
+    if output_json:
+        with open(output_json, "w") as f:
+            json.dump(result, f, indent=1)
+    return result

@@ -11,19 +11,28 @@ import csv
 import json
 import math
 import os
+import re
 import socket
+import subprocess
+import sys
+import threading
 import time
+from pathlib import Path
 
+import aiohttp
 import numpy as np
 import pytest
+from aiohttp import web
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from atom.benchmarks import benchmark_serving as bs
 from atom.benchmarks.backend_request_func import (
-    ASYNC_REQUEST_FUNCS,
+    BACKENDS,
+    RequestFuncInput,
     RequestFuncOutput,
     SSEDecoder,
+    async_request,
     check_api_url,
 )
 from atom.benchmarks.benchmark_utils import convert_to_pytorch_benchmark_format
@@ -364,7 +373,7 @@ def test_sse_decoder_handles_split_chunks():
 
 
 def test_backends_and_endpoints():
-    assert set(ASYNC_REQUEST_FUNCS) == {
+    assert set(BACKENDS) == {
         "vllm", "openai", "openai-chat", "tgi", "tensorrt-llm", "deepspeed-mii", "lmdeploy", "scalellm", "sglang",
     }  # fmt: skip
     check_api_url("vllm", "http://h:1/v1/completions")
@@ -377,10 +386,10 @@ def test_backends_and_endpoints():
 
 
 def test_argument_defaults_match_the_guide():
-    args = bs.parse_args(["--model", "m"])
+    args = bs.parse_args([])  # without --model the server is asked which model it serves
     expected = {
         "backend": "vllm",
-        "model": "m",
+        "model": None,
         "base_url": None,
         "host": "127.0.0.1",
         "port": 8000,
@@ -408,8 +417,6 @@ def test_argument_defaults_match_the_guide():
         "use_chat_template": False,
     }
     assert {k: getattr(args, k) for k in expected} == expected
-    with pytest.raises(SystemExit):
-        bs.parse_args([])  # --model is required
 
 
 def test_guide_example_arguments_parse():
@@ -450,3 +457,183 @@ def test_pytorch_benchmark_format(monkeypatch):
     assert records[0]["model"]["name"] == "m"
     assert records[0]["benchmark"]["extra_info"]["args"]["tensor_parallel_size"] == 8
     assert vars(args) == {"model": "m", "seed": 0}
+
+
+# ---------------------------------------------------------------------------
+# The shared client against a real HTTP server on 127.0.0.1
+# ---------------------------------------------------------------------------
+
+WORDS = ["The", " quick", " brown", " fox", " jumps"]
+
+
+def _sse(*events) -> bytes:
+    return b"".join(b"data: " + (e if isinstance(e, bytes) else json.dumps(e).encode()) + b"\n\n" for e in events)
+
+
+class ProtocolServer:
+    """A small aiohttp server speaking each backend's protocol, streaming WORDS one event at a time."""
+
+    def __init__(self, tokenizer_dir: str) -> None:
+        self.bodies: list[dict] = []
+        self.tokenizer_dir = tokenizer_dir
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.runner = asyncio.run_coroutine_threadsafe(self._start(), self.loop).result()
+        self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
+
+    async def _start(self) -> web.AppRunner:
+        app = web.Application()
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/completions", self._openai)
+        app.router.add_post("/v1/chat/completions", self._openai)
+        app.router.add_post("/generate_stream", self._generate_stream)
+        app.router.add_post("/mii/completions", self._mii)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        return runner
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "tiny", "root": self.tokenizer_dir}]})
+
+    async def _stream(self, request: web.Request, events: list) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for event in events:  # one write per event, so that every token arrives on its own
+            await response.write(_sse(event) if not isinstance(event, bytes) else event)
+        await response.write_eof()
+        return response
+
+    async def _openai(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        if body["model"] != "tiny":
+            return web.json_response({"error": {"message": f"model {body['model']} not found"}}, status=404)
+        words = WORDS[: body["max_tokens"]]
+        chat = "messages" in body
+        events = [{"choices": [{"delta": {"role": "assistant"}}]}] if chat else []
+        events += [{"choices": [{"delta": {"content": w}} if chat else {"text": w}]} for w in words]
+        events += [{"choices": [], "usage": {"completion_tokens": len(words)}}, b"data: [DONE]\n\n"]
+        return await self._stream(request, events)
+
+    async def _generate_stream(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        if "inputs" in body:  # TGI: the full text only in the last event, and keep-alive comments
+            last = len(WORDS) - 1
+            events = [b": ping\n\n"] + [{"token": {"text": w}, "generated_text": "".join(WORDS) if i == last else None}
+                                        for i, w in enumerate(WORDS)]
+        else:  # TensorRT-LLM
+            events = [{"text_output": w} for w in WORDS]
+        return await self._stream(request, events)
+
+    async def _mii(self, request: web.Request) -> web.Response:
+        self.bodies.append(await request.json())
+        return web.json_response({"text": ["".join(WORDS)]})
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join()
+
+
+@pytest.fixture(scope="module")
+def protocol_server(tokenizer, tmp_path_factory):
+    tokenizer_dir = tmp_path_factory.mktemp("tok")
+    tokenizer.save_pretrained(tokenizer_dir)
+    server = ProtocolServer(str(tokenizer_dir))
+    yield server
+    server.close()
+
+
+def _send(backend: str, url: str, **kwargs) -> RequestFuncOutput:
+    request = RequestFuncInput(prompt="Hi there", api_url=url, prompt_len=2, output_len=len(WORDS), model="tiny",
+                               **kwargs)
+
+    async def run():
+        async with aiohttp.ClientSession() as session:
+            return await async_request(backend, request, session)
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("backend, endpoint, streamed", [
+    ("vllm", "/v1/completions", True), ("openai-chat", "/v1/chat/completions", True),
+    ("tgi", "/generate_stream", True), ("tensorrt-llm", "/generate_stream", True),
+    ("deepspeed-mii", "/mii/completions", False),
+])  # fmt: skip
+def test_one_client_speaks_every_backend(protocol_server, backend, endpoint, streamed):
+    output = _send(backend, protocol_server.url + endpoint, ignore_eos=True)
+    assert output.success, output.error
+    assert output.generated_text == "".join(WORDS)
+    assert output.latency > 0
+    if streamed:  # a token per event: TTFT, then one gap per further token (the chat role chunk is not one)
+        assert 0 < output.ttft <= output.latency and len(output.itl) == len(WORDS) - 1
+    else:
+        assert output.ttft == 0.0 and output.itl == []
+    body = protocol_server.bodies[-1]
+    assert {"vllm": "prompt", "openai-chat": "messages", "tgi": "inputs", "tensorrt-llm": "text_input",
+            "deepspeed-mii": "prompt"}[backend] in body  # fmt: skip
+    if backend in ("vllm", "openai-chat"):
+        assert output.output_tokens == len(WORDS) and body["ignore_eos"] is True and body["stream"] is True
+        assert output.tpot == pytest.approx((output.latency - output.ttft) / (len(WORDS) - 1))
+
+
+def test_client_reports_http_errors(protocol_server):
+    output = _send("vllm", protocol_server.url + "/v1/completions", model_name="no-such-model")
+    assert not output.success and output.error.startswith("HTTP 404") and "no-such-model" in output.error
+
+
+def test_main_against_a_server_with_the_served_model(protocol_server, tmp_path):
+    # no --model: the model and its tokenizer come from the server's /v1/models
+    args = bs.parse_args([
+        "--base-url", protocol_server.url, "--dataset-name", "random", "--random-input-len", "12",
+        "--random-output-len", "4", "--num-prompts", "6", "--max-concurrency", "2", "--ignore-eos",
+        "--disable-tqdm", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99.9",
+        "--goodput", "ttft:60000", "--metadata", "run=unit", "--save-result", "--result-dir", str(tmp_path),
+    ])  # fmt: skip
+    result = bs.main(args)
+    [saved] = list(tmp_path.glob("vllm-infqps-concurrency2-tiny-*.json"))
+    assert json.loads(saved.read_text()) == json.loads(json.dumps(result).replace("Infinity", '"inf"'))
+    expected = {
+        "date", "backend", "model_id", "tokenizer_id", "best_of", "num_prompts", "run", "request_rate", "burstiness",
+        "max_concurrency", "duration", "completed", "total_input_tokens", "total_output_tokens",
+        "request_throughput", "request_goodput", "output_throughput", "total_token_throughput", "input_lens",
+        "output_lens", "ttfts", "itls", "generated_texts", "errors",
+    } | {f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for s in ("mean", "median", "std", "p50", "p99.9")}
+    assert set(result) == expected
+    assert result["model_id"] == "tiny" and result["tokenizer_id"] == protocol_server.tokenizer_dir
+    assert result["completed"] == 6 and result["total_output_tokens"] == 6 * 4 and result["request_rate"] == "inf"
+    assert result["run"] == "unit" and result["request_goodput"] > 0
+    assert result["input_lens"] == [12] * 6 and result["generated_texts"] == ["".join(WORDS[:4])] * 6
+
+
+# ---------------------------------------------------------------------------
+# The command line: documented flags, and one-line errors
+# ---------------------------------------------------------------------------
+
+
+def test_every_documented_flag_parses():
+    doc = (Path(__file__).parents[2] / "docs" / "benchmark_serving.md").read_text()
+    # the first column of the argument tables
+    documented = set(re.findall(r"^\| `(--[a-z][a-z-]+)`", doc, flags=re.MULTILINE))
+    known = set(bs.build_parser()._option_string_actions)
+    assert len(documented) >= 40 and documented <= known, documented - known
+    for group in bs.ARGUMENTS.values():  # and every flag of the parser is documented
+        assert {flags[0] for flags, _ in group} <= documented
+
+
+def test_unknown_tokenizer_fails_fast_in_one_line(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
+    run = subprocess.run(
+        [sys.executable, "-m", "atom.benchmarks.benchmark_serving", "--model", "no-such-org/no-such-model",
+         "--port", str(port), "--dataset-name", "random"],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    errors = [line for line in run.stderr.splitlines() if " ERROR " in line]
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
+    assert len(errors) == 1 and "no-such-org/no-such-model" in errors[0] and "--tokenizer" in errors[0]
