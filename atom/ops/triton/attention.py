@@ -25,20 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _find_seq(cu_seqlens_q_ptr, q_base, tile, num_seqs, BLOCK_Q: tl.constexpr):
-    """Largest sequence index ``i`` with ``(cu_seqlens_q[i] - q_base) // BLOCK_Q + i <= tile``."""
-    lo: tl.int32 = 0
-    hi = num_seqs
-    while lo < hi:
-        mid = (lo + hi) // 2
-        first_tile = (tl.load(cu_seqlens_q_ptr + mid) - q_base) // BLOCK_Q + mid
-        if first_tile <= tile:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo - 1
+from atom.ops.triton.prefill_attention import _find_seq, prefill_attention
 
 
 @triton.jit
@@ -226,6 +213,10 @@ def _attend(
 
     group = num_q_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
+    log2e = 1.4426950408889634
+    if num_splits == 1 and max_seqlen_q * group_pad >= 128:
+        prefill_attention(q, out, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale * log2e)
+        return
     cfg = _config(head_dim, group_pad, max_seqlen_q, q.element_size())
     block_q = cfg["block_m"] // group_pad
     num_tiles = num_tokens // block_q + num_seqs
@@ -236,7 +227,6 @@ def _attend(
         part_sum = torch.empty_like(part_max)
     else:
         part_out = part_max = part_sum = out  # unused: SPLIT is False
-    log2e = 1.4426950408889634
     _paged_attention_kernel[(num_tiles, num_kv_heads, num_splits)](
         out,
         part_out,

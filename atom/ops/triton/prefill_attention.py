@@ -1,0 +1,160 @@
+"""Causal paged attention for batches whose rows are prefill chunks (FlashAttention-2 style).
+
+Tiles and metadata follow ``atom.ops.triton.attention`` (``BLOCK_Q`` query tokens of one
+sequence times the ``GROUP`` query heads of one KV head per program, sequences found by
+binary search over ``cu_seqlens_q``), with what makes the prefill case fast on Hopper:
+
+- The key loop is split in two. Key tiles that every query row of the program sees are
+  processed with no mask at all; only the tiles on the causal diagonal pay for the mask.
+  Every row sees the first key of the first processed tile, so the running max is finite
+  after it and the softmax needs no guard against ``-inf - -inf``.
+- The softmax scale is folded into the exponent (``exp2(s * scale - m)``, one FMA per
+  score) with ``log2(e)`` folded into ``scale`` by the caller.
+- Programs are launched heaviest first: the last tiles of a sequence see the most keys,
+  so the grid runs tiles in reverse, with the KV head as the fastest-varying axis, which
+  keeps the tail of the launch short.
+- Tiles of 128 rows (wgmma-sized) over 8 warps; K and V are gathered through the block
+  table and software-pipelined (``num_stages``) by the compiler.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _find_seq(cu_seqlens_q_ptr, q_base, tile, num_seqs, BLOCK_Q: tl.constexpr):
+    """Largest sequence index ``i`` with ``(cu_seqlens_q[i] - q_base) // BLOCK_Q + i <= tile``."""
+    lo: tl.int32 = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_tile = (tl.load(cu_seqlens_q_ptr + mid) - q_base) // BLOCK_Q + mid
+        if first_tile <= tile:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _attend_tile(q, k_cache_ptr, v_cache_ptr, table, kv_head_off, t, m_i, l_i, acc, qk_scale, q_pos, kv_end,
+                 stride_cb, stride_ct, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                 MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
+    """One key tile of the online softmax; ``MASKED`` applies the causal and length mask."""
+    offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    if MASKED:
+        n_ok = offs_n < kv_end
+        page = tl.load(table + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
+    else:
+        page = tl.load(table + offs_n // PAGE_SIZE).to(tl.int64)
+    kv_off = page * stride_cb + kv_head_off + (offs_n % PAGE_SIZE) * stride_ct
+    if MASKED:
+        k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+    else:
+        k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :])
+    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
+    if MASKED:
+        visible = (offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :]
+        s = tl.where(visible, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp2(s - m_new[:, None])
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
+        p = tl.exp2(s * qk_scale - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if MASKED:
+        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+    else:
+        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :])
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _prefill_attention_kernel(
+    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
+    qk_scale, num_seqs, stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ch, stride_ct, stride_bt,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+):  # fmt: skip
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
+    kv_head = tl.program_id(0)
+    tile = tl.num_programs(1) - 1 - tl.program_id(1)  # heaviest (last) tiles first
+
+    q_base = tl.load(cu_seqlens_q_ptr)
+    seq = _find_seq(cu_seqlens_q_ptr, q_base, tile, num_seqs, BLOCK_Q)
+    q_start = tl.load(cu_seqlens_q_ptr + seq) - q_base
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_base - q_start
+    first_q = (tile - (q_start // BLOCK_Q + seq)) * BLOCK_Q
+    if first_q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len
+
+    offs_m = tl.arange(0, BLOCK_M)
+    q_idx = first_q + offs_m // GROUP_PAD
+    head = kv_head * GROUP + offs_m % GROUP_PAD
+    row_ok = (q_idx < q_len) & (offs_m % GROUP_PAD < GROUP)
+    offs_d = tl.arange(0, HEAD_DIM)
+    tok = (q_start + q_idx).to(tl.int64)
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None], other=0.0)  # fmt: skip
+
+    # The tile's first query sits at position first_pos and sees keys 0..first_pos, so key
+    # tiles below full_hi are visible to every row; the rest (up to kv_end) need the mask.
+    first_pos = context_len + first_q
+    q_pos = context_len + q_idx
+    kv_end = tl.minimum(seq_len, first_pos + BLOCK_Q)
+    full_hi = (first_pos + 1) // BLOCK_N
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    kv_head_off = kv_head.to(tl.int64) * stride_ch
+    for t in tl.range(0, full_hi, warp_specialize=WARP_SPECIALIZE):
+        m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, table, kv_head_off, t, m_i, l_i, acc, qk_scale,
+                                     q_pos, kv_end, stride_cb, stride_ct, BLOCK_N, HEAD_DIM, PAGE_SIZE, False,
+                                     DOT_PRECISION)  # fmt: skip
+    for t in range(full_hi, tl.cdiv(kv_end, BLOCK_N)):
+        m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, table, kv_head_off, t, m_i, l_i, acc, qk_scale,
+                                     q_pos, kv_end, stride_cb, stride_ct, BLOCK_N, HEAD_DIM, PAGE_SIZE, True,
+                                     DOT_PRECISION)  # fmt: skip
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])  # fmt: skip
+
+
+def prefill_config(head_dim: int, group_pad: int, elem_bytes: int) -> dict:
+    """Tile shape of the prefill kernel: 128 query rows over 8 warps (one wgmma M tile per
+    warpgroup); narrower key tiles for wide rows so K, V and the scores fit registers and
+    shared memory; float32 gets no multi-stage pipelining (shared memory)."""
+    row_bytes = head_dim * elem_bytes
+    if row_bytes > 256:
+        return dict(block_m=max(64, group_pad), block_n=32, num_warps=4, num_stages=1 if elem_bytes == 4 else 2)
+    return dict(block_m=max(128, group_pad), block_n=64 if row_bytes > 128 else 128, num_warps=8, num_stages=2)
+
+
+def prefill_attention(q, out, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, config=None):
+    """Launch over a contiguous slice of the batch (q, out and the metadata sliced alike);
+    ``scale`` already includes log2(e)."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, num_kv_heads, page_size, _ = k_cache.shape
+    num_seqs = seq_lens.shape[0]
+    group = num_q_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    cfg = config or prefill_config(head_dim, group_pad, q.element_size())
+    block_q = cfg["block_m"] // group_pad
+    grid = (num_kv_heads, num_tokens // block_q + num_seqs)
+    _prefill_attention_kernel[grid](
+        out, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, num_seqs,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=cfg["block_n"], HEAD_DIM=head_dim,
+        PAGE_SIZE=page_size, DOT_PRECISION="tf32x3" if q.element_size() == 4 else "tf32",
+        WARP_SPECIALIZE=cfg.get("warp_specialize", False), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
