@@ -219,7 +219,7 @@ def sweep() -> list[dict]:
     prefill_cfgs = _cfgs("block_m block_n num_warps num_stages warp_specialize", [
         (128, 64, 8, 2, False), (128, 64, 8, 3, False), (128, 128, 8, 2, False), (128, 128, 8, 3, False),
         (128, 64, 4, 2, False), (64, 64, 4, 3, False), (64, 128, 4, 2, False), (256, 64, 8, 2, False),
-        (128, 128, 8, 2, True), (128, 64, 8, 2, True)])  # fmt: skip
+        (256, 64, 8, 3, False), (256, 128, 8, 2, False), (256, 32, 8, 2, False)])  # fmt: skip
     moe_cfgs = _cfgs("BLOCK_M BLOCK_N BLOCK_K num_warps num_stages", [
         (16, 32, 64, 4, 4), (16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (16, 256, 128, 8, 3),
         (32, 256, 128, 8, 3), (64, 128, 64, 4, 3), (64, 256, 64, 8, 5), (128, 128, 64, 8, 3),
@@ -229,7 +229,7 @@ def sweep() -> list[dict]:
         *[(f"decode b={b} ctx={c}", ([1] * b, [c] * b), attn, decode_cfgs)
           for b, c in [(8, 8192), (64, 2048), (256, 2048)]],
         *[(f"prefill q={q} ctx={c}", ([q], [c]), (prefill_attention, "prefill_config"), prefill_cfgs)
-          for q, c in [(2048, 0), (8192, 0), (512, 4096)]],
+          for q, c in [(2048, 0), (8192, 0), (512, 4096), (2048, 4096)]],
         *[(f"splits b={b} ctx={c}", ([1] * b, [c] * b), (attention, "_num_splits"), [1, 2, 4, 8, 16, 32, 64])
           for b, c in itertools.product([1, 8, 32, 64], [2048, 8192, 32768])],
     ]  # fmt: skip

@@ -58,6 +58,7 @@ BATCHES = {
     "decode_b512": lambda: ([1] * 512, torch.randint(1, 2048, (512,)).tolist()),
     "prefill_b1_4k": lambda: ([4096], [0]),
     "prefill_chunk_prefix": lambda: ([1024, 512], [3000, 7000]),
+    "prefill_tile_edges": lambda: ([127, 128, 129, 2049, 1], [0, 4096, 255, 1, 64]),
     "mixed": lambda: ([700] + [1] * 100, [1500] + torch.randint(1, 4000, (100,)).tolist()),
 }
 

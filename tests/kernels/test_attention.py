@@ -84,3 +84,36 @@ def test_paged_attention_head_dim_256(assert_close):
     out = paged_attention(q, k_cache, v_cache, cu, seq_lens, tables, 0.0625)
     ref = reference.paged_attention(q.float(), k_cache.float(), v_cache.float(), cu, seq_lens, tables, 0.0625)
     assert_close(out, ref, dtype)
+
+
+PREFILL_CONFIGS = {
+    # The prefill kernel's tile shapes: rows (query tokens x padded GQA group), keys, warps, stages.
+    "m256_n64": dict(block_m=256, block_n=64, num_warps=8, num_stages=2),
+    "m128_n64": dict(block_m=128, block_n=64, num_warps=8, num_stages=2),
+    "m64_n64": dict(block_m=64, block_n=64, num_warps=4, num_stages=3),
+    "m64_n16": dict(block_m=64, block_n=16, num_warps=4, num_stages=1),
+}
+
+
+@pytest.mark.parametrize("config", PREFILL_CONFIGS.values(), ids=PREFILL_CONFIGS.keys())
+@pytest.mark.parametrize(
+    "q_lens, context_lens, num_q_heads, num_kv_heads",
+    [
+        # Chunk and prefix lengths on both sides of the key-tile and query-tile boundaries, so
+        # the unmasked loop runs zero, one and several tiles and the diagonal spans two.
+        ([63, 64, 65, 1, 17], [0, 64, 63, 129, 128], 8, 2),
+        ([130, 40], [191, 0], 6, 2),  # GQA group of 3, padded to 4 rows
+        ([70, 3], [1, 200], 4, 4),  # no GQA: 64 query tokens per 64-row tile
+    ],
+)
+def test_prefill_kernel_tiles(q_lens, context_lens, num_q_heads, num_kv_heads, config, assert_close):
+    from atom.ops.triton.prefill_attention import prefill_attention
+
+    dtype = torch.bfloat16
+    q, k_cache, v_cache, cu, seq_lens, tables = make_batch(
+        q_lens, context_lens, num_q_heads, num_kv_heads, 64, 16, dtype
+    )
+    out = torch.full_like(q, float("nan"))  # every element must be written
+    prefill_attention(q, out, k_cache, v_cache, cu, seq_lens, tables, 0.125 * 1.4426950408889634, config)
+    ref = reference.paged_attention(q.float(), k_cache.float(), v_cache.float(), cu, seq_lens, tables, 0.125)
+    assert_close(out, ref, dtype)

@@ -19,13 +19,11 @@ programs that write unnormalised partial results; a second kernel merges them.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from atom.ops.triton.prefill_attention import _find_seq, prefill_attention
+from atom.ops.triton.prefill_attention import _find_seq, _num_sms, prefill_attention
 
 
 @triton.jit
@@ -165,23 +163,17 @@ def _merge_splits_kernel(
     tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _num_splits(q: torch.Tensor, num_seqs: int, num_kv_heads: int, max_seqlen_q: int, max_seqlen_k: int) -> int:
     """Key-range splits for a decode-only batch whose (sequence, KV head) programs would not
-    fill the GPU (four per SM); each split keeps at least 128 keys so the merge stays cheap
-    (on an H200, 64 splits of a single 8k-token sequence beat 32 by 10%; at batch 32 two
-    to eight splits were within 5% of each other)."""
+    fill the GPU: the largest power of two that keeps the programs within four per SM,
+    each split at least 32 keys. Measured on an H100 at Qwen3-8B heads (docs/performance.md,
+    kernel section): batch 1 wants 64 splits even at 2k context, batch 8 wants 8, batch 32
+    wants 2 (3 was 15% slower), batch 64 none."""
     if max_seqlen_q > 1 or not q.is_cuda:
         return 1
-    programs = num_seqs * num_kv_heads
-    target = 4 * _num_sms(q.device.index or 0)
-    if programs >= target:
-        return 1
-    return max(1, min(triton.cdiv(target, programs), max_seqlen_k // 128, 64))
+    fill = 4 * _num_sms(q.device.index or 0) // (num_seqs * num_kv_heads)
+    splits = min(fill, max_seqlen_k // 32, 64)
+    return 1 if splits < 2 else 1 << (splits.bit_length() - 1)
 
 
 def _config(head_dim: int, group_pad: int, max_seqlen_q: int, elem_bytes: int) -> dict:

@@ -233,7 +233,7 @@ def _gemm_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> dict:
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
     if rows <= 16:
         return dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4)
-    if rows <= 128:
+    if rows < 128:  # at 128 rows per expert (2048 tokens, top-8 of 128) the large tile is 5% faster on an H100
         return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
 

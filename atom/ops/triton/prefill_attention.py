@@ -19,6 +19,9 @@ binary search over ``cu_seqlens_q``), with what makes the prefill case fast on H
 
 from __future__ import annotations
 
+import functools
+
+import torch
 import triton
 import triton.language as tl
 
@@ -129,14 +132,28 @@ def _prefill_attention_kernel(
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])  # fmt: skip
 
 
-def prefill_config(head_dim: int, group_pad: int, elem_bytes: int) -> dict:
-    """Tile shape of the prefill kernel: 128 query rows over 8 warps (one wgmma M tile per
-    warpgroup); narrower key tiles for wide rows so K, V and the scores fit registers and
-    shared memory; float32 gets no multi-stage pipelining (shared memory)."""
+def prefill_config(head_dim: int, group_pad: int, elem_bytes: int, programs_per_sm: float = 2.0) -> dict:
+    """Tile shape of the prefill kernel. ``programs_per_sm``: (query tiles x KV heads) / SMs
+    at 128 query rows per tile. Measured on an H100 (docs/performance.md, kernel section),
+    head_dim 128 in 16 bits: 256 rows x 64 keys over 8 warps is fastest (+4-8% over 128
+    rows) where it still gives 1.5+ programs per SM; short chunks over a long cached prefix
+    (few tiles, long key loops) need the smaller 64-row tiles to occupy every SM. Wide
+    rows (head_dim 256, float32) get narrow key tiles to fit registers and shared memory."""
     row_bytes = head_dim * elem_bytes
     if row_bytes > 256:
         return dict(block_m=max(64, group_pad), block_n=32, num_warps=4, num_stages=1 if elem_bytes == 4 else 2)
-    return dict(block_m=max(128, group_pad), block_n=64 if row_bytes > 128 else 128, num_warps=8, num_stages=2)
+    if row_bytes < 256:
+        return dict(block_m=max(128, group_pad), block_n=128, num_warps=8, num_stages=2)
+    if programs_per_sm >= 3 and group_pad <= 256:
+        return dict(block_m=256, block_n=64, num_warps=8, num_stages=2)
+    if programs_per_sm >= 1.5:
+        return dict(block_m=max(128, group_pad), block_n=64, num_warps=8, num_stages=2)
+    return dict(block_m=max(64, group_pad), block_n=64, num_warps=4, num_stages=3)
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count if torch.cuda.is_available() else 1
 
 
 def prefill_attention(q, out, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, config=None):
@@ -147,7 +164,8 @@ def prefill_attention(q, out, k_cache, v_cache, cu_seqlens_q, seq_lens, block_ta
     num_seqs = seq_lens.shape[0]
     group = num_q_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
-    cfg = config or prefill_config(head_dim, group_pad, q.element_size())
+    programs_per_sm = (num_tokens * group_pad / 128 + num_seqs) * num_kv_heads / _num_sms(q.device.index or 0)
+    cfg = config or prefill_config(head_dim, group_pad, q.element_size(), programs_per_sm)
     block_q = cfg["block_m"] // group_pad
     grid = (num_kv_heads, num_tokens // block_q + num_seqs)
     _prefill_attention_kernel[grid](
