@@ -34,7 +34,7 @@ import triton
 
 from atom.ops import reference
 from atom.ops import triton as tk
-from atom.ops.triton import attention, moe, prefill_attention
+from atom.ops.triton import moe, prefill_attention
 
 BF16 = torch.bfloat16
 DEV = "cuda"
@@ -76,8 +76,9 @@ def gemm_tflops(n: int = 8192) -> float:
 # --- cases: each builder returns (fn, bytes that must move, flops) ----------------------
 
 
-def attention_case(q_lens, context_lens, num_decode_tokens=0, num_q_heads=32, num_kv_heads=8, head_dim=128):
-    """Qwen3-8B attention heads by default, block size 16, each sequence's blocks scattered."""
+def attention_inputs(q_lens, context_lens, num_q_heads=32, num_kv_heads=8, head_dim=128):
+    """Qwen3-8B attention heads by default, block size 16, each sequence's blocks scattered:
+    q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables."""
     block_size = 16
     seq_lens = [c + q for c, q in zip(context_lens, q_lens)]
     max_blocks = -(-max(seq_lens) // block_size)
@@ -88,7 +89,13 @@ def attention_case(q_lens, context_lens, num_decode_tokens=0, num_q_heads=32, nu
     cu = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device=DEV)
     q = torch.randn(sum(q_lens), num_q_heads, head_dim, dtype=BF16, device=DEV)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
-    max_q, max_k = max(q_lens), max(seq_lens)
+    return q, k_cache, v_cache, cu, lens, tables
+
+
+def attention_case(q_lens, context_lens, num_decode_tokens=0):
+    q, k_cache, v_cache, cu, lens, tables = attention_inputs(q_lens, context_lens)
+    head_dim = q.shape[2]
+    max_q, max_k = max(q_lens), max(c + n for c, n in zip(context_lens, q_lens))
 
     def fn():
         return tk.paged_attention(
@@ -105,11 +112,16 @@ def attention_case(q_lens, context_lens, num_decode_tokens=0, num_q_heads=32, nu
                        softmax_scale=head_dim**-0.5, causal=True, block_table=tables, out=out,
                        fa_version=3)  # fmt: skip
 
-    kv_bytes = sum(seq_lens) * num_kv_heads * head_dim * 2 * 2
-    qo_bytes = 2 * q.nbytes
+    return fn, ref, *attention_cost(q, k_cache, q_lens, context_lens)
+
+
+def attention_cost(q, k_cache, q_lens, context_lens) -> tuple[int, int]:
+    """Bytes that must move (K/V once, Q and the output) and flops of causal attention."""
+    num_q_heads, num_kv_heads, head_dim = q.shape[1], k_cache.shape[1], q.shape[2]
+    kv_bytes = (sum(q_lens) + sum(context_lens)) * num_kv_heads * head_dim * 2 * 2
     # Causal: query j of a sequence sees context + j + 1 keys; QK^T and PV are 2 flops each.
-    visible = sum(q * c + q * (q + 1) // 2 for q, c in zip(q_lens, context_lens))
-    return fn, ref, kv_bytes + qo_bytes, 4 * num_q_heads * head_dim * visible
+    visible = sum(n * c + n * (n + 1) // 2 for n, c in zip(q_lens, context_lens))
+    return kv_bytes + 2 * q.nbytes, 4 * num_q_heads * head_dim * visible
 
 
 def moe_case(num_tokens, hidden=2048, inter=768, num_experts=128, top_k=8):
@@ -213,31 +225,57 @@ def _cfgs(keys: str, rows: list[tuple]) -> list[dict]:
 
 def sweep() -> list[dict]:
     """Each target's time under alternative configs (module attributes patched in turn)."""
-    decode_cfgs = _cfgs("block_m block_n num_warps num_stages", [
-        (16, 32, 4, 2), (16, 64, 4, 3), (16, 64, 4, 4), (16, 64, 8, 3), (16, 128, 4, 2), (16, 128, 4, 3),
-        (16, 128, 8, 3)])  # fmt: skip
-    prefill_cfgs = _cfgs("block_m block_n num_warps num_stages warp_specialize", [
-        (128, 64, 8, 2, False), (128, 64, 8, 3, False), (128, 128, 8, 2, False), (128, 128, 8, 3, False),
-        (128, 64, 4, 2, False), (64, 64, 4, 3, False), (64, 128, 4, 2, False), (256, 64, 8, 2, False),
-        (256, 64, 8, 3, False), (256, 128, 8, 2, False), (256, 32, 8, 2, False)])  # fmt: skip
-    moe_cfgs = _cfgs("BLOCK_M BLOCK_N BLOCK_K num_warps num_stages", [
-        (16, 32, 64, 4, 4), (16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (16, 256, 128, 8, 3),
-        (32, 256, 128, 8, 3), (64, 128, 64, 4, 3), (64, 256, 64, 8, 5), (128, 128, 64, 8, 3),
-        (128, 256, 64, 8, 4), (128, 256, 64, 8, 3)])  # fmt: skip
-    attn = (attention, "_config")
-    targets = [
-        *[(f"decode b={b} ctx={c}", ([1] * b, [c] * b), attn, decode_cfgs)
-          for b, c in [(8, 8192), (64, 2048), (256, 2048)]],
-        *[(f"prefill q={q} ctx={c}", ([q], [c]), (prefill_attention, "prefill_config"), prefill_cfgs)
-          for q, c in [(2048, 0), (8192, 0), (512, 4096), (2048, 4096)]],
-        *[(f"splits b={b} ctx={c}", ([1] * b, [c] * b), (attention, "_num_splits"), [1, 2, 4, 8, 16, 32, 64])
-          for b, c in itertools.product([1, 8, 32, 64], [2048, 8192, 32768])],
-    ]  # fmt: skip
+    down = dict(BLOCK_N=256, num_warps=8, num_stages=3)
+    moe_cfgs = _cfgs("BLOCK_M BLOCK_N BLOCK_K num_warps num_stages down", [
+        (16, 64, 128, 4, 4, {}), (16, 128, 128, 4, 4, {}), (16, 64, 128, 4, 4, down), (64, 128, 64, 4, 4, {}),
+        (64, 128, 64, 4, 4, down), (128, 128, 64, 8, 3, {}), (128, 128, 64, 8, 4, {}), (128, 128, 64, 8, 3, down),
+        (128, 128, 64, 8, 4, {**down, "num_stages": 4}), (128, 64, 64, 4, 4, {})])  # fmt: skip
     rows = []
-    for name, (q_lens, ctx), (module, attr), cfgs in targets:
-        rows += _sweep_one(name, lambda q=q_lens, c=ctx: attention_case(q, c), module, attr, cfgs)
     for n in [1, 16, 128, 512, 2048, 8192]:
         rows += _sweep_one(f"moe T={n}", lambda n=n: moe_case(n), moe, "_gemm_config", moe_cfgs)
+    return rows + prefill_sweep()
+
+
+def prefill_sweep() -> list[dict]:
+    """Prefill kernel variants: tile configs, lazy rescaling, and the chunk's own K/V read
+    packed through tensor descriptors instead of gathered from the cache (``packed``)."""
+    base = _cfgs("block_m block_n num_warps num_stages", [
+        (256, 64, 8, 2), (128, 64, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3),
+        (256, 64, 8, 3)])  # fmt: skip
+    variants = [(c, False) for c in base] + [(c, True) for c in base]
+    variants += [({**c, "lazy_rescale": True}, p) for c in base[:3] for p in (False, True)]
+    variants += [({**base[1], "maxnreg": 128}, False), ({**base[3], "maxnreg": 128}, False)]
+    rows = []
+    for q_len, ctx in [(2048, 0), (8192, 0), (512, 4096), (2048, 4096)]:
+        for cfg, packed in variants:
+
+            def builder(cfg=cfg, packed=packed, q_len=q_len, ctx=ctx):
+                q, k_cache, v_cache, cu, lens, tables = inputs = attention_inputs([q_len], [ctx])
+                pos = torch.arange(ctx, ctx + q_len, device=DEV)
+                slots = tables[0, pos // 16].long()
+                kv = dict(k=k_cache[slots, :, pos % 16], v=v_cache[slots, :, pos % 16]) if packed else {}
+                out, expect = torch.empty_like(q), tk.paged_attention(*inputs, 128**-0.5)
+                scale = 128**-0.5 * 1.4426950408889634
+                launch = prefill_attention.prefill_attention
+
+                def fn():
+                    return launch(q, out, k_cache, v_cache, cu, lens, tables, scale, cfg, **kv), out, expect
+
+                return fn, None, *attention_cost(q, k_cache, [q_len], [ctx])
+
+            try:
+                fns, _, nbytes, flops = prepare(builder)
+                kernel, out, expect = fns[0]()
+                ms = graph_ms(fns, rep=30)
+            except Exception as e:  # e.g. out of shared memory for a large tile
+                print(f"  prefill {cfg} packed={packed}: {type(e).__name__}: {str(e)[:100]}")
+                continue
+            check = dict(regs=kernel.n_regs, spills=kernel.n_spills, smem=kernel.metadata.shared,
+                         diff=(out.float() - expect.float()).abs().max().item())  # fmt: skip
+            rows.append(dict(case=f"prefill q={q_len} ctx={ctx}", config={**cfg, "packed": packed, **check},
+                             **row(ms, nbytes, flops)))  # fmt: skip
+            del fns
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -285,10 +323,10 @@ def main():
 
     sweep_rows = sweep() if args.sweep else []
     if sweep_rows:
-        print("\nsweep (best per case, and the default):")
+        print("\nsweep (best 2 per case, and the default):")
         for case in dict.fromkeys(r["case"] for r in sweep_rows):
             rows = sorted((r for r in sweep_rows if r["case"] == case), key=lambda r: r["ms"])
-            for r in rows[:1] + [r for r in rows[1:] if r["config"] == "default"]:
+            for r in rows[:2] + [r for r in rows[2:] if r["config"] == "default"]:
                 print(f"  {case:<22} {r['ms']:8.4f} ms {r['gbps']:6.0f} GB/s {r['tflops']:6.1f} TF  {r['config']}")
     print(f"\n{'kernel':<13} {'shape':<29} {'ms':>8} {'GB/s':>6} {'%copy':>5} {'TF/s':>6} {'%gemm':>5} "
           f"{'ref ms':>8} {'ratio':>6} {'diff':>7}")  # fmt: skip

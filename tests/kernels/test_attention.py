@@ -92,6 +92,7 @@ PREFILL_CONFIGS = {
     "m128_n64": dict(block_m=128, block_n=64, num_warps=8, num_stages=2),
     "m64_n64": dict(block_m=64, block_n=64, num_warps=4, num_stages=3),
     "m64_n16": dict(block_m=64, block_n=16, num_warps=4, num_stages=1),
+    "m64_n32_lazy": dict(block_m=64, block_n=32, num_warps=4, num_stages=2, lazy_rescale=True),
 }
 
 
@@ -106,14 +107,21 @@ PREFILL_CONFIGS = {
         ([70, 3], [1, 200], 4, 4),  # no GQA: 64 query tokens per 64-row tile
     ],
 )
-def test_prefill_kernel_tiles(q_lens, context_lens, num_q_heads, num_kv_heads, config, assert_close):
+@pytest.mark.parametrize("packed_kv", [False, True], ids=["paged", "packed"])
+def test_prefill_kernel_tiles(q_lens, context_lens, num_q_heads, num_kv_heads, config, packed_kv, assert_close):
     from atom.ops.triton.prefill_attention import prefill_attention
 
     dtype = torch.bfloat16
     q, k_cache, v_cache, cu, seq_lens, tables = make_batch(
         q_lens, context_lens, num_q_heads, num_kv_heads, 64, 16, dtype
     )
+    kv = {}
+    if packed_kv:  # the chunk's own K/V as the engine has them before they are cached
+        pos = torch.cat([torch.arange(c, c + n) for c, n in zip(context_lens, q_lens)])
+        seq = torch.repeat_interleave(torch.arange(len(q_lens)), torch.tensor(q_lens))
+        slots = tables[seq, pos // 16].long()
+        kv = {name: cache[slots, :, pos % 16] for name, cache in (("k", k_cache), ("v", v_cache))}
     out = torch.full_like(q, float("nan"))  # every element must be written
-    prefill_attention(q, out, k_cache, v_cache, cu, seq_lens, tables, 0.125 * 1.4426950408889634, config)
+    prefill_attention(q, out, k_cache, v_cache, cu, seq_lens, tables, 0.125 * 1.4426950408889634, config, **kv)
     ref = reference.paged_attention(q.float(), k_cache.float(), v_cache.float(), cu, seq_lens, tables, 0.125)
     assert_close(out, ref, dtype)

@@ -259,7 +259,7 @@ def _moe_gemm(a, b, c, weights, sorted_ids, expert_ids, num_padded, n, a_row_div
         GATED=gated,
         MUL_WEIGHT=not gated,
         DOT_PRECISION="tf32x3" if a.dtype == torch.float32 else "tf32",
-        **config,
+        **{k: v for k, v in config.items() if k != "down"},
     )
 
 
@@ -281,5 +281,6 @@ def fused_moe(
     inter = torch.empty(num_pairs, inter_size, dtype=x.dtype, device=x.device)
     _moe_gemm(x, w13, inter, weights, sorted_ids, expert_ids, num_padded, inter_size, top_k, True, config)
     out_pairs = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
-    _moe_gemm(inter, w2, out_pairs, weights, sorted_ids, expert_ids, num_padded, hidden, 1, False, config)
+    down = {**config, **config.get("down", {})}  # the down GEMM may use wider tiles (same BLOCK_M)
+    _moe_gemm(inter, w2, out_pairs, weights, sorted_ids, expert_ids, num_padded, hidden, 1, False, down)
     return out_pairs.view(num_tokens, top_k, hidden).sum(dim=1)

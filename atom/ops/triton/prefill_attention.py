@@ -24,6 +24,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 
 @triton.jit
@@ -42,37 +43,59 @@ def _find_seq(cu_seqlens_q_ptr, q_base, tile, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _attend_tile(q, k_cache_ptr, v_cache_ptr, table, kv_head_off, t, m_i, l_i, acc, qk_scale, q_pos, kv_end,
-                 stride_cb, stride_ct, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                 MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
-    """One key tile of the online softmax; ``MASKED`` applies the causal and length mask."""
+def _load_kv(k_cache_ptr, v_cache_ptr, k_desc, v_desc, table, kv_head_off, t, kv_end, desc_row, desc_col, stride_cb,
+             stride_ct, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
+             FROM_DESC: tl.constexpr):  # fmt: skip
+    """Key tile ``t`` as [BLOCK_N, HEAD_DIM] K and V: from the packed current chunk through
+    tensor descriptors (bulk tensor copies), or gathered from the paged cache."""
+    if FROM_DESC:
+        row = desc_row + t * BLOCK_N
+        return k_desc.load([row, desc_col]), v_desc.load([row, desc_col])
     offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     if MASKED:
         n_ok = offs_n < kv_end
         page = tl.load(table + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
-    else:
-        page = tl.load(table + offs_n // PAGE_SIZE).to(tl.int64)
-    kv_off = page * stride_cb + kv_head_off + (offs_n % PAGE_SIZE) * stride_ct
-    if MASKED:
+        kv_off = page * stride_cb + kv_head_off + (offs_n % PAGE_SIZE) * stride_ct
         k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
-    else:
-        k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :])
+        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+        return k, v
+    page = tl.load(table + offs_n // PAGE_SIZE).to(tl.int64)
+    kv_off = page * stride_cb + kv_head_off + (offs_n % PAGE_SIZE) * stride_ct
+    k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :])
+    return k, tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :])
+
+
+@triton.jit
+def _attend_tile(q, k, v, t, m_i, l_i, acc, qk_scale, q_pos, kv_end, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                 LAZY_RESCALE: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
+    """One key tile of the online softmax; ``MASKED`` applies the causal and length mask.
+    ``LAZY_RESCALE`` (unmasked tiles only) keeps a stale running max until some row's max
+    grows by more than 2^8, so most tiles skip rescaling the accumulator (exact: the final
+    division uses the same max for the numerator and the denominator)."""
     s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
     if MASKED:
-        visible = (offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :]
+        offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        visible = (offs_n[None, :] <= q_pos[:, None]) & (offs_n < kv_end)[None, :]
         s = tl.where(visible, s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.exp2(s - m_new[:, None])
+    elif LAZY_RESCALE:
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
+        if tl.max(m_new - m_i, axis=0) > 8.0:
+            alpha = tl.exp2(m_i - m_new)
+            acc = acc * alpha[:, None]
+            l_i = l_i * alpha
+            m_i = m_new
+        p = tl.exp2(s * qk_scale - m_i[:, None])
+        l_i = l_i + tl.sum(p, axis=1)
+        acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc, input_precision=DOT_PRECISION)
+        return m_i, l_i, acc
     else:
         m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
         p = tl.exp2(s * qk_scale - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    if MASKED:
-        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
-    else:
-        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :])
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
@@ -80,10 +103,11 @@ def _attend_tile(q, k_cache_ptr, v_cache_ptr, table, kv_head_off, t, m_i, l_i, a
 
 @triton.jit
 def _prefill_attention_kernel(
-    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
+    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, k_desc, v_desc, cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
     qk_scale, num_seqs, stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ch, stride_ct, stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, PACKED_KV: tl.constexpr,
+    LAZY_RESCALE: tl.constexpr,
 ):  # fmt: skip
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     kv_head = tl.program_id(0)
@@ -114,18 +138,31 @@ def _prefill_attention_kernel(
     q_pos = context_len + q_idx
     kv_end = tl.minimum(seq_len, first_pos + BLOCK_Q)
     full_hi = (first_pos + 1) // BLOCK_N
+    # With the chunk's own K/V passed packed, full tiles made only of chunk keys are read
+    # from there (row desc_row + t * BLOCK_N of the packed tensor); the rest from the cache.
+    paged_hi = tl.minimum(full_hi, tl.cdiv(context_len, BLOCK_N)) if PACKED_KV else full_hi
+    desc_row = q_start - context_len
+    desc_col = kv_head * HEAD_DIM
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     kv_head_off = kv_head.to(tl.int64) * stride_ch
-    for t in tl.range(0, full_hi, warp_specialize=WARP_SPECIALIZE):
-        m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, table, kv_head_off, t, m_i, l_i, acc, qk_scale,
-                                     q_pos, kv_end, stride_cb, stride_ct, BLOCK_N, HEAD_DIM, PAGE_SIZE, False,
+    for t in range(0, paged_hi):
+        k, v = _load_kv(k_cache_ptr, v_cache_ptr, k_desc, v_desc, table, kv_head_off, t, kv_end, desc_row, desc_col,
+                        stride_cb, stride_ct, BLOCK_N, HEAD_DIM, PAGE_SIZE, False, False)  # fmt: skip
+        m_i, l_i, acc = _attend_tile(q, k, v, t, m_i, l_i, acc, qk_scale, q_pos, kv_end, BLOCK_N, False, LAZY_RESCALE,
                                      DOT_PRECISION)  # fmt: skip
+    if PACKED_KV:
+        for t in range(paged_hi, full_hi):
+            k, v = _load_kv(k_cache_ptr, v_cache_ptr, k_desc, v_desc, table, kv_head_off, t, kv_end, desc_row,
+                            desc_col, stride_cb, stride_ct, BLOCK_N, HEAD_DIM, PAGE_SIZE, False, True)  # fmt: skip
+            m_i, l_i, acc = _attend_tile(q, k, v, t, m_i, l_i, acc, qk_scale, q_pos, kv_end, BLOCK_N, False,
+                                         LAZY_RESCALE, DOT_PRECISION)  # fmt: skip
     for t in range(full_hi, tl.cdiv(kv_end, BLOCK_N)):
-        m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, table, kv_head_off, t, m_i, l_i, acc, qk_scale,
-                                     q_pos, kv_end, stride_cb, stride_ct, BLOCK_N, HEAD_DIM, PAGE_SIZE, True,
+        k, v = _load_kv(k_cache_ptr, v_cache_ptr, k_desc, v_desc, table, kv_head_off, t, kv_end, desc_row, desc_col,
+                        stride_cb, stride_ct, BLOCK_N, HEAD_DIM, PAGE_SIZE, True, False)  # fmt: skip
+        m_i, l_i, acc = _attend_tile(q, k, v, t, m_i, l_i, acc, qk_scale, q_pos, kv_end, BLOCK_N, True, False,
                                      DOT_PRECISION)  # fmt: skip
     out = acc / l_i[:, None]
     tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
@@ -156,9 +193,13 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count if torch.cuda.is_available() else 1
 
 
-def prefill_attention(q, out, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, config=None):
+def prefill_attention(q, out, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, config=None,
+                      k=None, v=None):  # fmt: skip
     """Launch over a contiguous slice of the batch (q, out and the metadata sliced alike);
-    ``scale`` already includes log2(e)."""
+    ``scale`` already includes log2(e). ``k``/``v``: optionally the slice's own new keys and
+    values, packed [tokens, kv_heads, head_dim] (last dim contiguous, rows 16-byte aligned),
+    the same values the cache holds for them. Returns the compiled kernel (for its
+    resource report)."""
     num_tokens, num_q_heads, head_dim = q.shape
     _, num_kv_heads, page_size, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -168,11 +209,17 @@ def prefill_attention(q, out, k_cache, v_cache, cu_seqlens_q, seq_lens, block_ta
     cfg = config or prefill_config(head_dim, group_pad, q.element_size(), programs_per_sm)
     block_q = cfg["block_m"] // group_pad
     grid = (num_kv_heads, num_tokens // block_q + num_seqs)
-    _prefill_attention_kernel[grid](
-        out, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, num_seqs,
+    k_desc = v_desc = None
+    if k is not None:
+        block = [cfg["block_n"], head_dim]
+        k_desc, v_desc = (TensorDescriptor(t, [num_tokens, num_kv_heads * head_dim], [t.stride(0), 1], block)
+                          for t in (k, v))  # fmt: skip
+    return _prefill_attention_kernel[grid](
+        out, q, k_cache, v_cache, k_desc, v_desc, cu_seqlens_q, seq_lens, block_tables, scale, num_seqs,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=cfg["block_n"], HEAD_DIM=head_dim,
-        PAGE_SIZE=page_size, DOT_PRECISION="tf32x3" if q.element_size() == 4 else "tf32",
-        WARP_SPECIALIZE=cfg.get("warp_specialize", False), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        PAGE_SIZE=page_size, DOT_PRECISION="tf32x3" if q.element_size() == 4 else "tf32", PACKED_KV=k is not None,
+        LAZY_RESCALE=cfg.get("lazy_rescale", False), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        maxnreg=cfg.get("maxnreg"),
     )  # fmt: skip
