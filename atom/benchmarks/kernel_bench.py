@@ -92,15 +92,24 @@ def attention_inputs(q_lens, context_lens, num_q_heads=32, num_kv_heads=8, head_
     return q, k_cache, v_cache, cu, lens, tables
 
 
-def attention_case(q_lens, context_lens, num_decode_tokens=0):
+def new_kv(k_cache, v_cache, tables, q_lens, context_lens) -> dict:
+    """The new tokens' K/V, packed [tokens, kv_heads, head_dim], read back from the cache."""
+    pos = torch.cat([torch.arange(c, c + n, device=DEV) for c, n in zip(context_lens, q_lens)])
+    seq = torch.repeat_interleave(torch.arange(len(q_lens), device=DEV), torch.tensor(q_lens, device=DEV))
+    slots, offs = tables[seq, pos // k_cache.shape[2]].long(), pos % k_cache.shape[2]
+    return dict(k=k_cache[slots, :, offs], v=v_cache[slots, :, offs])
+
+
+def attention_case(q_lens, context_lens, packed=False, num_decode_tokens=0):
+    """``packed``: also pass the new tokens' K/V packed (prefill reads them through descriptors)."""
     q, k_cache, v_cache, cu, lens, tables = attention_inputs(q_lens, context_lens)
     head_dim = q.shape[2]
     max_q, max_k = max(q_lens), max(c + n for c, n in zip(context_lens, q_lens))
+    kv = new_kv(k_cache, v_cache, tables, q_lens, context_lens) if packed else {}
 
     def fn():
-        return tk.paged_attention(
-            q, k_cache, v_cache, cu, lens, tables, head_dim**-0.5, max_q, max_k, num_decode_tokens=num_decode_tokens
-        )
+        return tk.paged_attention(q, k_cache, v_cache, cu, lens, tables, head_dim**-0.5, max_q, max_k,
+                                  num_decode_tokens=num_decode_tokens, **kv)  # fmt: skip
 
     ref = None
     if FA3 is not None:  # vLLM's cache layout [blocks, block_size, kv_heads, head_dim], same values
@@ -167,10 +176,13 @@ def cases() -> list[tuple[str, str, Callable]]:
     for q_lens, ctx in [([512], 0), ([2048], 0), ([8192], 0), ([2048] * 8, 0), ([512], 4096),
                         ([2048], 4096), ([2048], 6144), ([512] * 4, 4096)]:  # fmt: skip
         shape = f"q={q_lens[0]}{f'x{len(q_lens)}' if len(q_lens) > 1 else ''} ctx={ctx}"
-        out.append(("attn prefill", shape, lambda q=q_lens, c=ctx: attention_case(q, [c] * len(q))))
+        for packed in (False, True):
+            label = "  +packed K/V" if packed else shape
+            out.append(("attn prefill", label, lambda q=q_lens, c=ctx, p=packed: attention_case(q, [c] * len(q), p)))
     # Chunked prefill next to 64 decode rows, which come first in the batch (as the engine orders them).
     mixed = [1] * 64 + [512], [2048] * 64 + [4096]
     out.append(("attn mixed", "64 dec ctx=2k + q=512 ctx=4k", lambda: attention_case(*mixed, num_decode_tokens=64)))
+    out.append(("attn mixed", "  +packed K/V", lambda: attention_case(*mixed, num_decode_tokens=64, packed=True)))
     for n in [1, 16, 128, 512, 2048, 4096, 8192]:
         out.append(("fused_moe", f"T={n} E=128 top8", lambda n=n: moe_case(n)))
     for n in [1, 512, 8192]:
@@ -225,13 +237,13 @@ def _cfgs(keys: str, rows: list[tuple]) -> list[dict]:
 
 def sweep() -> list[dict]:
     """Each target's time under alternative configs (module attributes patched in turn)."""
-    down = dict(BLOCK_N=256, num_warps=8, num_stages=3)
+    down = dict(BLOCK_N=256, num_warps=8, num_stages=4)
     moe_cfgs = _cfgs("BLOCK_M BLOCK_N BLOCK_K num_warps num_stages down", [
-        (16, 64, 128, 4, 4, {}), (16, 128, 128, 4, 4, {}), (16, 64, 128, 4, 4, down), (64, 128, 64, 4, 4, {}),
-        (64, 128, 64, 4, 4, down), (128, 128, 64, 8, 3, {}), (128, 128, 64, 8, 4, {}), (128, 128, 64, 8, 3, down),
-        (128, 128, 64, 8, 4, {**down, "num_stages": 4}), (128, 64, 64, 4, 4, {})])  # fmt: skip
+        (16, 32, 128, 4, 4, {}), (16, 32, 256, 4, 3, {}), (16, 64, 256, 4, 3, {}), (16, 64, 128, 4, 5, {}),
+        (32, 64, 128, 4, 4, {}), (32, 128, 64, 4, 4, {}), (64, 64, 64, 4, 4, {}), (64, 128, 64, 4, 4, down),
+        (128, 128, 64, 8, 4, {**down, "num_stages": 3}), (128, 128, 64, 8, 4, {"num_stages": 4})])  # fmt: skip
     rows = []
-    for n in [1, 16, 128, 512, 2048, 8192]:
+    for n in [1, 16, 512, 2048, 8192]:
         rows += _sweep_one(f"moe T={n}", lambda n=n: moe_case(n), moe, "_gemm_config", moe_cfgs)
     return rows + prefill_sweep()
 
@@ -239,21 +251,17 @@ def sweep() -> list[dict]:
 def prefill_sweep() -> list[dict]:
     """Prefill kernel variants: tile configs, lazy rescaling, and the chunk's own K/V read
     packed through tensor descriptors instead of gathered from the cache (``packed``)."""
-    base = _cfgs("block_m block_n num_warps num_stages", [
-        (256, 64, 8, 2), (128, 64, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3),
-        (256, 64, 8, 3)])  # fmt: skip
-    variants = [(c, False) for c in base] + [(c, True) for c in base]
-    variants += [({**c, "lazy_rescale": True}, p) for c in base[:3] for p in (False, True)]
-    variants += [({**base[1], "maxnreg": 128}, False), ({**base[3], "maxnreg": 128}, False)]
+    cfgs = _cfgs("block_m block_n num_warps num_stages maxnreg", [
+        (128, 64, 8, 2, 128), (128, 64, 8, 3, 128), (128, 128, 8, 2, None), (128, 128, 8, 3, None),
+        (64, 64, 4, 3, None), (64, 32, 4, 3, 168), (64, 64, 4, 2, 168), (256, 64, 8, 3, None)])  # fmt: skip
+    variants = [(c, p) for c in cfgs for p in (False, True)]
     rows = []
-    for q_len, ctx in [(2048, 0), (8192, 0), (512, 4096), (2048, 4096)]:
+    for q_len, ctx in [(2048, 0), (8192, 0), (512, 4096), (2048, 4096), (4096, 0), (1024, 1024)]:
         for cfg, packed in variants:
 
             def builder(cfg=cfg, packed=packed, q_len=q_len, ctx=ctx):
                 q, k_cache, v_cache, cu, lens, tables = inputs = attention_inputs([q_len], [ctx])
-                pos = torch.arange(ctx, ctx + q_len, device=DEV)
-                slots = tables[0, pos // 16].long()
-                kv = dict(k=k_cache[slots, :, pos % 16], v=v_cache[slots, :, pos % 16]) if packed else {}
+                kv = new_kv(k_cache, v_cache, tables, [q_len], [ctx]) if packed else {}
                 out, expect = torch.empty_like(q), tk.paged_attention(*inputs, 128**-0.5)
                 scale = 128**-0.5 * 1.4426950408889634
                 launch = prefill_attention.prefill_attention

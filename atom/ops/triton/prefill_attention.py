@@ -169,23 +169,34 @@ def _prefill_attention_kernel(
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])  # fmt: skip
 
 
-def prefill_config(head_dim: int, group_pad: int, elem_bytes: int, programs_per_sm: float = 2.0) -> dict:
+def prefill_config(head_dim: int, group_pad: int, elem_bytes: int, programs_per_sm: float = 2.0,
+                   packed: bool = False) -> dict:  # fmt: skip
     """Tile shape of the prefill kernel. ``programs_per_sm``: (query tiles x KV heads) / SMs
-    at 128 query rows per tile. Measured on an H100 (docs/performance.md, kernel section),
-    head_dim 128 in 16 bits: 256 rows x 64 keys over 8 warps is fastest (+4-8% over 128
-    rows) where it still gives 1.5+ programs per SM; short chunks over a long cached prefix
-    (few tiles, long key loops) need the smaller 64-row tiles to occupy every SM. Wide
-    rows (head_dim 256, float32) get narrow key tiles to fit registers and shared memory."""
+    at 128 query rows per tile; ``packed``: the chunk's own K/V come through descriptors.
+    Measured on an H100 at head_dim 128 in 16 bits (docs/performance.md, kernel section):
+    the kernel is bound by the softmax between its two MMAs, which two programs per SM
+    overlap; 128 rows over 8 warps capped at 128 registers (two programs per SM, a few
+    spills) beat every one-program config with paged reads; 64 rows over 4 warps (two per
+    SM without a cap) win with descriptor reads and for short chunks over a long prefix,
+    which leave too few tiles for 128 rows. Wide rows (head_dim 256, float32) get narrow
+    key tiles to fit registers and shared memory."""
     row_bytes = head_dim * elem_bytes
     if row_bytes > 256:
         return dict(block_m=max(64, group_pad), block_n=32, num_warps=4, num_stages=1 if elem_bytes == 4 else 2)
     if row_bytes < 256:
         return dict(block_m=max(128, group_pad), block_n=128, num_warps=8, num_stages=2)
-    if programs_per_sm >= 3 and group_pad <= 256:
-        return dict(block_m=256, block_n=64, num_warps=8, num_stages=2)
-    if programs_per_sm >= 1.5:
-        return dict(block_m=max(128, group_pad), block_n=64, num_warps=8, num_stages=2)
+    if packed and programs_per_sm >= 8 and group_pad <= 128:
+        return dict(block_m=128, block_n=128, num_warps=8, num_stages=3)
+    if not packed and programs_per_sm >= 1.5 and group_pad <= 128:
+        return dict(block_m=128, block_n=64, num_warps=8, num_stages=2, maxnreg=128)
     return dict(block_m=max(64, group_pad), block_n=64, num_warps=4, num_stages=3)
+
+
+def descriptor_ready(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether packed K/V [tokens, kv_heads, head_dim] can back a tensor descriptor: rows of
+    contiguous heads, 16-byte aligned base and row stride (the bulk copy engine's rule)."""
+    return all(t.stride(2) == 1 and t.stride(1) == t.shape[2] and (t.stride(0) * t.element_size()) % 16 == 0
+               and t.data_ptr() % 16 == 0 for t in (k, v))  # fmt: skip
 
 
 @functools.cache
@@ -206,7 +217,7 @@ def prefill_attention(q, out, k_cache, v_cache, cu_seqlens_q, seq_lens, block_ta
     group = num_q_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     programs_per_sm = (num_tokens * group_pad / 128 + num_seqs) * num_kv_heads / _num_sms(q.device.index or 0)
-    cfg = config or prefill_config(head_dim, group_pad, q.element_size(), programs_per_sm)
+    cfg = config or prefill_config(head_dim, group_pad, q.element_size(), programs_per_sm, k is not None)
     block_q = cfg["block_m"] // group_pad
     grid = (num_kv_heads, num_tokens // block_q + num_seqs)
     k_desc = v_desc = None
