@@ -1,6 +1,6 @@
 """Microbenchmarks of atom's Triton kernels against the machine's measured ceilings.
 
-    python -m atom.benchmarks.kernel_bench [--output-json kernels.json] [--sweep]
+    python -m atom.benchmarks.kernel_bench [--output-json kernels.json] [--only attn] [--sweep moe prefill]
 
 Memory-bound cases (decode attention, rms_norm, small-batch MoE, sampling) report GB/s of
 the bytes they must move at least once; compute-bound cases (prefill attention,
@@ -11,8 +11,9 @@ rate of torch.matmul (8192^3).
 Kernel times are device times: the calls are replayed from a CUDA graph (as the engine
 does for decode; host launch overhead would otherwise dominate the small cases), over
 enough independent copies of the inputs that they do not stay in L2 between calls.
-``--sweep`` also times alternative tile configs of attention and MoE and split-K factors
-of decode attention, which is how the defaults in ``atom.ops.triton`` were picked.
+``--sweep moe prefill`` also times alternative tile configs of those kernels, which is how
+the defaults in ``atom.ops.triton`` were picked. Prefill rows marked ``+packed K/V`` also
+pass the chunk's own K/V packed (``atom.ops.triton.paged_attention(k=, v=)``).
 
 Where vLLM is importable, each attention case also runs FlashAttention 3 as vLLM's
 FLASH_ATTN backend calls it (``vllm.vllm_flash_attn.flash_attn_varlen_func``, paged, its
@@ -235,17 +236,18 @@ def _cfgs(keys: str, rows: list[tuple]) -> list[dict]:
     return [dict(zip(keys.split(), r)) for r in rows]
 
 
-def sweep() -> list[dict]:
-    """Each target's time under alternative configs (module attributes patched in turn)."""
+def moe_sweep() -> list[dict]:
+    """MoE GEMM tile configs (``down``: the down GEMM's own overrides; ``b_desc``: expert
+    weight tiles through tensor descriptors), each patched in as the config of every size."""
     down = dict(BLOCK_N=256, num_warps=8, num_stages=4)
-    moe_cfgs = _cfgs("BLOCK_M BLOCK_N BLOCK_K num_warps num_stages down", [
-        (16, 32, 128, 4, 4, {}), (16, 32, 256, 4, 3, {}), (16, 64, 256, 4, 3, {}), (16, 64, 128, 4, 5, {}),
-        (32, 64, 128, 4, 4, {}), (32, 128, 64, 4, 4, {}), (64, 64, 64, 4, 4, {}), (64, 128, 64, 4, 4, down),
-        (128, 128, 64, 8, 4, {**down, "num_stages": 3}), (128, 128, 64, 8, 4, {"num_stages": 4})])  # fmt: skip
+    moe_cfgs = _cfgs("BLOCK_M BLOCK_N BLOCK_K num_warps num_stages down b_desc", [
+        (16, 64, 128, 4, 4, {}, True), (16, 128, 128, 4, 4, {}, True), (32, 64, 128, 4, 4, {}, True),
+        (64, 128, 64, 4, 4, down, True), (128, 128, 64, 8, 4, down, True), (128, 128, 64, 8, 3, down, True),
+        (128, 128, 64, 8, 4, {**down, "num_stages": 3}, True), (128, 64, 64, 8, 4, down, True)])  # fmt: skip
     rows = []
     for n in [1, 16, 512, 2048, 8192]:
         rows += _sweep_one(f"moe T={n}", lambda n=n: moe_case(n), moe, "_gemm_config", moe_cfgs)
-    return rows + prefill_sweep()
+    return rows
 
 
 def prefill_sweep() -> list[dict]:
@@ -310,7 +312,8 @@ def main():
     global FA3, FUSED_EXPERTS
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output-json", help="write all results here")
-    parser.add_argument("--sweep", action="store_true", help="also time alternative tile configs")
+    parser.add_argument("--sweep", choices=["moe", "prefill"], nargs="*", default=[],
+                        help="also time alternative tile configs of these kernels")  # fmt: skip
     parser.add_argument("--only", default="", help="run only the cases whose kernel name contains this")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO)
@@ -329,7 +332,7 @@ def main():
         del fns, refs
         torch.cuda.empty_cache()
 
-    sweep_rows = sweep() if args.sweep else []
+    sweep_rows = (moe_sweep() if "moe" in args.sweep else []) + (prefill_sweep() if "prefill" in args.sweep else [])
     if sweep_rows:
         print("\nsweep (best 2 per case, and the default):")
         for case in dict.fromkeys(r["case"] for r in sweep_rows):

@@ -174,21 +174,18 @@ def prefill_config(head_dim: int, group_pad: int, elem_bytes: int, programs_per_
     """Tile shape of the prefill kernel. ``programs_per_sm``: (query tiles x KV heads) / SMs
     at 128 query rows per tile; ``packed``: the chunk's own K/V come through descriptors.
     Measured on an H100 at head_dim 128 in 16 bits (docs/performance.md, kernel section):
-    the kernel is bound by the softmax between its two MMAs, which two programs per SM
-    overlap; 128 rows over 8 warps capped at 128 registers (two programs per SM, a few
-    spills) beat every one-program config with paged reads; 64 rows over 4 warps (two per
-    SM without a cap) win with descriptor reads and for short chunks over a long prefix,
-    which leave too few tiles for 128 rows. Wide rows (head_dim 256, float32) get narrow
-    key tiles to fit registers and shared memory."""
+    the kernel is bound by the softmax between its two MMAs, which a second program on the
+    SM overlaps, so 128 rows over 8 warps capped at 128 registers (two programs per SM, a
+    few spills) beat every one-program config; short chunks over a long cached prefix leave
+    too few 128-row tiles and run 64 rows over 4 warps. Wide rows (head_dim 256, float32)
+    get narrow key tiles to fit registers and shared memory."""
     row_bytes = head_dim * elem_bytes
     if row_bytes > 256:
         return dict(block_m=max(64, group_pad), block_n=32, num_warps=4, num_stages=1 if elem_bytes == 4 else 2)
     if row_bytes < 256:
         return dict(block_m=max(128, group_pad), block_n=128, num_warps=8, num_stages=2)
-    if packed and programs_per_sm >= 8 and group_pad <= 128:
-        return dict(block_m=128, block_n=128, num_warps=8, num_stages=3)
-    if not packed and programs_per_sm >= 1.5 and group_pad <= 128:
-        return dict(block_m=128, block_n=64, num_warps=8, num_stages=2, maxnreg=128)
+    if programs_per_sm >= 1.5 and group_pad <= 128:
+        return dict(block_m=128, block_n=64, num_warps=8, num_stages=2 if packed else 3, maxnreg=128)
     return dict(block_m=max(64, group_pad), block_n=64, num_warps=4, num_stages=3)
 
 
