@@ -251,7 +251,7 @@ def moe_sweep() -> list[dict]:
 
 
 def prefill_sweep() -> list[dict]:
-    """Prefill kernel variants: tile configs, lazy rescaling, and the chunk's own K/V read
+    """Prefill kernel variants: tile configs, register caps, and the chunk's own K/V read
     packed through tensor descriptors instead of gathered from the cache (``packed``)."""
     cfgs = _cfgs("block_m block_n num_warps num_stages maxnreg", [
         (128, 64, 8, 2, 128), (128, 64, 8, 3, 128), (128, 128, 8, 2, None), (128, 128, 8, 3, None),

@@ -88,11 +88,9 @@ def test_paged_attention_head_dim_256(assert_close):
 
 PREFILL_CONFIGS = {
     # The prefill kernel's tile shapes: rows (query tokens x padded GQA group), keys, warps, stages.
-    "m256_n64": dict(block_m=256, block_n=64, num_warps=8, num_stages=2),
     "m128_n64": dict(block_m=128, block_n=64, num_warps=8, num_stages=2),
     "m64_n64": dict(block_m=64, block_n=64, num_warps=4, num_stages=3),
     "m64_n16": dict(block_m=64, block_n=16, num_warps=4, num_stages=1),
-    "m64_n32_lazy": dict(block_m=64, block_n=32, num_warps=4, num_stages=2, lazy_rescale=True),
 }
 
 

@@ -13,8 +13,12 @@ binary search over ``cu_seqlens_q``), with what makes the prefill case fast on H
 - Programs are launched heaviest first: the last tiles of a sequence see the most keys,
   so the grid runs tiles in reverse, with the KV head as the fastest-varying axis, which
   keeps the tail of the launch short.
-- Tiles of 128 rows (wgmma-sized) over 8 warps; K and V are gathered through the block
-  table and software-pipelined (``num_stages``) by the compiler.
+- Two programs per SM (128 rows over 8 warps capped at 128 registers, or 64 rows over 4
+  warps): the softmax between a program's two MMAs stalls its tensor cores, and the
+  other program's MMAs fill that time (``prefill_config`` has the measured table).
+- K and V are gathered through the block table (software-pipelined loads), except that
+  when the caller also passes the chunk's own K/V packed, the tiles made only of chunk
+  keys come through tensor descriptors (the bulk tensor copy engine).
 """
 
 from __future__ import annotations
@@ -68,11 +72,8 @@ def _load_kv(k_cache_ptr, v_cache_ptr, k_desc, v_desc, table, kv_head_off, t, kv
 
 @triton.jit
 def _attend_tile(q, k, v, t, m_i, l_i, acc, qk_scale, q_pos, kv_end, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                 LAZY_RESCALE: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
-    """One key tile of the online softmax; ``MASKED`` applies the causal and length mask.
-    ``LAZY_RESCALE`` (unmasked tiles only) keeps a stale running max until some row's max
-    grows by more than 2^8, so most tiles skip rescaling the accumulator (exact: the final
-    division uses the same max for the numerator and the denominator)."""
+                 DOT_PRECISION: tl.constexpr):  # fmt: skip
+    """One key tile of the online softmax; ``MASKED`` applies the causal and length mask."""
     s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
     if MASKED:
         offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -80,17 +81,6 @@ def _attend_tile(q, k, v, t, m_i, l_i, acc, qk_scale, q_pos, kv_end, BLOCK_N: tl
         s = tl.where(visible, s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.exp2(s - m_new[:, None])
-    elif LAZY_RESCALE:
-        m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
-        if tl.max(m_new - m_i, axis=0) > 8.0:
-            alpha = tl.exp2(m_i - m_new)
-            acc = acc * alpha[:, None]
-            l_i = l_i * alpha
-            m_i = m_new
-        p = tl.exp2(s * qk_scale - m_i[:, None])
-        l_i = l_i + tl.sum(p, axis=1)
-        acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc, input_precision=DOT_PRECISION)
-        return m_i, l_i, acc
     else:
         m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
         p = tl.exp2(s * qk_scale - m_new[:, None])
@@ -107,7 +97,6 @@ def _prefill_attention_kernel(
     qk_scale, num_seqs, stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ch, stride_ct, stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, PACKED_KV: tl.constexpr,
-    LAZY_RESCALE: tl.constexpr,
 ):  # fmt: skip
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     kv_head = tl.program_id(0)
@@ -151,18 +140,18 @@ def _prefill_attention_kernel(
     for t in range(0, paged_hi):
         k, v = _load_kv(k_cache_ptr, v_cache_ptr, k_desc, v_desc, table, kv_head_off, t, kv_end, desc_row, desc_col,
                         stride_cb, stride_ct, BLOCK_N, HEAD_DIM, PAGE_SIZE, False, False)  # fmt: skip
-        m_i, l_i, acc = _attend_tile(q, k, v, t, m_i, l_i, acc, qk_scale, q_pos, kv_end, BLOCK_N, False, LAZY_RESCALE,
+        m_i, l_i, acc = _attend_tile(q, k, v, t, m_i, l_i, acc, qk_scale, q_pos, kv_end, BLOCK_N, False,
                                      DOT_PRECISION)  # fmt: skip
     if PACKED_KV:
         for t in range(paged_hi, full_hi):
             k, v = _load_kv(k_cache_ptr, v_cache_ptr, k_desc, v_desc, table, kv_head_off, t, kv_end, desc_row,
                             desc_col, stride_cb, stride_ct, BLOCK_N, HEAD_DIM, PAGE_SIZE, False, True)  # fmt: skip
             m_i, l_i, acc = _attend_tile(q, k, v, t, m_i, l_i, acc, qk_scale, q_pos, kv_end, BLOCK_N, False,
-                                         LAZY_RESCALE, DOT_PRECISION)  # fmt: skip
+                                         DOT_PRECISION)  # fmt: skip
     for t in range(full_hi, tl.cdiv(kv_end, BLOCK_N)):
         k, v = _load_kv(k_cache_ptr, v_cache_ptr, k_desc, v_desc, table, kv_head_off, t, kv_end, desc_row, desc_col,
                         stride_cb, stride_ct, BLOCK_N, HEAD_DIM, PAGE_SIZE, True, False)  # fmt: skip
-        m_i, l_i, acc = _attend_tile(q, k, v, t, m_i, l_i, acc, qk_scale, q_pos, kv_end, BLOCK_N, True, False,
+        m_i, l_i, acc = _attend_tile(q, k, v, t, m_i, l_i, acc, qk_scale, q_pos, kv_end, BLOCK_N, True,
                                      DOT_PRECISION)  # fmt: skip
     out = acc / l_i[:, None]
     tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
@@ -228,6 +217,6 @@ def prefill_attention(q, out, k_cache, v_cache, cu_seqlens_q, seq_lens, block_ta
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=cfg["block_n"], HEAD_DIM=head_dim,
         PAGE_SIZE=page_size, DOT_PRECISION="tf32x3" if q.element_size() == 4 else "tf32", PACKED_KV=k is not None,
-        LAZY_RESCALE=cfg.get("lazy_rescale", False), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         maxnreg=cfg.get("maxnreg"),
     )  # fmt: skip
