@@ -11,6 +11,8 @@ The grid's first axis enumerates query tiles without any host-side metadata: seq
 ``cdiv(q_len, BLOCK_Q)`` tiles; a program finds its sequence by binary search over
 ``cu_seqlens_q`` and exits if its tile is past the sequence's end. Tile sizes suit either
 decode or prefill, so a mixed batch whose decode rows come first is run as two launches.
+Launches whose chunks fill 128-row tiles go to the prefill kernel of
+``atom.ops.triton.prefill_attention`` (same tiling, tuned for the causal compute-bound case).
 
 Split-K (flash decoding): with few sequences there are too few programs to fill the GPU,
 so the key range of each tile is cut into ``num_splits`` segments handled by separate
