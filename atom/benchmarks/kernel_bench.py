@@ -25,6 +25,7 @@ faster) and ``diff`` = max abs difference of the two outputs.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import logging
@@ -41,6 +42,7 @@ BF16 = torch.bfloat16
 DEV = "cuda"
 
 
+@functools.cache
 def vllm_kernels() -> tuple[Callable | None, Callable | None]:
     """vLLM's FlashAttention 3 varlen entry point and fused_experts, or None where missing."""
     try:
@@ -52,9 +54,6 @@ def vllm_kernels() -> tuple[Callable | None, Callable | None]:
     except ImportError:
         fused_experts = None
     return flash_attn_varlen_func, fused_experts
-
-
-FA3, FUSED_EXPERTS = None, None  # set by main()
 
 
 def bench_ms(fn: Callable[[], object], rep: int = 100) -> float:
@@ -112,13 +111,13 @@ def attention_case(q_lens, context_lens, packed=False, num_decode_tokens=0):
         return tk.paged_attention(q, k_cache, v_cache, cu, lens, tables, head_dim**-0.5, max_q, max_k,
                                   num_decode_tokens=num_decode_tokens, **kv)  # fmt: skip
 
-    ref = None
-    if FA3 is not None:  # vLLM's cache layout [blocks, block_size, kv_heads, head_dim], same values
+    ref, fa3 = None, vllm_kernels()[0]
+    if fa3 is not None:  # vLLM's cache layout [blocks, block_size, kv_heads, head_dim], same values
         k_fa, v_fa = (c.permute(0, 2, 1, 3).contiguous() for c in (k_cache, v_cache))
         out = torch.empty_like(q)
 
         def ref():
-            return FA3(q, k_fa, v_fa, max_seqlen_q=max_q, cu_seqlens_q=cu, max_seqlen_k=max_k, seqused_k=lens,
+            return fa3(q, k_fa, v_fa, max_seqlen_q=max_q, cu_seqlens_q=cu, max_seqlen_k=max_k, seqused_k=lens,
                        softmax_scale=head_dim**-0.5, causal=True, block_table=tables, out=out,
                        fa_version=3)  # fmt: skip
 
@@ -145,7 +144,8 @@ def moe_case(num_tokens, hidden=2048, inter=768, num_experts=128, top_k=8):
         return tk.fused_moe(x, w13, w2, weights, ids)
 
     ids32 = ids.to(torch.int32)
-    ref = None if FUSED_EXPERTS is None else (lambda: FUSED_EXPERTS(x, w13, w2, weights, ids32))
+    fused_experts = vllm_kernels()[1]
+    ref = None if fused_experts is None else (lambda: fused_experts(x, w13, w2, weights, ids32))
     used = ids.unique().numel()
     weight_bytes = used * 3 * hidden * inter * 2
     return fn, ref, weight_bytes + 2 * x.nbytes, 2 * num_tokens * top_k * 3 * hidden * inter
@@ -309,7 +309,6 @@ def _sweep_one(name: str, builder: Callable, module, attr: str, cfgs: list) -> l
 
 
 def main():
-    global FA3, FUSED_EXPERTS
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output-json", help="write all results here")
     parser.add_argument("--sweep", choices=["moe", "prefill"], nargs="*", default=[],
@@ -317,10 +316,10 @@ def main():
     parser.add_argument("--only", default="", help="run only the cases whose kernel name contains this")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO)
-    FA3, FUSED_EXPERTS = vllm_kernels()
+    fa3, fused_experts = vllm_kernels()
     bw, tf = copy_gbps(), gemm_tflops()
     print(f"{torch.cuda.get_device_name()}: copy {bw:.0f} GB/s, bf16 matmul {tf:.0f} TFLOP/s; "
-          f"references: FA3 {'yes' if FA3 else 'no'}, fused_experts {'yes' if FUSED_EXPERTS else 'no'}")  # fmt: skip
+          f"references: FA3 {'yes' if fa3 else 'no'}, fused_experts {'yes' if fused_experts else 'no'}")  # fmt: skip
     results = []
     for kernel, shape, builder in cases():
         if args.only not in kernel:
