@@ -58,6 +58,7 @@ BATCHES = {
     "decode_b512": lambda: ([1] * 512, torch.randint(1, 2048, (512,)).tolist()),
     "prefill_b1_4k": lambda: ([4096], [0]),
     "prefill_chunk_prefix": lambda: ([1024, 512], [3000, 7000]),
+    "prefill_tile_edges": lambda: ([127, 128, 129, 2049, 1], [0, 4096, 255, 1, 64]),
     "mixed": lambda: ([700] + [1] * 100, [1500] + torch.randint(1, 4000, (100,)).tolist()),
 }
 
@@ -101,6 +102,22 @@ def test_paged_attention_decode_first(model):
     scale = MODELS[model][2] ** -0.5
     out = tk.paged_attention(*args, scale, 1000, 5500, num_decode_tokens=100)
     assert_close(out, reference_attention(*args, scale), torch.bfloat16)
+
+
+@pytest.mark.parametrize("model", ["qwen3_8b", "qwen3_0.6b"])
+def test_paged_attention_packed_kv(model):
+    # Decode rows, then a fresh prompt and a chunk after a cached prefix, with the chunks' own
+    # K/V also passed packed (read through tensor descriptors).
+    q_lens = [1] * 10 + [2049, 300]
+    context_lens = torch.randint(1, 4000, (10,)).tolist() + [0, 1500]
+    q, k_cache, v_cache, cu, seq_lens, tables = args = make_batch(q_lens, context_lens, *MODELS[model], 16,
+                                                                  torch.bfloat16)  # fmt: skip
+    pos = torch.cat([torch.arange(c, c + n) for c, n in zip(context_lens, q_lens)]).to(DEV)
+    seq = torch.repeat_interleave(torch.arange(len(q_lens)), torch.tensor(q_lens)).to(DEV)
+    slots = tables[seq, pos // 16].long()
+    k, v = k_cache[slots, :, pos % 16], v_cache[slots, :, pos % 16]
+    out = tk.paged_attention(*args, 128**-0.5, 2049, 2049, num_decode_tokens=10, k=k, v=v)
+    assert_close(out, reference_attention(*args, 128**-0.5), torch.bfloat16)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])

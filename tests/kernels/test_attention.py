@@ -84,3 +84,60 @@ def test_paged_attention_head_dim_256(assert_close):
     out = paged_attention(q, k_cache, v_cache, cu, seq_lens, tables, 0.0625)
     ref = reference.paged_attention(q.float(), k_cache.float(), v_cache.float(), cu, seq_lens, tables, 0.0625)
     assert_close(out, ref, dtype)
+
+
+PREFILL_CONFIGS = {
+    # The prefill kernel's tile shapes: rows (query tokens x padded GQA group), keys, warps, stages.
+    "m128_n64": dict(block_m=128, block_n=64, num_warps=8, num_stages=2),
+    "m64_n64": dict(block_m=64, block_n=64, num_warps=4, num_stages=3),
+    "m64_n16": dict(block_m=64, block_n=16, num_warps=4, num_stages=1),
+}
+
+
+@pytest.mark.parametrize("config", PREFILL_CONFIGS.values(), ids=PREFILL_CONFIGS.keys())
+@pytest.mark.parametrize(
+    "q_lens, context_lens, num_q_heads, num_kv_heads",
+    [
+        # Chunk and prefix lengths on both sides of the key-tile and query-tile boundaries, so
+        # the unmasked loop runs zero, one and several tiles and the diagonal spans two.
+        ([63, 64, 65, 1, 17], [0, 64, 63, 129, 128], 8, 2),
+        ([130, 40], [191, 0], 6, 2),  # GQA group of 3, padded to 4 rows
+        ([70, 3], [1, 200], 4, 4),  # no GQA: 64 query tokens per 64-row tile
+    ],
+)
+@pytest.mark.parametrize("packed_kv", [False, True], ids=["paged", "packed"])
+def test_prefill_kernel_tiles(q_lens, context_lens, num_q_heads, num_kv_heads, config, packed_kv, assert_close):
+    from atom.ops.triton.prefill_attention import prefill_attention
+
+    dtype = torch.bfloat16
+    q, k_cache, v_cache, cu, seq_lens, tables = make_batch(
+        q_lens, context_lens, num_q_heads, num_kv_heads, 64, 16, dtype
+    )
+    kv = {}
+    if packed_kv:  # the chunk's own K/V as the engine has them before they are cached
+        pos = torch.cat([torch.arange(c, c + n) for c, n in zip(context_lens, q_lens)])
+        seq = torch.repeat_interleave(torch.arange(len(q_lens)), torch.tensor(q_lens))
+        slots = tables[seq, pos // 16].long()
+        kv = {name: cache[slots, :, pos % 16] for name, cache in (("k", k_cache), ("v", v_cache))}
+    out = torch.full_like(q, float("nan"))  # every element must be written
+    prefill_attention(q, out, k_cache, v_cache, cu, seq_lens, tables, 0.125 * 1.4426950408889634, config, **kv)
+    ref = reference.paged_attention(q.float(), k_cache.float(), v_cache.float(), cu, seq_lens, tables, 0.125)
+    assert_close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "qkv_views"])
+def test_paged_attention_packed_kv(strided, assert_close):
+    # Decode rows first, then chunks: the chunks' own K/V may also be passed packed (sliced
+    # past the decode rows); as views into a fused qkv buffer they must give the same result.
+    q_lens, context_lens = [1, 1, 300, 70], [30, 5, 0, 33]
+    q, k_cache, v_cache, cu, seq_lens, tables = make_batch(q_lens, context_lens, 8, 2, 64, 16, torch.bfloat16)
+    pos = torch.cat([torch.arange(c, c + n) for c, n in zip(context_lens, q_lens)])
+    seq = torch.repeat_interleave(torch.arange(len(q_lens)), torch.tensor(q_lens))
+    slots = tables[seq, pos // 16].long()
+    k, v = k_cache[slots, :, pos % 16], v_cache[slots, :, pos % 16]
+    if strided:
+        qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
+        q, k, v = (t.view(-1, h, 64) for t, h in zip(qkv.split([512, 128, 128], dim=1), (8, 2, 2)))
+    out = paged_attention(q, k_cache, v_cache, cu, seq_lens, tables, 0.125, num_decode_tokens=2, k=k, v=v)
+    ref = reference.paged_attention(q.float(), k_cache.float(), v_cache.float(), cu, seq_lens, tables, 0.125)
+    assert_close(out, ref, torch.bfloat16)

