@@ -83,6 +83,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         self, hidden_size: int, head_size: int, num_heads: int, num_kv_heads: int,
         bias: bool = False, tp: TPInfo = SINGLE,
     ):
+        if num_heads % tp.size or (num_kv_heads % tp.size and tp.size % num_kv_heads):
+            raise ValueError(f"{num_heads} attention heads and {num_kv_heads} KV heads cannot be split over "
+                             f"tensor-parallel size {tp.size}")
         self.head_size = head_size
         self.num_heads = num_heads // tp.size
         self.num_kv_heads = max(1, num_kv_heads // tp.size)
