@@ -187,7 +187,7 @@ def _rank_main(spec: RankSpec, make_worker: Callable[[TPInfo], Any], conn: Conne
         worker = make_worker(tp)
     except BaseException:
         _reply(conn, RpcReply(spec.rank, error=traceback.format_exc()))
-        raise SystemExit(1)
+        raise SystemExit(1) from None
     _reply(conn, RpcReply(spec.rank))
     try:
         _serve(spec.rank, worker, conn)
