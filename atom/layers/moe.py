@@ -7,6 +7,7 @@ from torch import nn
 
 from atom import ops
 from atom.distributed.parallel_state import SINGLE, TPInfo
+from atom.model_loader.checkpoint_slice import materialize
 
 
 class FusedMoE(nn.Module):
@@ -55,7 +56,7 @@ class FusedMoE(nn.Module):
         if target.shape != loaded.shape:
             raise ValueError(f"expert {expert_id} {shard_id}: shape {tuple(loaded.shape)}, "
                              f"expected {tuple(target.shape)}")
-        target.copy_(loaded)
+        target.copy_(materialize(loaded))
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = ops.moe_topk(router_logits, self.top_k, self.renormalize)
