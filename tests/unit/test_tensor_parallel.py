@@ -15,6 +15,7 @@ import time
 
 import pytest
 import torch
+from executor_workers import EchoWorker
 from transformers import AutoConfig
 
 from atom import ops
@@ -59,15 +60,6 @@ class ModelWorker:
 
     def vocab_parallel(self, vocab: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         return vocab_outputs(self.tp, vocab, dim)
-
-    def crash(self) -> None:
-        os._exit(3)
-
-    def fail(self) -> None:
-        raise ValueError("bad request on this rank")
-
-    def pid(self) -> int:
-        return os.getpid()
 
 
 @torch.inference_mode()
@@ -226,9 +218,9 @@ def wait_gone(pids: list[int], timeout_s: float = 15.0) -> list[int]:
 
 
 def test_rank_crash_raises_and_stops_every_rank():
-    ex = MultiprocExecutor(2, ModelWorker, backend="gloo")
+    ex = MultiprocExecutor(2, EchoWorker, backend="gloo")
     pids = ex.pids
-    assert ex.collective_rpc("pid") == pids[0]
+    assert ex.collective_rpc("pid") == pids[0]  # rank 0's answer
     os.kill(pids[1], signal.SIGKILL)
     with pytest.raises(RankFailure, match=r"rank 1 \(pid \d+\) died with exit code -9"):
         ex.collective_rpc("pid", timeout_s=RPC_TIMEOUT_S)
@@ -238,9 +230,9 @@ def test_rank_crash_raises_and_stops_every_rank():
 
 
 def test_rank_exception_raises_its_traceback_and_stops_every_rank():
-    ex = MultiprocExecutor(2, ModelWorker, backend="gloo")
+    ex = MultiprocExecutor(2, EchoWorker, backend="gloo")
     pids = ex.pids
-    with pytest.raises(RankFailure, match="(?s)rank [01] raised.*bad request on this rank"):
+    with pytest.raises(RankFailure, match="(?s)rank ([01]) raised.*bad request on rank \\1"):
         ex.collective_rpc("fail", timeout_s=RPC_TIMEOUT_S)
     assert wait_gone(pids) == []
 
@@ -248,11 +240,11 @@ def test_rank_exception_raises_its_traceback_and_stops_every_rank():
 PARENT = textwrap.dedent("""
     import sys
     sys.path.insert(0, {test_dir!r})
-    from test_tensor_parallel import ModelWorker
+    from executor_workers import EchoWorker
     from atom.worker.executor import MultiprocExecutor
 
     if __name__ == "__main__":
-        ex = MultiprocExecutor(2, ModelWorker, backend="gloo")
+        ex = MultiprocExecutor(2, EchoWorker, backend="gloo")
         print(*ex.pids, flush=True)
         sys.stdin.read()  # until killed
 """)
