@@ -55,8 +55,11 @@ class ModelWorker:
     def kv_heads(self) -> list[int]:
         return [m.num_kv_heads for m in self.model.modules() if isinstance(m, Attention)]
 
-    def prefill_decode(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        return run_prefill_decode(self.model, prompts)
+    def prefill_decode(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """Also whether every rank got bitwise the same logits (so every rank may sample)."""
+        prefill, decode = run_prefill_decode(self.model, prompts)
+        everyone = self.tp.all_gather(torch.cat([prefill, decode])[None], dim=0)
+        return prefill, decode, bool((everyone == everyone[0]).all())
 
     def vocab_parallel(self, vocab: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         return vocab_outputs(self.tp, vocab, dim)
@@ -115,12 +118,13 @@ def kv1_model(tmp_path_factory):
 def one_rank(path: str) -> tuple[torch.Tensor, torch.Tensor]:
     worker = ModelWorker(SINGLE)
     worker.load(path)
-    return worker.prefill_decode(PROMPTS)
+    return run_prefill_decode(worker.model, PROMPTS)
 
 
 def check_same_logits(tp2, path: str) -> None:
     ref_prefill, ref_decode = one_rank(path)
-    prefill, decode = tp2.collective_rpc("prefill_decode", PROMPTS, timeout_s=RPC_TIMEOUT_S)
+    prefill, decode, same_on_all_ranks = tp2.collective_rpc("prefill_decode", PROMPTS, timeout_s=RPC_TIMEOUT_S)
+    assert same_on_all_ranks
     for got, ref in ((prefill, ref_prefill), (decode, ref_decode)):
         # the all-reduce sums partial products in another order: float32 rounding only
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
