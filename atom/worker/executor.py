@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -181,6 +182,7 @@ def _stop_ranks(procs: list, conns: list[Connection], rendezvous: str) -> None:
 
 # the rank process
 def _rank_main(spec: RankSpec, make_worker: Callable[[TPInfo], Any], conn: Connection) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent decides
     threading.Thread(target=_watch_parent, args=(spec.parent_pid,), daemon=True, name="parent-watch").start()
     try:
         tp = init_distributed(spec.rank, spec.world_size, spec.init_method, spec.backend)
