@@ -20,14 +20,14 @@ class FusedMoE(nn.Module):
         renormalize: bool, tp: TPInfo = SINGLE,
     ):
         super().__init__()
-        self.experts = tp.local_experts(num_experts)
+        self.local_experts = tp.local_experts(num_experts)
         slices = 1 if tp.expert_parallel else tp.size
         if intermediate_size % slices:
             raise ValueError(f"moe intermediate size {intermediate_size} not divisible by tp size {tp.size}")
         self.num_experts, self.top_k, self.renormalize, self.tp = num_experts, top_k, renormalize, tp
         self.intermediate = intermediate_size // slices
         self.slice_rank = 0 if tp.expert_parallel else tp.rank
-        local = len(self.experts)
+        local = len(self.local_experts)
         self.w13_weight = nn.Parameter(torch.empty(local, 2 * self.intermediate, hidden_size), requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(local, hidden_size, self.intermediate), requires_grad=False)
         self.w13_weight.weight_loader = self.weight_loader
@@ -44,9 +44,9 @@ class FusedMoE(nn.Module):
         return mapping
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str, expert_id: int) -> None:
-        if expert_id not in self.experts:  # another rank's expert
+        if expert_id not in self.local_experts:  # another rank's expert
             return
-        size, index = self.intermediate, expert_id - self.experts.start
+        size, index = self.intermediate, expert_id - self.local_experts.start
         if shard_id == "w2":
             loaded = loaded.narrow(1, self.slice_rank * size, size)
             target = param.data[index]
@@ -60,7 +60,7 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = ops.moe_topk(router_logits, self.top_k, self.renormalize)
-        if len(self.experts) < self.num_experts:
+        if len(self.local_experts) < self.num_experts:
             weights, ids = self._local_routes(weights, ids)
         return self.tp.all_reduce(ops.fused_moe(x, self.w13_weight, self.w2_weight, weights, ids))
 
@@ -69,6 +69,6 @@ class FusedMoE(nn.Module):
         to another rank's expert get weight 0 (and a local expert id, so the kernel stays in
         bounds); the all-reduce then sums each token's experts across ranks. An all-to-all
         dispatch that sends each token only to its experts' ranks is the faster GPU path."""
-        local = ids - self.experts.start
-        mine = (local >= 0) & (local < len(self.experts))
+        local = ids - self.local_experts.start
+        mine = (local >= 0) & (local < len(self.local_experts))
         return weights * mine, torch.where(mine, local, 0)

@@ -1,7 +1,7 @@
 """Tensor and expert parallelism on the CPU with 2 real gloo ranks: every rank loads only its
 shards, and the logits of a prefill plus a decode step over the paged KV cache equal one
 rank's (float32). The executor that owns the rank processes leaves no orphans when a rank
-dies or its parent is SIGKILLed."""
+dies or its parent is killed (SIGKILL, SIGTERM)."""
 
 from __future__ import annotations
 
@@ -254,7 +254,8 @@ PARENT = textwrap.dedent("""
 """)
 
 
-def test_parent_sigkill_leaves_no_orphans(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_parent_killed_leaves_no_orphans(tmp_path, sig):
     script = tmp_path / "parent.py"
     script.write_text(PARENT.format(test_dir=os.path.dirname(__file__)))
     parent = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -262,7 +263,7 @@ def test_parent_sigkill_leaves_no_orphans(tmp_path):
     try:
         pids = [int(p) for p in parent.stdout.readline().split()]
         assert len(pids) == 2 and all(alive(p) for p in pids)
-        parent.kill()
+        parent.send_signal(sig)
         parent.wait(10)
         assert wait_gone(pids) == []
     finally:
