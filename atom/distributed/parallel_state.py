@@ -1,23 +1,33 @@
-"""Tensor-parallel coordinates, passed explicitly to the layers that shard.
+"""Tensor- and expert-parallel coordinates, passed explicitly to the layers that shard, and
+the process-group set-up of one rank.
 
-Layers never ask torch.distributed for the world size in their constructors: the model
-runner (or the host framework, in plugin mode) knows the rank and hands it down.
+Layers never ask torch.distributed for the world size in their constructors: the worker
+process (or the host framework, in plugin mode) knows the rank and hands it down.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class TPInfo:
+    """One rank's place in the tensor-parallel group. With ``expert_parallel`` the MoE layers
+    place whole experts on ranks (E / size each) instead of slicing every expert; the expert
+    group is the tensor-parallel group (data-parallel attention would widen it later)."""
+
     rank: int = 0
     size: int = 1
     group: Any = None  # torch.distributed ProcessGroup when size > 1
+    expert_parallel: bool = False
 
     def __post_init__(self):
         if not 0 <= self.rank < self.size:
@@ -35,5 +45,37 @@ class TPInfo:
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
 
+    def local_experts(self, num_experts: int) -> range:
+        """Global ids of the experts this rank holds (all of them without expert parallelism)."""
+        if not self.expert_parallel or self.size == 1:
+            return range(num_experts)
+        if num_experts % self.size:
+            raise ValueError(f"{num_experts} experts cannot be split evenly over {self.size} expert-parallel ranks")
+        n = num_experts // self.size
+        return range(self.rank * n, (self.rank + 1) * n)
+
 
 SINGLE = TPInfo()
+
+
+def default_backend(device_type: str) -> str:
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
+def init_distributed(rank: int, world_size: int, init_method: str, backend: str | None = None) -> TPInfo:
+    """Join the default process group (gloo on the CPU, NCCL on CUDA, one GPU per rank) and
+    return this rank's coordinates (``dataclasses.replace(tp, expert_parallel=True)`` turns
+    expert parallelism on); a single rank needs no group at all."""
+    if world_size == 1:
+        return TPInfo()
+    backend = backend or default_backend("cuda" if torch.cuda.is_available() else "cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+    logger.info("rank %d/%d joined the %s group (pid %d)", rank, world_size, backend, os.getpid())
+    return TPInfo(rank, world_size, dist.group.WORLD)
+
+
+def destroy_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

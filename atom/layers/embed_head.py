@@ -8,6 +8,7 @@ from torch import nn
 
 from atom.distributed.parallel_state import SINGLE, TPInfo
 from atom.layers.linear import default_weight_loader
+from atom.model_loader.checkpoint_slice import materialize
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -24,7 +25,7 @@ class VocabParallelEmbedding(nn.Module):
         shard = loaded[self.start : self.start + self.shard_size]
         if shard.shape[0] < self.shard_size:  # last rank of an uneven split: pad with zeros
             param.data.zero_()
-            param.data[: shard.shape[0]].copy_(shard)
+            param.data[: shard.shape[0]].copy_(materialize(shard))
             return
         default_weight_loader(param, shard)
 

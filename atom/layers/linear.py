@@ -1,7 +1,8 @@
 """Linear layers that shard over tensor parallelism and load their own weights.
 
 Each parameter carries ``weight_loader(param, loaded, shard_id=None)``: the checkpoint
-loader hands it the full tensor and the layer copies its shard into place.
+loader hands it the full tensor (or a ``CheckpointSlice`` of it, read only where narrowed)
+and the layer copies its shard into place.
 """
 
 from __future__ import annotations
@@ -11,12 +12,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from atom.distributed.parallel_state import SINGLE, TPInfo
+from atom.model_loader.checkpoint_slice import materialize
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
     if param.shape != loaded.shape:
         raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}")
-    param.data.copy_(loaded)
+    param.data.copy_(materialize(loaded))
 
 
 def _param(*shape: int, loader) -> nn.Parameter:
@@ -83,6 +85,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         self, hidden_size: int, head_size: int, num_heads: int, num_kv_heads: int,
         bias: bool = False, tp: TPInfo = SINGLE,
     ):
+        if num_heads % tp.size or (num_kv_heads % tp.size and tp.size % num_kv_heads):
+            raise ValueError(f"{num_heads} attention heads and {num_kv_heads} KV heads cannot be split over "
+                             f"tensor-parallel size {tp.size}")
         self.head_size = head_size
         self.num_heads = num_heads // tp.size
         self.num_kv_heads = max(1, num_kv_heads // tp.size)

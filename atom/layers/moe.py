@@ -7,25 +7,29 @@ from torch import nn
 
 from atom import ops
 from atom.distributed.parallel_state import SINGLE, TPInfo
+from atom.model_loader.checkpoint_slice import materialize
 
 
 class FusedMoE(nn.Module):
     """``w13_weight`` [E, 2I, H] (gate rows, then up rows) and ``w2_weight`` [E, H, I].
-    Tensor parallelism shards the intermediate dim of every expert."""
+    Tensor parallelism shards the intermediate dim of every expert; expert parallelism
+    (``tp.expert_parallel``) instead keeps whole experts, E / size of them per rank."""
 
     def __init__(
         self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
         renormalize: bool, tp: TPInfo = SINGLE,
     ):
         super().__init__()
-        if intermediate_size % tp.size:
+        self.local_experts = tp.local_experts(num_experts)
+        slices = 1 if tp.expert_parallel else tp.size
+        if intermediate_size % slices:
             raise ValueError(f"moe intermediate size {intermediate_size} not divisible by tp size {tp.size}")
         self.num_experts, self.top_k, self.renormalize, self.tp = num_experts, top_k, renormalize, tp
-        self.intermediate = intermediate_size // tp.size
-        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate, hidden_size),
-                                       requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate),
-                                      requires_grad=False)
+        self.intermediate = intermediate_size // slices
+        self.slice_rank = 0 if tp.expert_parallel else tp.rank
+        local = len(self.local_experts)
+        self.w13_weight = nn.Parameter(torch.empty(local, 2 * self.intermediate, hidden_size), requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(local, hidden_size, self.intermediate), requires_grad=False)
         self.w13_weight.weight_loader = self.weight_loader
         self.w2_weight.weight_loader = self.weight_loader
 
@@ -40,18 +44,31 @@ class FusedMoE(nn.Module):
         return mapping
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str, expert_id: int) -> None:
-        size = self.intermediate
+        if expert_id not in self.local_experts:  # another rank's expert
+            return
+        size, index = self.intermediate, expert_id - self.local_experts.start
         if shard_id == "w2":
-            loaded = loaded.narrow(1, self.tp.rank * size, size)
-            target = param.data[expert_id]
+            loaded = loaded.narrow(1, self.slice_rank * size, size)
+            target = param.data[index]
         else:
-            loaded = loaded.narrow(0, self.tp.rank * size, size)
-            target = param.data[expert_id].narrow(0, 0 if shard_id == "w1" else size, size)
+            loaded = loaded.narrow(0, self.slice_rank * size, size)
+            target = param.data[index].narrow(0, 0 if shard_id == "w1" else size, size)
         if target.shape != loaded.shape:
             raise ValueError(f"expert {expert_id} {shard_id}: shape {tuple(loaded.shape)}, "
                              f"expected {tuple(target.shape)}")
-        target.copy_(loaded)
+        target.copy_(materialize(loaded))
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = ops.moe_topk(router_logits, self.top_k, self.renormalize)
+        if len(self.local_experts) < self.num_experts:
+            weights, ids = self._local_routes(weights, ids)
         return self.tp.all_reduce(ops.fused_moe(x, self.w13_weight, self.w2_weight, weights, ids))
+
+    def _local_routes(self, weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert parallelism, the simple correct scheme: every rank sees every token, routes
+        to another rank's expert get weight 0 (and a local expert id, so the kernel stays in
+        bounds); the all-reduce then sums each token's experts across ranks. An all-to-all
+        dispatch that sends each token only to its experts' ranks is the faster GPU path."""
+        local = ids - self.local_experts.start
+        mine = (local >= 0) & (local < len(self.local_experts))
+        return weights * mine, torch.where(mine, local, 0)

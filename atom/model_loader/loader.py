@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 
 from atom.config import ModelConfig
 from atom.distributed.parallel_state import SINGLE, TPInfo
+from atom.model_loader.checkpoint_slice import CheckpointSlice
 from atom.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -36,15 +37,17 @@ def safetensors_files(model_path: str) -> list[str]:
     return files
 
 
-def iter_safetensors(model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(model_path: str) -> Iterator[tuple[str, CheckpointSlice]]:
+    """Every tensor as a lazy slice: each rank's weight loaders read only their shard, so no
+    rank ever holds (or reads) the full model."""
     files = safetensors_files(model_path)
     for path in tqdm(files, desc="Loading safetensors shards", disable=len(files) == 1):
         with safe_open(path, framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, CheckpointSlice(f.get_slice(name))
 
 
-def iter_weights(model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor | CheckpointSlice]]:
     from atom.model_loader.gguf import find_gguf_file, iter_gguf_weights
 
     gguf_file = find_gguf_file(model_config.model)

@@ -63,9 +63,10 @@ def train_tokenizer(vocab_size: int = 384) -> PreTrainedTokenizerFast:
 
 def build(out_dir: str, arch: str = "qwen3", seed: int = 0, num_layers: int = 3,
           dtype: torch.dtype = torch.float32, max_position_embeddings: int = 2048,
-          head_dim: int | None = None) -> str:
+          head_dim: int | None = None, num_kv_heads: int = 2) -> str:
     """Write a tiny checkpoint of ``arch`` into ``out_dir`` and return the path. ``head_dim``
-    overrides the architecture's (e.g. 32, a size vLLM's CPU attention supports)."""
+    overrides the architecture's (e.g. 32, a size vLLM's CPU attention supports);
+    ``num_kv_heads=1`` gives fewer KV heads than two tensor-parallel ranks."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     os.makedirs(out_dir, exist_ok=True)
@@ -81,7 +82,7 @@ def build(out_dir: str, arch: str = "qwen3", seed: int = 0, num_layers: int = 3,
         intermediate_size=136,
         num_hidden_layers=num_layers,
         num_attention_heads=6,
-        num_key_value_heads=2,
+        num_key_value_heads=num_kv_heads,
         max_position_embeddings=max_position_embeddings,
         rms_norm_eps=1e-6,
         # a wide init gives peaked logits, so greedy choices are well separated

@@ -1,0 +1,228 @@
+"""One worker process per tensor-parallel rank, and the executor that owns their lifetime.
+
+``MultiprocExecutor(world_size, make_worker)`` spawns the ranks; each joins the process
+group (``init_distributed``) and builds its worker with ``make_worker(tp)``. Then
+``collective_rpc("method", *args)`` runs ``worker.method(*args)`` on every rank, in step,
+and returns rank 0's result (the other ranks reply with an acknowledgement only, so a
+batch of logits crosses the pipe once). The model runner is meant to be that worker:
+``collective_rpc("execute_model", scheduler_output)`` with a small typed message.
+
+No orphans: a rank that dies or raises makes the executor kill the whole group and raise
+``RankFailure`` in the caller; a rank whose parent disappears (SIGKILL, SIGTERM) exits on
+its own, from the closed pipe or from a watchdog thread when it is busy in a collective.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+import traceback
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch.multiprocessing as mp
+
+from atom.distributed.parallel_state import TPInfo, destroy_distributed, init_distributed
+
+logger = logging.getLogger(__name__)
+
+PARENT_POLL_S = 0.5
+SHUTDOWN_GRACE_S = 5.0
+
+
+class RankFailure(RuntimeError):
+    """A rank died or raised; the executor has already stopped every rank."""
+
+
+@dataclass(frozen=True, slots=True)
+class RpcRequest:
+    method: str
+    args: tuple = ()
+    kwargs: dict | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RpcReply:
+    rank: int
+    value: Any = None  # rank 0's return value; None from the other ranks
+    error: str | None = None  # the remote traceback when the method raised
+
+
+_SHUTDOWN = RpcRequest("__shutdown__")
+
+
+@dataclass(frozen=True, slots=True)
+class RankSpec:
+    """Everything a spawned rank needs; pickled into the child."""
+
+    rank: int
+    world_size: int
+    init_method: str
+    backend: str | None
+    parent_pid: int
+
+
+class MultiprocExecutor:
+    def __init__(self, world_size: int, make_worker: Callable[[TPInfo], Any], backend: str | None = None,
+                 start_timeout_s: float = 120.0):
+        """``make_worker`` must be picklable (a module-level class or function): it runs in
+        each spawned rank with that rank's ``TPInfo``."""
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.world_size = world_size
+        self._rendezvous = tempfile.mkdtemp(prefix="atom-tp-")
+        init_method = f"file://{os.path.join(self._rendezvous, 'store')}"
+        ctx = mp.get_context("spawn")
+        self._procs, self._conns = [], []
+        for rank in range(world_size):
+            parent, child = ctx.Pipe()
+            spec = RankSpec(rank, world_size, init_method, backend, os.getpid())
+            proc = ctx.Process(target=_rank_main, args=(spec, make_worker, child), name=f"atom-rank-{rank}",
+                               daemon=True)
+            proc.start()
+            child.close()  # the child's end lives in the child only, so its death closes the pipe
+            self._procs.append(proc)
+            self._conns.append(parent)
+        self._finalizer = weakref.finalize(self, _stop_ranks, self._procs, self._conns, self._rendezvous)
+        self._collect(start_timeout_s, "start-up")
+        logger.info("%d ranks started: pids %s", world_size, [p.pid for p in self._procs])
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    def collective_rpc(self, method: str, *args, timeout_s: float | None = None, **kwargs) -> Any:
+        """Run ``method`` on every rank's worker and return rank 0's result. Raises
+        ``RankFailure`` (after stopping all ranks) if any rank died or raised."""
+        if not self._finalizer.alive:
+            raise RankFailure("the executor is shut down")
+        request = RpcRequest(method, args, kwargs or None)
+        for rank, conn in enumerate(self._conns):
+            try:
+                conn.send(request)
+            except (BrokenPipeError, ConnectionResetError, EOFError):
+                self._fail(f"{method}: {self._gone(rank)}")
+        return self._collect(timeout_s, method)
+
+    def _collect(self, timeout_s: float | None, what: str) -> Any:
+        """One reply per rank; watches the processes too, so a dead rank is noticed at once."""
+        pending = dict(enumerate(self._conns))
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        result = None
+        while pending:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                self._fail(f"{what}: ranks {sorted(pending)} did not answer within {timeout_s} s")
+            sentinels = {self._procs[r].sentinel: r for r in pending}
+            ready = wait([*pending.values(), *sentinels], left)
+            for obj in ready:
+                if obj in sentinels:
+                    rank = sentinels[obj]
+                    if not self._conns[rank].poll():  # died without a last word
+                        self._fail(f"{what}: {self._gone(rank)}")
+                    continue
+                rank = next(r for r, c in pending.items() if c is obj)
+                try:
+                    reply: RpcReply = obj.recv()
+                except EOFError:
+                    self._fail(f"{what}: {self._gone(rank)}")
+                if reply.error is not None:
+                    self._fail(f"{what}: rank {reply.rank} raised:\n{reply.error}")
+                if reply.rank == 0:
+                    result = reply.value
+                del pending[rank]
+        return result
+
+    def _gone(self, rank: int) -> str:
+        proc = self._procs[rank]
+        proc.join(1.0)  # its pipe may close a moment before it can be reaped
+        return f"rank {rank} (pid {proc.pid}) died with exit code {proc.exitcode}"
+
+    def _fail(self, message: str) -> None:
+        logger.error("%s; stopping all %d ranks", message, self.world_size)
+        self._finalizer()
+        raise RankFailure(message)
+
+    def shutdown(self) -> None:
+        """Ask every rank to leave, then kill what is left after a grace period. Idempotent."""
+        self._finalizer()
+
+    def __enter__(self) -> MultiprocExecutor:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+def _stop_ranks(procs: list, conns: list[Connection], rendezvous: str) -> None:
+    for conn in conns:
+        try:
+            conn.send(_SHUTDOWN)
+        except OSError:
+            pass
+    deadline = time.monotonic() + SHUTDOWN_GRACE_S
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(SHUTDOWN_GRACE_S)
+    for conn in conns:
+        conn.close()
+    shutil.rmtree(rendezvous, ignore_errors=True)
+
+
+# the rank process
+def _rank_main(spec: RankSpec, make_worker: Callable[[TPInfo], Any], conn: Connection) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent decides
+    threading.Thread(target=_watch_parent, args=(spec.parent_pid,), daemon=True, name="parent-watch").start()
+    try:
+        tp = init_distributed(spec.rank, spec.world_size, spec.init_method, spec.backend)
+        worker = make_worker(tp)
+    except BaseException:
+        _reply(conn, RpcReply(spec.rank, error=traceback.format_exc()))
+        raise SystemExit(1) from None
+    _reply(conn, RpcReply(spec.rank))
+    try:
+        _serve(spec.rank, worker, conn)
+    finally:
+        destroy_distributed()
+
+
+def _serve(rank: int, worker: Any, conn: Connection) -> None:
+    while True:
+        try:
+            request: RpcRequest = conn.recv()
+        except EOFError:  # the parent is gone
+            return
+        if request.method == _SHUTDOWN.method:
+            return
+        try:
+            value = getattr(worker, request.method)(*request.args, **(request.kwargs or {}))
+        except Exception:
+            _reply(conn, RpcReply(rank, error=traceback.format_exc()))
+            return
+        _reply(conn, RpcReply(rank, value if rank == 0 else None))
+
+
+def _reply(conn: Connection, reply: RpcReply) -> None:
+    try:
+        conn.send(reply)
+    except OSError:
+        os._exit(1)  # nobody to answer to
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Exit when the parent is gone even while the main thread is stuck in a collective."""
+    while True:
+        time.sleep(PARENT_POLL_S)
+        if os.getppid() != parent_pid:
+            os._exit(1)
