@@ -17,7 +17,6 @@ import xgrammar as xgr
 
 from atom.structured_output.spec import GrammarSpec
 
-
 # xgrammar 0.2.8 writes the characters of a length-bounded JSON string (minLength/maxLength)
 # as this class, which lets raw control characters through: invalid JSON (RFC 8259 wants
 # them escaped). Its unbounded strings already exclude them.
