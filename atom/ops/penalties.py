@@ -31,6 +31,15 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return ((bitmask[:, :, None] >> bits) & 1).bool().flatten(1)[:, :vocab_size]
 
 
+def pack_bitmask(allowed: torch.Tensor) -> torch.Tensor:
+    """The int32 bitmask [B, ceil(V / 32)] of a bool [B, V] (the inverse of ``unpack_bitmask``)."""
+    rows, vocab = allowed.shape
+    padded = torch.zeros(rows, -(-vocab // 32) * 32, dtype=torch.int64, device=allowed.device)
+    padded[:, :vocab] = allowed
+    words = (padded.view(rows, -1, 32) << torch.arange(32, device=allowed.device)).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # as int32 bit patterns
+
+
 def apply_penalties(
     logits: torch.Tensor,
     presence: torch.Tensor,

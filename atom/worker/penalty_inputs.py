@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from atom.ops.penalties import token_counts
+from atom.ops.penalties import pack_bitmask, token_counts
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,15 +68,12 @@ def _padded(rows: list[Sequence[int]], pad: int) -> torch.Tensor:
 
 
 def _allowed_bitmask(requests: Sequence[RequestPenalties], vocab_size: int) -> torch.Tensor:
-    words = (vocab_size + 31) // 32
-    allowed = torch.ones(len(requests), words * 32, dtype=torch.bool)
+    allowed = torch.ones(len(requests), vocab_size, dtype=torch.bool)
     for row, r in enumerate(requests):
         if r.allowed_token_ids is not None:
             allowed[row] = False
             allowed[row, list(r.allowed_token_ids)] = True
-    weights = 1 << torch.arange(32, dtype=torch.int64)
-    packed = (allowed.view(len(requests), words, 32).long() * weights).sum(-1)
-    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)  # int32 bit pattern
+    return pack_bitmask(allowed)
 
 
 def build_penalty_inputs(

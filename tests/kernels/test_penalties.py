@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from atom.ops.penalties import apply_penalties as reference
+from atom.ops.penalties import pack_bitmask, unpack_bitmask
 from atom.ops.triton.penalties import apply_penalties as kernel
 from atom.testing.tiny_checkpoint import train_tokenizer
 from atom.worker.penalty_inputs import RequestPenalties, bad_words_token_ids, build_penalty_inputs
@@ -160,3 +161,9 @@ def test_bad_words_tokenized_alone_and_after_a_space():
     assert all(tok.decode(word).strip() in ("the", "quick brown") for word in ids)
     with pytest.raises(ValueError, match="no tokens"):
         bad_words_token_ids(tok, [" "])
+
+
+def test_bitmask_round_trip():
+    allowed = torch.rand(3, 75) < 0.5
+    allowed[0, 31] = allowed[0, 63] = True  # the sign bits of the int32 words
+    assert torch.equal(unpack_bitmask(pack_bitmask(allowed), 75), allowed)
