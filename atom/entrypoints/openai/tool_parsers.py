@@ -92,6 +92,14 @@ class HermesToolParser:
             return DeltaMessage(content=content or None, tool_calls=tuple(deltas))
         return None
 
+    def finish(self) -> DeltaMessage | None:
+        """At the end of the stream: content held back as a possible partial tag that never
+        completed (text after a tool call is not content, as in ``extract``)."""
+        if TOOL_CALL_START in self._text or self._sent_content >= len(self._text):
+            return None
+        content, self._sent_content = self._text[self._sent_content :], len(self._text)
+        return DeltaMessage(content=content)
+
     @property
     def tools_called(self) -> bool:
         """Whether the stream so far started a tool call (finish_reason "tool_calls")."""
