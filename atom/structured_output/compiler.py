@@ -77,6 +77,7 @@ class GrammarCompiler:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+        spec.validate()  # a spec that does not parse, or that xgrammar would not enforce: ValueError
         try:
             if spec.kind in ("json", "json_object"):
                 schema = spec.spec if spec.kind == "json" else json.dumps({"type": "object"})
@@ -86,5 +87,4 @@ class GrammarCompiler:
                 return self._compiler.compile_regex(spec.spec)
             return self._compiler.compile_grammar(spec.grammar_text())
         except RuntimeError as error:
-            spec.validate()  # raises the one-line ValueError for a spec that does not parse
             raise ValueError(f"Could not compile the {spec.kind} grammar: {error}") from error

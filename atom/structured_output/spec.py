@@ -78,6 +78,17 @@ class GrammarSpec:
     def validate(self) -> None:
         """Raise ValueError naming the problem if the spec does not parse (no tokenizer needed:
         cheap enough for the request handler, so a bad grammar never reaches the engine)."""
+        if self.kind == "json":
+            try:
+                schema = json.loads(self.spec)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"Invalid json for structured output: the schema is not JSON ({error})") from error
+            unsupported = unsupported_json_features(schema)
+            if unsupported:
+                raise ValueError(
+                    f"Invalid json for structured output: the schema uses {', '.join(unsupported)}, "
+                    "which the grammar engine (xgrammar) cannot enforce"
+                )
         try:
             if self.kind == "json":
                 xgr.Grammar.from_json_schema(self.spec)
@@ -87,6 +98,71 @@ class GrammarSpec:
                 xgr.Grammar.from_ebnf(self.grammar_text())
         except (RuntimeError, ValueError, TypeError) as error:
             raise ValueError(f"Invalid {self.kind} for structured output: {_first_line(error)}") from error
+
+
+# String formats xgrammar enforces; any other format it would silently ignore.
+_FORMATS = {
+    "email",
+    "date",
+    "time",
+    "date-time",
+    "duration",
+    "ipv4",
+    "ipv6",
+    "hostname",
+    "uuid",
+    "uri",
+    "uri-reference",
+    "uri-template",
+    "json-pointer",
+    "relative-json-pointer",
+}
+
+
+def unsupported_json_features(schema: Any) -> list[str]:
+    """Keywords of ``schema`` that xgrammar 0.2.8 accepts but does not enforce (so the output
+    could break the schema), as vLLM lists them; empty when the schema is fully enforced."""
+    found: set[str] = set()
+
+    def visit(node: Any) -> None:
+        if isinstance(node, list):
+            for item in node:
+                visit(item)
+            return
+        if not isinstance(node, dict):
+            return
+        kind = node.get("type")
+        types = {kind} if isinstance(kind, str) else set(kind) if isinstance(kind, list) else set()
+        if types & {"integer", "number"} and "multipleOf" in node:
+            found.add("multipleOf")
+        if "array" in types:
+            found.update(k for k in ("uniqueItems", "contains", "minContains", "maxContains") if k in node)
+        if "string" in types:
+            if "format" in node and node["format"] not in _FORMATS:
+                found.add(f"format {node['format']!r}")
+            if ("pattern" in node or "format" in node) and ("minLength" in node or "maxLength" in node):
+                found.add("a pattern or format with minLength/maxLength")
+        if (
+            "object" in types
+            and "propertyNames" in node
+            and (
+                {"properties", "patternProperties"} & node.keys() or node.get("unevaluatedProperties", True) is not True
+            )
+        ):
+            found.add("propertyNames with properties")
+        if (
+            "object" in types
+            and isinstance(node.get("patternProperties"), dict)
+            and ("properties" in node or len(node["patternProperties"]) > 1)
+        ):
+            found.add("patternProperties with properties")
+        if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+            found.add("allOf with several branches")
+        for value in node.values():
+            visit(value)
+
+    visit(schema)
+    return sorted(found)
 
 
 def _first_line(error: Exception) -> str:

@@ -277,3 +277,28 @@ def test_no_raw_control_characters_inside_json_strings(compiler, tokenizer):
         bitmask.fill(mask, [state])
         allowed = unpack_bitmask(mask, compiler.vocab_size)[0]
         assert not allowed[control].any(), [tokenizer.decode([t]) for t in control if allowed[t]]
+
+
+@pytest.mark.parametrize(
+    "schema, keyword",
+    [
+        ({"type": "integer", "multipleOf": 3}, "multipleOf"),
+        (
+            {
+                "type": "object",
+                "properties": {"t": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}},
+            },
+            "uniqueItems",
+        ),
+        ({"type": "string", "format": "credit-card"}, "format 'credit-card'"),
+        ({"type": "string", "pattern": "^a+$", "maxLength": 3}, "minLength/maxLength"),
+        ({"allOf": [{"type": "string"}, {"enum": ["yes", "no"]}]}, "allOf"),
+    ],
+)
+def test_schemas_the_grammar_cannot_enforce_are_rejected(compiler, schema, keyword):
+    spec = GrammarSpec.from_options(json_schema=schema)
+    with pytest.raises(ValueError, match="cannot enforce") as error:
+        spec.validate()
+    assert keyword in str(error.value)
+    with pytest.raises(ValueError, match="cannot enforce"):  # the engine side refuses it too
+        compiler.compile(spec)
