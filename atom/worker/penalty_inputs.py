@@ -77,9 +77,14 @@ def _allowed_bitmask(requests: Sequence[RequestPenalties], vocab_size: int) -> t
 
 
 def build_penalty_inputs(
-    requests: Sequence[RequestPenalties], vocab_size: int, device: torch.device | str = "cpu"
+    requests: Sequence[RequestPenalties],
+    vocab_size: int,
+    device: torch.device | str = "cpu",
+    counts: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> PenaltyInputs | None:
-    """The batch's tensors on ``device``, or None when no request needs any of this."""
+    """The batch's tensors on ``device``, or None when no request needs any of this.
+    ``counts``: the (prompt, output) count rows of the batch kept by ``TokenCounts``; without
+    them they are counted here from the requests' token lists."""
     sparse = [(row, tok, float("-inf")) for row, r in enumerate(requests) for tok in r.masked_token_ids()]
     sparse += [(row, tok, bias) for row, r in enumerate(requests) for tok, bias in (r.logit_bias or {}).items()]
     any_penalty = any(r.has_penalty for r in requests)
@@ -91,7 +96,9 @@ def build_penalty_inputs(
         return torch.tensor(values, dtype=torch.float32).to(device)
 
     prompt_counts = output_counts = None
-    if any_penalty:
+    if any_penalty and counts is not None:
+        prompt_counts, output_counts = counts
+    elif any_penalty:
         # rows without penalties count nothing: their neutral values ignore the counts anyway
         prompts = [r.prompt_token_ids if r.has_penalty else () for r in requests]
         outputs = [r.output_token_ids if r.has_penalty else () for r in requests]

@@ -167,3 +167,20 @@ def test_bitmask_round_trip():
     allowed = torch.rand(3, 75) < 0.5
     allowed[0, 31] = allowed[0, 63] = True  # the sign bits of the int32 words
     assert torch.equal(unpack_bitmask(pack_bitmask(allowed), 75), allowed)
+
+
+def test_kernel_reads_kept_counts():
+    from atom.worker.token_counts import TokenCounts
+
+    counts = TokenCounts(max_num_seqs=2, vocab_size=300, device="cpu")
+    counts.add_request("a", [1, 2, 3], [7, 7])
+    r = RequestPenalties(
+        prompt_token_ids=[1, 2, 3],
+        output_token_ids=[7, 7],
+        presence_penalty=1.0,
+        frequency_penalty=0.5,
+        repetition_penalty=2.0,
+    )
+    logits = 3 * torch.randn(2, 300)
+    inputs = build_penalty_inputs([r, r], 300, counts=counts.rows(["a", "a"]))  # uint8 prompt rows
+    torch.testing.assert_close(kernel(logits, *inputs.args()), loop_reference(logits, [r, r]), rtol=1e-6, atol=1e-5)
