@@ -36,11 +36,11 @@ class RequestPenalties:
 
     def masked_token_ids(self) -> list[int]:
         """Tokens this step may not sample: stop ids below min_tokens, completed bad words."""
-        masked = list(self.stop_token_ids) if len(self.output_token_ids) < self.min_tokens else []
-        out = list(self.output_token_ids)
+        out = self.output_token_ids
+        masked = list(self.stop_token_ids) if len(out) < self.min_tokens else []
         for word in self.bad_words_token_ids:
-            prefix = list(word[:-1])
-            if len(prefix) <= len(out) and (not prefix or out[-len(prefix) :] == prefix):
+            prefix = list(word[:-1])  # compare with the output's tail only: no copy of the whole output
+            if len(prefix) <= len(out) and (not prefix or list(out[len(out) - len(prefix) :]) == prefix):
                 masked.append(word[-1])
         return masked
 
