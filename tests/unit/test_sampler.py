@@ -90,7 +90,8 @@ def test_seeded_sampling_reproducible_and_batch_independent(tiny_model):
         [SamplingParams(temperature=0.8, max_tokens=16), seeded, SamplingParams(temperature=1.0, seed=7, max_tokens=9)],
         use_tqdm=False,
     )[1]["token_ids"]
-    other_seed = engine.generate(["The quick brown fox"], SamplingParams(temperature=1.0, seed=99, max_tokens=16),
-                                 use_tqdm=False)[0]["token_ids"]
+    other_seed = engine.generate(
+        ["The quick brown fox"], SamplingParams(temperature=1.0, seed=99, max_tokens=16), use_tqdm=False
+    )[0]["token_ids"]
     assert alone == again == mixed
     assert other_seed != alone
