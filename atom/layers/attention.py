@@ -67,7 +67,7 @@ class Attention(nn.Module):
         else:
             o = ops.paged_attention(q, self.k_cache, self.v_cache, meta.cu_seqlens_q, meta.seq_lens,
                                     meta.block_tables, self.scale, meta.max_seqlen_q, meta.max_seqlen_k,
-                                    meta.num_decode_tokens)
+                                    meta.num_decode_tokens, k, v)
         return o.flatten(1)
 
 

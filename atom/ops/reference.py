@@ -101,6 +101,8 @@ def paged_attention(
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
     num_decode_tokens: int = 0,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of a mixed batch over the paged cache (new K/V already stored).
 
@@ -109,6 +111,9 @@ def paged_attention(
     ``q``: [T, Hq, D]; returns [T, Hq, D]. GQA when Hq is a multiple of Hk.
     ``num_decode_tokens``: the first that many sequences are decode rows (a hint that lets
     a kernel launch them separately; the reference ignores it).
+    ``k``/``v``: optionally the batch's new keys and values [T, Hk, D], the values the cache
+    already holds for them (a kernel may read them packed instead of through the block
+    table; the reference ignores them).
     """
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
     group = q.shape[1] // num_kv_heads

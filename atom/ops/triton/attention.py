@@ -293,8 +293,8 @@ def paged_attention(
     first sequences are that many decode rows (``AttentionMetadata`` places them first);
     in a mixed batch they then get a launch with decode tiles instead of sharing the
     prefill's large tiles, which would compute mostly padding for them. ``num_splits``
-    overrides the split-K heuristic (1 = no split). ``k``/``v`` (optional, not yet part of
-    ``atom.ops``): the batch's new keys and values, [tokens, kv_heads, head_dim], the same
+    overrides the split-K heuristic (1 = no split). ``k``/``v`` (optional; the attention layer
+    passes them): the batch's new keys and values, [tokens, kv_heads, head_dim], the same
     values the cache holds for them; prefill tiles then read the chunk's own keys through
     tensor descriptors (bulk tensor copies) instead of gathering them from the cache.
     """
