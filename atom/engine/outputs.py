@@ -3,7 +3,7 @@
 ``EngineCoreRequest`` and ``EngineCoreOutput`` are what ``LLMEngine`` and ``AsyncLLM`` see
 of the core; the server imports its types from here (never from the worker). Across the
 process boundary (``core_client`` <-> ``engine_core_proc``) every message is one of the
-tagged msgspec Structs below, encoded with msgpack: ``ToCore`` one way, ``FromCore`` the
+tagged, frozen msgspec Structs below, encoded with msgpack: ``ToCore`` one way, ``FromCore`` the
 other. A receiver decodes into the union and dispatches on the type.
 """
 
@@ -45,7 +45,7 @@ class CoreInfo(msgspec.Struct, frozen=True):
     kv_capacity: int  # tokens the KV cache holds
 
 
-class EngineCoreRequest(msgspec.Struct, tag="add"):
+class EngineCoreRequest(msgspec.Struct, frozen=True, tag="add"):
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
@@ -53,7 +53,7 @@ class EngineCoreRequest(msgspec.Struct, tag="add"):
     arrival_time: float = msgspec.field(default_factory=time.time)
 
 
-class EngineCoreOutput(msgspec.Struct):
+class EngineCoreOutput(msgspec.Struct, frozen=True):
     """New tokens of one request from one step; ``finish_reason`` set on its last."""
 
     request_id: str
@@ -81,17 +81,17 @@ class EngineStats(msgspec.Struct, frozen=True):
 
 
 # to the core
-class AbortRequests(msgspec.Struct, tag="abort"):
+class AbortRequests(msgspec.Struct, frozen=True, tag="abort"):
     request_ids: list[str]
 
 
-class UtilityCall(msgspec.Struct, tag="call"):
+class UtilityCall(msgspec.Struct, frozen=True, tag="call"):
     call_id: int
     method: str  # "stats", "start_profile" or "stop_profile"
     args: list[Any] = []
 
 
-class Shutdown(msgspec.Struct, tag="shutdown"):
+class Shutdown(msgspec.Struct, frozen=True, tag="shutdown"):
     pass
 
 
@@ -99,27 +99,27 @@ ToCore = EngineCoreRequest | AbortRequests | UtilityCall | Shutdown
 
 
 # from the core
-class EngineCoreOutputs(msgspec.Struct, tag="outputs"):
+class EngineCoreOutputs(msgspec.Struct, frozen=True, tag="outputs"):
     outputs: list[EngineCoreOutput]
     stats: EngineStats
 
 
-class StatsUpdate(msgspec.Struct, tag="stats"):
+class StatsUpdate(msgspec.Struct, frozen=True, tag="stats"):
     stats: EngineStats
 
 
-class AddError(msgspec.Struct, tag="add_error"):
+class AddError(msgspec.Struct, frozen=True, tag="add_error"):
     request_id: str
     message: str
 
 
-class UtilityReply(msgspec.Struct, tag="reply"):
+class UtilityReply(msgspec.Struct, frozen=True, tag="reply"):
     call_id: int
     ok: bool
     result: EngineStats | str | None = None  # the error message when not ok
 
 
-class CoreDead(msgspec.Struct, tag="dead"):
+class CoreDead(msgspec.Struct, frozen=True, tag="dead"):
     message: str
 
 

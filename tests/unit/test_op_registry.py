@@ -1,0 +1,28 @@
+"""The op table of ``atom.ops``: every op has a reference, a Triton kernel that imports, and
+a custom-op schema; ops dispatch to the reference on the CPU."""
+
+import re
+
+import pytest
+import torch
+
+from atom import ops
+
+
+@pytest.mark.parametrize("name", sorted(ops._OPS))
+def test_every_op_has_a_kernel_and_a_schema(name):
+    spec = ops._OPS[name]
+    assert callable(ops._kernel(spec))
+    schema = torch.library.infer_schema(spec.reference, mutates_args=spec.mutates)
+    for arg in spec.mutates:
+        assert re.search(rf"Tensor\(a\d+!\)\?? {arg}\b", schema), (arg, schema)  # written in place
+
+
+def test_public_ops_are_registered_and_run_the_reference_on_cpu():
+    assert {"rms_norm", "fused_add_rms_norm", "silu_and_mul", "paged_attention", "fused_moe"} <= set(ops._OPS)
+    x, w = torch.randn(3, 8), torch.randn(8)
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-6), ops.reference.rms_norm(x, w, 1e-6))
+    out, res = ops.rms_norm(x, w, 1e-6, residual=x)
+    torch.testing.assert_close(res, 2 * x)
+    with pytest.raises(ValueError, match="registered twice"):
+        ops.register_op("silu_and_mul", triton="x:y", fake=lambda x: x)(ops.reference.silu_and_mul)
