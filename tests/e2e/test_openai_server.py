@@ -492,14 +492,21 @@ def test_sigterm_finishes_in_flight_and_leaves_no_orphans(make_server):
     assert any("spawn_main" in " ".join(p.cmdline()) for p in children)
     result = {}
 
+    started = threading.Event()
+
     def stream():
-        r = srv.post("/v1/completions", {"prompt": "Hello", "max_tokens": 200, "ignore_eos": True, "stream": True},
+        r = srv.post("/v1/completions", {"prompt": "Hello", "max_tokens": 24, "ignore_eos": True, "stream": True},
                      stream=True)
-        result["events"] = sse_events(r)
+        events = []
+        for line in r.iter_lines(decode_unicode=True):
+            if line.startswith("data: "):
+                events.append(line[len("data: "):])
+                started.set()  # in flight: its first tokens have arrived
+        result["events"] = events
 
     t = threading.Thread(target=stream)
     t.start()
-    assert wait_until(lambda: srv.metrics()["atom:num_requests_running"] == 1, timeout=30)
+    assert started.wait(30)
     srv.proc.send_signal(signal.SIGTERM)
     t.join(60)
     events = result["events"]
