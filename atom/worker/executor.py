@@ -143,7 +143,7 @@ class MultiprocExecutor:
 
     def _gone(self, rank: int) -> str:
         proc = self._procs[rank]
-        proc.join(1.0)  # its pipe may close a moment before it can be reaped
+        proc.join(SHUTDOWN_GRACE_S)  # its pipe may close a moment before it can be reaped
         return f"rank {rank} (pid {proc.pid}) died with exit code {proc.exitcode}"
 
     def _fail(self, message: str) -> None:

@@ -226,6 +226,7 @@ def test_rank_crash_raises_and_stops_every_rank():
     pids = ex.pids
     assert ex.collective_rpc("pid") == pids[0]  # rank 0's answer
     os.kill(pids[1], signal.SIGKILL)
+    assert wait_gone(pids[1:]) == []  # dead (a zombie until the executor reaps it)
     with pytest.raises(RankFailure, match=r"rank 1 \(pid \d+\) died with exit code -9"):
         ex.collective_rpc("pid", timeout_s=RPC_TIMEOUT_S)
     assert wait_gone(pids) == []
