@@ -114,23 +114,50 @@ class SamplingParams:
     def _processing_checks(self, number, count) -> list[tuple[str, bool, str]]:
         bias = self.logit_bias
         return [
-            ("presence_penalty", number(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
-             "must be in [-2, 2]"),
-            ("frequency_penalty", number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
-             "must be in [-2, 2]"),
-            ("repetition_penalty", number(self.repetition_penalty) and self.repetition_penalty > 0,
-             "must be a finite number > 0"),
-            ("logit_bias", bias is None or (isinstance(bias, dict) and all(
-                _int_key(k) and number(v) for k, v in bias.items())),
-             "must map token ids (ints >= 0) to finite numbers"),
-            ("min_tokens", count(self.min_tokens, 0, INT64_MAX) and self.min_tokens <= self.max_tokens,
-             "must be an int in [0, max_tokens]"),
-            ("bad_words", self.bad_words is None or (isinstance(self.bad_words, list) and all(
-                isinstance(w, str) and w.strip() and is_encodable(w) for w in self.bad_words)),
-             "must be a list of non-empty strings"),
-            ("allowed_token_ids", self.allowed_token_ids is None or (isinstance(self.allowed_token_ids, list)
-             and self.allowed_token_ids and all(count(t, 0, INT64_MAX) for t in self.allowed_token_ids)),
-             "must be a non-empty list of token ids (ints >= 0)"),
+            (
+                "presence_penalty",
+                number(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+                "must be in [-2, 2]",
+            ),
+            (
+                "frequency_penalty",
+                number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+                "must be in [-2, 2]",
+            ),
+            (
+                "repetition_penalty",
+                number(self.repetition_penalty) and self.repetition_penalty > 0,
+                "must be a finite number > 0",
+            ),
+            (
+                "logit_bias",
+                bias is None or (isinstance(bias, dict) and all(_int_key(k) and number(v) for k, v in bias.items())),
+                "must map token ids (ints >= 0) to finite numbers",
+            ),
+            (
+                "min_tokens",
+                count(self.min_tokens, 0, INT64_MAX) and self.min_tokens <= self.max_tokens,
+                "must be an int in [0, max_tokens]",
+            ),
+            (
+                "bad_words",
+                self.bad_words is None
+                or (
+                    isinstance(self.bad_words, list)
+                    and all(isinstance(w, str) and w.strip() and is_encodable(w) for w in self.bad_words)
+                ),
+                "must be a list of non-empty strings",
+            ),
+            (
+                "allowed_token_ids",
+                self.allowed_token_ids is None
+                or (
+                    isinstance(self.allowed_token_ids, list)
+                    and self.allowed_token_ids
+                    and all(count(t, 0, INT64_MAX) for t in self.allowed_token_ids)
+                ),
+                "must be a non-empty list of token ids (ints >= 0)",
+            ),
         ]
 
     def check_token_ids(self, vocab_size: int) -> None:
@@ -143,8 +170,13 @@ class SamplingParams:
     @property
     def uses_history(self) -> bool:
         """Whether the logits processing of a step depends on the tokens sampled so far."""
-        return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
-                or self.min_tokens > 0 or bool(self.bad_words))
+        return (
+            self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or self.repetition_penalty != 1
+            or self.min_tokens > 0
+            or bool(self.bad_words)
+        )
 
     @property
     def processes_logits(self) -> bool:

@@ -26,8 +26,9 @@ def repeats(ids: list[int]) -> int:
     return len(ids) - len(set(ids))
 
 
-@pytest.mark.parametrize("penalty", [{"frequency_penalty": 1.5}, {"presence_penalty": 1.5},
-                                     {"repetition_penalty": 2.0}])
+@pytest.mark.parametrize(
+    "penalty", [{"frequency_penalty": 1.5}, {"presence_penalty": 1.5}, {"repetition_penalty": 2.0}]
+)
 def test_penalties_reduce_repetition(engine, penalty):
     plain = generate(engine, ignore_eos=True)
     assert repeats(plain) >= 4  # greedy decoding of the tiny random model comes back to some tokens
@@ -56,9 +57,11 @@ def test_bad_words_are_avoided(engine):
     plain = generate(engine, ignore_eos=True)
     # a word of the plain output that is one token (alone or after a space)
     words = {engine.tokenizer.decode([t]).strip(): t for t in plain}
-    word, banned = next((w, {i[0] for i in bad_words_token_ids(engine.tokenizer, [w]) if len(i) == 1})
-                        for w in words if w and any(len(i) == 1 and i[0] in plain
-                                                    for i in bad_words_token_ids(engine.tokenizer, [w])))
+    word, banned = next(
+        (w, {i[0] for i in bad_words_token_ids(engine.tokenizer, [w]) if len(i) == 1})
+        for w in words
+        if w and any(len(i) == 1 and i[0] in plain for i in bad_words_token_ids(engine.tokenizer, [w]))
+    )
     out = generate(engine, ignore_eos=True, bad_words=[word])
     assert banned & set(plain) and not banned & set(out) and len(out) == len(plain)
 
