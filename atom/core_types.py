@@ -39,6 +39,7 @@ class ScheduledRequest(Protocol):
     block_table: list[int]
     num_prompt_tokens: int
     sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)

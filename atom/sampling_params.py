@@ -39,6 +39,16 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     logprobs: int | None = None  # top-N logprobs of each sampled position
     prompt_logprobs: int | None = None  # top-N logprobs of each prompt position
+    # logits processing (vLLM's names and semantics, applied before temperature)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None  # token id -> bias, clamped to [-100, 100]
+    min_tokens: int = 0  # no stop id (EOS included) before this many output tokens
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    # ``bad_words`` as token ids, set by the engine from its tokenizer (vLLM's update_from_tokenizer)
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -49,6 +59,10 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
+        if self.logit_bias:
+            self.logit_bias = {int(k): min(100.0, max(-100.0, float(v))) for k, v in self.logit_bias.items()}
+        if self.bad_words:
+            self.bad_words = list(dict.fromkeys(self.bad_words))
         if 0 < self.temperature < MIN_TEMPERATURE:
             logger.warning(
                 "temperature %g is below %g and is raised to it, as too small a value overflows",
@@ -92,9 +106,89 @@ class SamplingParams:
                 f"must be in [0, {MAX_LOGPROBS}]",
             ),
         ]
+        checks += self._processing_checks(number, count)
         for name, ok, why in checks:
             if not ok:
                 raise ValueError(f"SamplingParams.{name} {why}, got {_short(getattr(self, name))}")
+
+    def _processing_checks(self, number, count) -> list[tuple[str, bool, str]]:
+        bias = self.logit_bias
+        return [
+            (
+                "presence_penalty",
+                number(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+                "must be in [-2, 2]",
+            ),
+            (
+                "frequency_penalty",
+                number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+                "must be in [-2, 2]",
+            ),
+            (
+                "repetition_penalty",
+                number(self.repetition_penalty) and self.repetition_penalty > 0,
+                "must be a finite number > 0",
+            ),
+            (
+                "logit_bias",
+                bias is None or (isinstance(bias, dict) and all(_int_key(k) and number(v) for k, v in bias.items())),
+                "must map token ids (ints >= 0) to finite numbers",
+            ),
+            (
+                "min_tokens",
+                count(self.min_tokens, 0, INT64_MAX) and self.min_tokens <= self.max_tokens,
+                "must be an int in [0, max_tokens]",
+            ),
+            (
+                "bad_words",
+                self.bad_words is None
+                or (
+                    isinstance(self.bad_words, list)
+                    and all(isinstance(w, str) and w.strip() and is_encodable(w) for w in self.bad_words)
+                ),
+                "must be a list of non-empty strings",
+            ),
+            (
+                "allowed_token_ids",
+                self.allowed_token_ids is None
+                or (
+                    isinstance(self.allowed_token_ids, list)
+                    and self.allowed_token_ids
+                    and all(count(t, 0, INT64_MAX) for t in self.allowed_token_ids)
+                ),
+                "must be a non-empty list of token ids (ints >= 0)",
+            ),
+        ]
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """The token-id fields against the vocabulary (known only to the engine)."""
+        for name, ids in (("logit_bias", self.logit_bias or {}), ("allowed_token_ids", self.allowed_token_ids or [])):
+            bad = [t for t in ids if not 0 <= int(t) < vocab_size]
+            if bad:
+                raise ValueError(f"SamplingParams.{name} has token ids out of range [0, {vocab_size}): {_short(bad)}")
+
+    @property
+    def uses_history(self) -> bool:
+        """Whether the logits processing of a step depends on the tokens sampled so far."""
+        return (
+            self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or self.repetition_penalty != 1
+            or self.min_tokens > 0
+            or bool(self.bad_words)
+        )
+
+    @property
+    def processes_logits(self) -> bool:
+        return self.uses_history or bool(self.logit_bias) or self.allowed_token_ids is not None
+
+
+def _int_key(k) -> bool:
+    """A logit_bias key: an int, or a string of one (the protocol's JSON keys)."""
+    try:
+        return int(k) >= 0 and not isinstance(k, (bool, float))
+    except (TypeError, ValueError):
+        return False
 
 
 def is_encodable(s: str) -> bool:

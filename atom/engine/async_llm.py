@@ -142,6 +142,7 @@ class AsyncLLM:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         processed = prompt if isinstance(prompt, ProcessedPrompt) else await self.tokenize(prompt)
+        self.input_processor.process_params(params)  # a few short words: no need for the pool
         ids = processed.token_ids
         req = _Request(RequestState(request_id, prompt_text or processed.text, ids, params, self.tokenizer,
                                     arrival_time=arrival))

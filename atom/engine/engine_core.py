@@ -48,6 +48,7 @@ class EngineCore:
         bad = [t for t in req.prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:10]}")
+        req.sampling_params.check_token_ids(vocab)
         seq = Sequence(req.request_id, req.prompt_token_ids, req.sampling_params, req.eos_token_ids,
                        req.arrival_time)
         self.scheduler.add(seq)  # raises ValueError if it can never fit
@@ -66,13 +67,18 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """Schedule and launch a step, then collect the outputs of the step launched before
         it (async scheduling: the device runs one step while the host prepares the next)
-        or of this one."""
+        or of this one. A request whose logits processing reads its sampled tokens
+        (penalties, min_tokens, bad_words) needs the step in flight collected before the
+        next is scheduled: that step runs synchronously."""
+        outputs = []
+        if self._in_flight is not None and any(s.sampling_params.uses_history for s in self._in_flight[0].requests):
+            outputs, self._in_flight = self._collect(*self._in_flight), None
         batch = self.scheduler.schedule()
         launched = (batch, self.runner.launch(batch)) if not batch.is_empty else None
         if not self.config.scheduler_config.async_scheduling:
             return self._collect(*launched) if launched else []
         previous, self._in_flight = self._in_flight, launched
-        return self._collect(*previous) if previous else []
+        return outputs + (self._collect(*previous) if previous else [])
 
     def _collect(self, batch: SchedulerOutput, pending: PendingOutput) -> list[EngineCoreOutput]:
         result: RunnerOutput = pending.result()

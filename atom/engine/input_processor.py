@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from atom.sampling_params import is_encodable
+from atom.sampling_params import SamplingParams, is_encodable
+from atom.worker.penalty_inputs import bad_words_token_ids
 
 
 class InvalidInputError(ValueError):
@@ -82,6 +83,21 @@ class InputProcessor:
             raise InvalidInputError(f"cannot apply the chat template: {_printable(e)}", "messages") from e
         # the template already holds the special tokens (BOS, role markers)
         return ProcessedPrompt(text, self._encode(text, add_special_tokens, "messages", check_length))
+
+    def process_params(self, params: SamplingParams) -> None:
+        """Check the token-id fields against the vocabulary and tokenize ``bad_words`` once
+        (into ``params.bad_words_token_ids``), as vLLM does when a request arrives."""
+        try:
+            params.check_token_ids(self.vocab_size)
+        except ValueError as e:
+            raise InvalidInputError(str(e), str(e).split()[0].removeprefix("SamplingParams.")) from e
+        if params.bad_words and params.bad_words_token_ids is None:
+            if self.tokenizer is None:
+                raise InvalidInputError("bad_words need a tokenizer", "bad_words")
+            try:
+                params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
+            except ValueError as e:
+                raise InvalidInputError(str(e), "bad_words") from e
 
     def _encode(self, text: str, add_special_tokens: bool, param: str, check_length: bool = True) -> list[int]:
         if self.tokenizer is None:

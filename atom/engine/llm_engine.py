@@ -73,6 +73,8 @@ class LLMEngine:
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         ids = list(request_ids) if request_ids is not None else [str(next(self._ids)) for _ in prompts]
         tokenized = [self.tokenize(p) for p in prompts]  # checked: empty, vocabulary, length
+        for sp in params:
+            self.input_processor.process_params(sp)
         for rid, (text, token_ids), sp in zip(ids, tokenized, params):
             self.core.add_request(EngineCoreRequest(rid, token_ids, sp, self.eos_token_ids))
             self.states[rid] = RequestState(rid, text, token_ids, sp, self.tokenizer, stream_callback)

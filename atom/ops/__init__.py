@@ -21,9 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
-from atom.ops import reference
+from atom.ops import penalties, reference
 
 __all__ = [
+    "apply_penalties",
     "fused_moe",
     "moe_topk",
     "paged_attention",
@@ -196,3 +197,8 @@ fused_moe = register_op("fused_moe", triton=f"{_T}.moe:fused_moe", fake=lambda x
 top_k_top_p_min_p = register_op(
     "top_k_top_p_min_p", triton=f"{_T}.sampling:top_k_top_p_min_p", fake=lambda logits, *args: _empty_like(logits)
 )(reference.top_k_top_p_min_p)
+apply_penalties = register_op(
+    "apply_penalties",
+    triton=f"{_T}.penalties:apply_penalties",
+    fake=lambda logits, *args: logits.new_empty(logits.shape, dtype=torch.float32),
+)(penalties.apply_penalties)

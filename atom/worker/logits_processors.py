@@ -8,8 +8,7 @@ import dataclasses
 
 import torch
 
-from atom.ops import penalties as reference
-from atom.ops import use_triton
+from atom import ops
 from atom.worker.penalty_inputs import PenaltyInputs
 
 
@@ -32,8 +31,4 @@ def apply_logits_processors(
         if penalties.allowed_bitmask is not None:
             mask = mask & penalties.allowed_bitmask
         penalties = dataclasses.replace(penalties, allowed_bitmask=mask)
-    if use_triton(logits.device):
-        from atom.ops.triton.penalties import apply_penalties  # Triton imports only where it runs
-    else:
-        apply_penalties = reference.apply_penalties
-    return apply_penalties(logits, *penalties.args())
+    return ops.apply_penalties(logits, *penalties.args())  # Triton on CUDA, the reference elsewhere

@@ -87,12 +87,15 @@ class SamplingRequest(OpenAIRequest):
     stream: bool = False
     stream_options: StreamOptions | None = None
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
-    # accepted only at their neutral values: atom's sampler does not implement them
+    # logits processing (checked by SamplingParams, which names the field)
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
     repetition_penalty: float | None = 1.0
-    best_of: int | None = None
     logit_bias: dict[str, float] | None = None
+    min_tokens: int = 0
+    bad_words: list[Text] | None = None
+    allowed_token_ids: list[TokenId] | None = None
+    best_of: int | None = None
 
     @field_validator("stop")
     @classmethod
@@ -104,14 +107,8 @@ class SamplingRequest(OpenAIRequest):
 
     @model_validator(mode="after")
     def _unsupported(self):
-        neutral = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
-        for name, value in neutral.items():
-            if getattr(self, name) not in (None, value):
-                raise ValueError(f"{name} is not supported by atom (only {value})")
         if self.best_of not in (None, 1, self.n):
             raise ValueError("best_of is not supported by atom (only best_of == n)")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported by atom")
         return self
 
     @property

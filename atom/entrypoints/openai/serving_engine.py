@@ -143,6 +143,13 @@ class OpenAIServing:
                 ignore_eos=request.ignore_eos,
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
+                presence_penalty=_or(request.presence_penalty, 0.0),
+                frequency_penalty=_or(request.frequency_penalty, 0.0),
+                repetition_penalty=_or(request.repetition_penalty, 1.0),
+                logit_bias=request.logit_bias or None,
+                min_tokens=request.min_tokens,
+                bad_words=request.bad_words or None,
+                allowed_token_ids=request.allowed_token_ids,
             )
         except ValueError as e:
             raise to_openai_error(e, "") from e
@@ -234,3 +241,8 @@ async def prepend(first: T, rest: AsyncIterator[T]) -> AsyncIterator[T]:
     yield first
     async for item in rest:
         yield item
+
+
+def _or(value, default):
+    """A request field's value, or its default where the client sent null."""
+    return default if value is None else value
