@@ -1,6 +1,7 @@
 """The op table of ``atom.ops``: every op has a reference, a Triton kernel that imports, and
 a custom-op schema; ops dispatch to the reference on the CPU."""
 
+import inspect
 import re
 
 import pytest
@@ -16,6 +17,11 @@ def test_every_op_has_a_kernel_and_a_schema(name):
     schema = torch.library.infer_schema(spec.reference, mutates_args=spec.mutates)
     for arg in spec.mutates:
         assert re.search(rf"Tensor\(a\d+!\)\?? {arg}\b", schema), (arg, schema)  # written in place
+    # the custom op calls the kernel with the schema's arguments in the reference's order:
+    # the kernel must take them in that order (extra kernel-only arguments come after)
+    ref_params = list(inspect.signature(spec.reference).parameters)
+    kernel_params = list(inspect.signature(ops._kernel(spec)).parameters)
+    assert kernel_params[: len(ref_params)] == ref_params, (ref_params, kernel_params)
 
 
 def test_public_ops_are_registered_and_run_the_reference_on_cpu():

@@ -282,9 +282,9 @@ def paged_attention(
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
     num_decode_tokens: int = 0,
-    num_splits: int | None = None,
     k: torch.Tensor | None = None,
     v: torch.Tensor | None = None,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """See ``atom.ops.reference.paged_attention``.
 
