@@ -162,13 +162,12 @@ class Config:
 
     def __post_init__(self):
         self._refuse_unbuilt()
+        self._check_parallel()
 
     def _refuse_unbuilt(self) -> None:
         """Arguments whose feature is not built yet fail loudly rather than being ignored."""
         unbuilt = {
-            "tensor_parallel_size > 1": self.parallel_config.tensor_parallel_size > 1,
             "data_parallel_size > 1": self.parallel_config.data_parallel_size > 1,
-            "enable_expert_parallel": self.parallel_config.enable_expert_parallel,
             "enable_dp_attention": self.parallel_config.enable_dp_attention,
             "kv_cache_dtype='fp8'": self.cache_config.kv_cache_dtype == "fp8",
             "method='mtp' (speculative decoding)": self.speculative_config.method is not None,
@@ -176,3 +175,31 @@ class Config:
         missing = [name for name, used in unbuilt.items() if used]
         if missing:
             raise NotImplementedError(f"not implemented yet in atom: {', '.join(missing)}")
+
+    def _check_parallel(self) -> None:
+        """The model must split evenly over the ranks; checked here, before any rank starts
+        (the layers check it too, but only inside a rank process)."""
+        tp, pc = self.parallel_config.tensor_parallel_size, self.parallel_config
+        hf = self.model_config.hf_config
+        if tp == 1:
+            if pc.enable_expert_parallel:
+                logger.info("enable_expert_parallel with one rank: every expert stays on it")
+            return
+        heads = hf.num_attention_heads
+        kv_heads = getattr(hf, "num_key_value_heads", None) or heads
+        if heads % tp:
+            raise ValueError(f"num_attention_heads ({heads}) must be divisible by tensor_parallel_size ({tp})")
+        if kv_heads % tp and tp % kv_heads:
+            raise ValueError(f"num_key_value_heads ({kv_heads}) and tensor_parallel_size ({tp}) must divide one "
+                             "another")
+        num_experts = getattr(hf, "num_experts", None)
+        if num_experts and pc.enable_expert_parallel and num_experts % tp:
+            raise ValueError(f"num_experts ({num_experts}) must be divisible by tensor_parallel_size ({tp}) with "
+                             "enable_expert_parallel")
+        moe_inter = getattr(hf, "moe_intermediate_size", None)
+        if num_experts and moe_inter and not pc.enable_expert_parallel and moe_inter % tp:
+            raise ValueError(f"moe_intermediate_size ({moe_inter}) must be divisible by tensor_parallel_size ({tp}); "
+                             "or use enable_expert_parallel")
+        if self.device.type == "cuda" and tp > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size ({tp}) is larger than the {torch.cuda.device_count()} visible "
+                             "GPUs")

@@ -98,9 +98,11 @@ class AsyncEngineCoreClient:
         spawn = mp.get_context("spawn")
         parent_conn, child_conn = spawn.Pipe(duplex=False)
         # started from the event loop's thread: PR_SET_PDEATHSIG fires when the spawning
-        # thread exits, and this thread lives as long as the server
+        # thread exits, and this thread lives as long as the server. Not daemonic: a daemon
+        # may not start children, and with tensor parallelism the core starts the ranks; it
+        # still dies with this process (PR_SET_PDEATHSIG, parent poll) and shutdown() joins it
         self.proc = spawn.Process(
-            target=run_engine_core, name="atom-engine-core", daemon=True,
+            target=run_engine_core, name="atom-engine-core", daemon=False,
             args=(self.config, in_addr, out_addr, child_conn, os.getpid(), logging.getLogger().level or logging.INFO),
         )
         self.proc.start()

@@ -17,6 +17,7 @@ from atom.engine.outputs import CoreInfo, EngineCoreOutput, EngineCoreRequest, E
 from atom.engine.scheduler import Scheduler
 from atom.engine.sequence import Sequence
 from atom.worker.model_runner import ModelRunner, PendingOutput
+from atom.worker.rank_worker import ParallelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +25,9 @@ logger = logging.getLogger(__name__)
 class EngineCore:
     def __init__(self, config: Config):
         self.config = config
-        self.runner = ModelRunner(config)
+        # one rank runs in this process; more run in their own processes (ParallelRunner)
+        tp = config.parallel_config.tensor_parallel_size
+        self.runner: ModelRunner | ParallelRunner = ModelRunner(config) if tp == 1 else ParallelRunner(config)
         num_blocks = self.runner.determine_num_blocks()
         self.runner.allocate_kv_cache(num_blocks)
         self.runner.warmup()
@@ -116,6 +119,11 @@ class EngineCore:
     @property
     def profiling(self) -> bool:
         return self.runner.profiler is not None
+
+    def shutdown(self) -> None:
+        """Stop the rank processes (tensor parallelism); the in-process runner needs nothing."""
+        if isinstance(self.runner, ParallelRunner):
+            self.runner.shutdown()
 
     def stats(self) -> EngineStats:
         bm = self.block_manager

@@ -79,6 +79,7 @@ def run_engine_core(config: Config, in_addr: str, out_addr: str, ready_conn, par
     try:
         EngineCoreProc(core, inp, out, parent_pid).run()
     finally:
+        core.shutdown()  # the rank processes (tensor parallelism) before this one exits
         inp.close(linger=0)
         out.close(linger=1000)
         ctx.term()

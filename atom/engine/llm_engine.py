@@ -141,6 +141,11 @@ class LLMEngine:
     def stop_profile(self) -> None:
         self.core.stop_profile()
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel rank processes now (they also stop when the engine is
+        garbage-collected or the interpreter exits)."""
+        self.core.shutdown()
+
 
 def _as_prompt_list(prompts) -> list[Prompt]:
     if isinstance(prompts, str):

@@ -132,7 +132,7 @@ class MultiprocExecutor:
                 rank = next(r for r, c in pending.items() if c is obj)
                 try:
                     reply: RpcReply = obj.recv()
-                except EOFError:
+                except (EOFError, ConnectionResetError):  # reset: it died with our request unread
                     self._fail(f"{what}: {self._gone(rank)}")
                 if reply.error is not None:
                     self._fail(f"{what}: rank {reply.rank} raised:\n{reply.error}")

@@ -11,16 +11,19 @@ failure raises."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from atom import ops
 from atom.config import Config
 from atom.core_types import PLACEHOLDER, RunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
+from atom.distributed.parallel_state import SINGLE, TPInfo
 from atom.forward_context import AttentionMetadata, set_forward_context
 from atom.layers.attention import Attention
 from atom.model_loader.loader import load_model
@@ -36,14 +39,18 @@ CPU_DEFAULT_KV_BYTES = 2 << 30
 
 
 class ModelRunner:
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, tp: TPInfo = SINGLE):
+        """``tp``: this rank's place in the tensor-parallel group (one rank in process by
+        default); on CUDA rank ``r`` owns GPU ``r``."""
         self.config = config
-        self.device = config.device
+        self.tp = dataclasses.replace(tp, expert_parallel=config.parallel_config.enable_expert_parallel)
+        self.device = torch.device("cuda", tp.rank) if config.device.type == "cuda" and tp.size > 1 else config.device
         mc = config.model_config
         self.block_size = config.cache_config.block_size
+        # the same seed on every rank: all ranks sample the same tokens from the same logits
         torch.manual_seed(mc.seed)
         ops.init_device_ops(self.device)
-        self.model = load_model(mc, self.device)
+        self.model = load_model(mc, self.device, self.tp)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.attn_layer_map = {m.prefix: m for m in self.attn_layers}
         self.forward = self._maybe_compile()
@@ -57,10 +64,10 @@ class ModelRunner:
         self.profiler: torch.profiler.profile | None = None
 
     # profiling (serving guide section 5)
-    def start_profile(self, rank_dir: str = "rank_0") -> None:
+    def start_profile(self) -> None:
         if self.profiler is not None:
             raise RuntimeError("the profiler is already running")
-        self.profiler = start_torch_profiler(self.config.torch_profiler_dir, rank_dir, self.device)
+        self.profiler = start_torch_profiler(self.config.torch_profiler_dir, f"rank_{self.tp.rank}", self.device)
 
     def stop_profile(self) -> None:
         if self.profiler is None:
@@ -75,6 +82,16 @@ class ModelRunner:
         return 2 * len(self.attn_layers) * layer.num_kv_heads * self.block_size * layer.head_dim * elem
 
     def determine_num_blocks(self) -> int:
+        """Blocks of this rank's memory; with several ranks, the smallest count over all of
+        them, since one block id means the same slot on every rank."""
+        num_blocks = self._local_num_blocks()
+        if self.tp.size > 1:
+            t = torch.tensor([num_blocks], device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.tp.group)
+            num_blocks = int(t.item())
+        return num_blocks
+
+    def _local_num_blocks(self) -> int:
         cc, sc = self.config.cache_config, self.config.scheduler_config
         if cc.num_gpu_blocks_override is not None:
             return cc.num_gpu_blocks_override

@@ -76,7 +76,8 @@ class ServerProcess:
             return []
 
     def engine_core(self) -> psutil.Process:
-        [core] = [p for p in self.descendants() if "spawn_main" in " ".join(p.cmdline())]
+        # a direct child: with -tp the core's own rank processes are spawned too
+        [core] = [p for p in psutil.Process(self.proc.pid).children() if "spawn_main" in " ".join(p.cmdline())]
         return core
 
     def post(self, path: str, body: dict, **kwargs) -> requests.Response:

@@ -1,0 +1,74 @@
+"""LLMEngine with tensor_parallel_size=2 (two rank processes, gloo on the CPU): greedy
+output token-identical to one rank in float32 on the tiny Qwen3, Llama and Qwen3-MoE
+checkpoints, with expert parallelism too; a killed rank raises a clear error and leaves
+no rank behind."""
+
+import os
+import signal
+
+import pytest
+from test_tensor_parallel import wait_gone
+
+from atom import LLMEngine, SamplingParams
+from atom.worker.executor import RankFailure
+
+MAX_TOKENS = 12
+PROMPTS = [
+    "The quick brown fox",
+    "Once upon a time, a small model learned to count: one, two, three, four, five. " * 3,
+    "机器学习 🙂",
+    "def add(a, b):",
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+
+
+def greedy(engine: LLMEngine) -> list[list[int]]:
+    return [o["token_ids"] for o in engine.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def one_rank(tiny_model):
+    cache = {}
+
+    def get(arch: str) -> tuple[str, list[list[int]]]:
+        if arch not in cache:
+            path = tiny_model(arch)
+            cache[arch] = path, greedy(LLMEngine(path, max_model_len=256))
+        return cache[arch]
+
+    return get
+
+
+# chunked prefill (a small token budget) and async scheduling (placeholder tokens read on
+# each rank from its own last sample) on one case each, to keep the ranks' start-ups few
+@pytest.mark.parametrize("arch, kwargs", [
+    ("qwen3", dict(async_scheduling=True)),
+    ("llama", dict(max_num_batched_tokens=32)),
+    ("qwen3_moe", {}),
+    ("qwen3_moe", dict(enable_expert_parallel=True)),
+])
+def test_tp2_greedy_matches_one_rank(one_rank, arch, kwargs):
+    path, ref = one_rank(arch)
+    engine = LLMEngine(path, max_model_len=256, tensor_parallel_size=2, **kwargs)
+    try:
+        assert greedy(engine) == ref
+        assert engine.core.block_manager.num_free_blocks == engine.core.block_manager.num_blocks
+    finally:
+        engine.shutdown()
+    assert wait_gone(engine.core.runner.executor.pids) == []
+
+
+def test_killed_rank_raises_and_stops_every_rank(tiny_model):
+    engine = LLMEngine(tiny_model("qwen3"), max_model_len=256, tensor_parallel_size=2)
+    pids = engine.core.runner.executor.pids
+    os.kill(pids[1], signal.SIGKILL)
+    with pytest.raises(RankFailure, match=r"rank 1 \(pid \d+\) died with exit code -9"):
+        greedy(engine)
+    assert wait_gone(pids) == []
+    with pytest.raises(RankFailure, match="shut down"):
+        greedy(engine)
+
+
+def test_bad_split_is_refused_before_any_rank_starts(tiny_model):
+    with pytest.raises(ValueError, match="num_attention_heads .* divisible by tensor_parallel_size"):
+        LLMEngine(tiny_model("qwen3"), max_model_len=256, tensor_parallel_size=4)
