@@ -31,6 +31,7 @@ class RequestState:
     block_table: list[int]
     num_prompt_tokens: int
     sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...]  # min_tokens masks them
 
 
 def snapshot(batch: SchedulerOutput) -> SchedulerOutput:
@@ -38,7 +39,7 @@ def snapshot(batch: SchedulerOutput) -> SchedulerOutput:
     the process boundary. The whole token list goes each step (simple; a delta protocol
     like vLLM's ``CachedRequestState`` would send only the new tokens)."""
     reqs = [RequestState(r.request_id, list(r.token_ids), list(r.block_table), r.num_prompt_tokens,
-                         r.sampling_params) for r in batch.requests]
+                         r.sampling_params, r.eos_token_ids) for r in batch.requests]
     return SchedulerOutput(reqs, batch.num_new_tokens, batch.starts, batch.samples, batch.num_decodes)
 
 

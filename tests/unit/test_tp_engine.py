@@ -20,10 +20,15 @@ PROMPTS = [
     "def add(a, b):",
 ]
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+# history-dependent logits processing on every rank (penalties read the request's tokens,
+# min_tokens its EOS ids): one prompt carries it
+PENALISED = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, frequency_penalty=1.0,
+                           repetition_penalty=1.3, logit_bias={7: 2.0})
+PARAMS = [GREEDY, PENALISED, GREEDY, GREEDY]
 
 
 def greedy(engine: LLMEngine) -> list[list[int]]:
-    return [o["token_ids"] for o in engine.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    return [o["token_ids"] for o in engine.generate(PROMPTS, PARAMS, use_tqdm=False)]
 
 
 @pytest.fixture(scope="module")
