@@ -258,10 +258,6 @@ def load_gguf_tokenizer(gguf_file: str):
     return tokenizer
 
 
-def _adds_special_tokens(tokenizer) -> bool:
-    return tokenizer("a").input_ids != tokenizer("a", add_special_tokens=False).input_ids
-
-
 def _set_add_bos(tokenizer, add_bos: bool) -> None:
     # Which post-processor a GGUF-built tokenizer gets depends on the transformers version (some add
     # a BOS whatever the file says), so check the behaviour and rebuild the post-processor if wrong.
@@ -277,17 +273,12 @@ def _set_add_bos(tokenizer, add_bos: bool) -> None:
         expected = [tokenizer.bos_token_id] + expected
     if tokenizer("a").input_ids == expected:
         return
-    if add_bos:
-        bos = tokenizer.bos_token
-        tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
-            single=f"{bos}:0 $A:0",
-            pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
-            special_tokens=[(bos, tokenizer.bos_token_id)],
-        )
-    else:
-        tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
-            single="$A:0", pair="$A:0 $B:1", special_tokens=[]
-        )
+    bos = tokenizer.bos_token
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos}:0 $A:0" if add_bos else "$A:0",
+        pair=f"{bos}:0 $A:0 {bos}:1 $B:1" if add_bos else "$A:0 $B:1",
+        special_tokens=[(bos, tokenizer.bos_token_id)] if add_bos else [],
+    )
     if tokenizer("a").input_ids != expected:
         raise RuntimeError(f"could not make the GGUF tokenizer {'add' if add_bos else 'skip'} the BOS token")
 

@@ -9,7 +9,8 @@ import dataclasses
 import torch
 
 from atom import ops
-from atom.worker.penalty_inputs import PenaltyInputs
+from atom.core_types import PLACEHOLDER, ScheduledRequest
+from atom.worker.penalty_inputs import PenaltyInputs, RequestPenalties, build_penalty_inputs
 
 
 def _neutral(rows: int, device: torch.device) -> PenaltyInputs:
@@ -32,3 +33,34 @@ def apply_logits_processors(
             mask = mask & penalties.allowed_bitmask
         penalties = dataclasses.replace(penalties, allowed_bitmask=mask)
     return ops.apply_penalties(logits, *penalties.args())  # Triton on CUDA, the reference elsewhere
+
+
+def process_logits(logits: torch.Tensor, seqs: list[ScheduledRequest]) -> torch.Tensor:
+    """Penalties, logit_bias and the token masks of the batch (``logits`` itself when no
+    request asks for any). The counts come from the token lists, which hold every sampled
+    token: the engine runs such requests without async scheduling."""
+    if not any(s.sampling_params.processes_logits for s in seqs):
+        return logits
+    inputs = build_penalty_inputs([_penalties(s) for s in seqs], logits.shape[1], logits.device)
+    return apply_logits_processors(logits, inputs, None)
+
+
+def _penalties(seq: ScheduledRequest) -> RequestPenalties:
+    p = seq.sampling_params
+    if not p.processes_logits:
+        return RequestPenalties((), ())
+    out = seq.token_ids[seq.num_prompt_tokens :]
+    if out and out[-1] == PLACEHOLDER:  # the token this step samples
+        out = out[:-1]
+    return RequestPenalties(
+        prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
+        output_token_ids=out,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty,
+        logit_bias=p.logit_bias,
+        min_tokens=p.min_tokens,
+        stop_token_ids=[*seq.eos_token_ids, *p.stop_token_ids],  # vLLM: EOS even with ignore_eos
+        bad_words_token_ids=p.bad_words_token_ids or (),
+        allowed_token_ids=p.allowed_token_ids,
+    )

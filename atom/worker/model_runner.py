@@ -27,9 +27,8 @@ from atom.distributed.parallel_state import SINGLE, TPInfo
 from atom.forward_context import AttentionMetadata, set_forward_context
 from atom.layers.attention import Attention
 from atom.model_loader.loader import load_model
-from atom.worker.logits_processors import apply_logits_processors
+from atom.worker.logits_processors import process_logits
 from atom.worker.logprobs import prompt_logprobs, token_logprobs, top_logprobs
-from atom.worker.penalty_inputs import RequestPenalties, build_penalty_inputs
 from atom.worker.profiler import start_torch_profiler
 from atom.worker.sampler import SamplingTensors, sample
 
@@ -320,7 +319,7 @@ class ModelRunner:
                 gens[j] = self._generator(seq)
         logits = self.model.compute_logits(hidden[self._tensor(cu[1:][rows] - 1, torch.int64)])
         raw = logits  # logprobs come from the raw logits (vLLM's default)
-        logits = _process_logits(logits, seqs)
+        logits = process_logits(logits, seqs)
         tokens = sample(logits, self.sampling_tensors(seqs, gens))
         self._last_sampled = tokens
         self._last_sampled_rows = {seq.request_id: j for j, seq in enumerate(seqs)}
@@ -336,37 +335,6 @@ class ModelRunner:
         else:
             pending.tokens = tokens
         return pending
-
-
-def _process_logits(logits: torch.Tensor, seqs: list[ScheduledRequest]) -> torch.Tensor:
-    """Penalties, logit_bias and the token masks of the batch (``logits`` itself when no
-    request asks for any). The counts come from the token lists, which hold every sampled
-    token: the engine runs such requests without async scheduling."""
-    if not any(s.sampling_params.processes_logits for s in seqs):
-        return logits
-    inputs = build_penalty_inputs([_penalties(s) for s in seqs], logits.shape[1], logits.device)
-    return apply_logits_processors(logits, inputs, None)
-
-
-def _penalties(seq: ScheduledRequest) -> RequestPenalties:
-    p = seq.sampling_params
-    if not p.processes_logits:
-        return RequestPenalties((), ())
-    out = seq.token_ids[seq.num_prompt_tokens :]
-    if out and out[-1] == PLACEHOLDER:  # the token this step samples
-        out = out[:-1]
-    return RequestPenalties(
-        prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
-        output_token_ids=out,
-        presence_penalty=p.presence_penalty,
-        frequency_penalty=p.frequency_penalty,
-        repetition_penalty=p.repetition_penalty,
-        logit_bias=p.logit_bias,
-        min_tokens=p.min_tokens,
-        stop_token_ids=[*seq.eos_token_ids, *p.stop_token_ids],  # vLLM: EOS even with ignore_eos
-        bad_words_token_ids=p.bad_words_token_ids or (),
-        allowed_token_ids=p.allowed_token_ids,
-    )
 
 
 @dataclass

