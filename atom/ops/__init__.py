@@ -101,18 +101,31 @@ def _make_custom_op(spec: OpSpec):
     return getattr(torch.ops.atom, f"triton_{spec.name}").default
 
 
-# name -> custom op, filled once by init_device_ops; a plain dict, so torch.compile traces
+def _make_reference_op(spec: OpSpec):
+    """``torch.ops.atom.ref_<name>``: the reference as an opaque custom op, for graphs compiled
+    off CUDA (Dynamo cannot trace a reference's data-dependent loops, e.g. fused_moe's)."""
+    schema = torch.library.infer_schema(spec.reference, mutates_args=spec.mutates)
+    op = torch.library.custom_op(f"atom::ref_{spec.name}", spec.reference, mutates_args=spec.mutates, schema=schema)
+    op.register_fake(spec.fake)
+    return getattr(torch.ops.atom, f"ref_{spec.name}").default
+
+
+# name -> custom op, filled once by init_device_ops; plain dicts, so torch.compile traces
 # the lookup instead of breaking the graph on a cached function
 _CUDA_OPS: dict[str, Callable] = {}
+_REF_OPS: dict[str, Callable] = {}
 
 
 def init_device_ops(device) -> None:
-    """Register the Triton ops for a CUDA device. The model runner calls this before any
-    compilation; the first CUDA op call does it otherwise. Triton is imported lazily so
-    that tests can switch it to its interpreter first."""
-    if getattr(device, "type", device) != "cuda" or _CUDA_OPS:
+    """Register the custom ops for ``device`` before anything compiles a model there: the
+    Triton kernels on CUDA, the references elsewhere. The model runner calls this; the first
+    CUDA op call does it otherwise. Triton is imported lazily so that tests can switch it to
+    its interpreter first."""
+    if getattr(device, "type", device) != "cuda":
+        if not _REF_OPS:
+            _REF_OPS.update({name: _make_reference_op(spec) for name, spec in _OPS.items()})
         return
-    if _triton_module() is None:
+    if _CUDA_OPS or _triton_module() is None:
         return
     for name, spec in _OPS.items():
         _CUDA_OPS[name] = _make_custom_op(spec)
@@ -127,6 +140,8 @@ def _dispatch(name: str, ref: Callable) -> Callable:
                 init_device_ops(first.device)
             if _CUDA_OPS:
                 return _CUDA_OPS[name](*args, **kwargs)
+        elif _REF_OPS and torch.compiler.is_compiling():
+            return _REF_OPS[name](*args, **kwargs)
         return ref(*args, **kwargs)
 
     return op

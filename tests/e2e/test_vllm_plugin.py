@@ -156,13 +156,15 @@ OFFLINE_SCRIPT = textwrap.dedent("""
     prompts, max_tokens = json.loads(prompts), int(max_tokens)
     sp = SamplingParams(temperature=0, max_tokens=max_tokens)
     settings = {"on": dict(max_num_batched_tokens=64),
-                "off": dict(enable_prefix_caching=False, enable_chunked_prefill=False, max_num_batched_tokens=512)}
+                "off": dict(enable_prefix_caching=False, enable_chunked_prefill=False, max_num_batched_tokens=512),
+                "compiled": dict(max_num_batched_tokens=64, enforce_eager=False)}
     result = {}
     for model in models:
         for mode in modes.split(","):
-            llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=8,
+            kwargs = dict(enforce_eager=True) | settings[mode]
+            llm = LLM(model=model, dtype="float32", max_model_len=512, max_num_seqs=8,
                       kv_cache_memory_bytes=1 << 28, gpu_memory_utilization=0.15, disable_log_stats=False,
-                      **settings[mode])
+                      **kwargs)
             # two batches: the second reuses the shared prefix the first left in the cache
             tokens = [list(o.outputs[0].token_ids) for o in llm.generate(prompts[:3], sp, use_tqdm=False)]
             tokens += [list(o.outputs[0].token_ids) for o in llm.generate(prompts[3:], sp, use_tqdm=False)]
@@ -204,6 +206,12 @@ def runs(ckpts, tmp_path_factory):
     procs["offline_atom"] = Proc("offline_atom", [*offline, str(logs / "offline_atom.json"), prompts,
                                                   str(MAX_TOKENS), "on,off", *models],
                                  _env(VLLM_ENABLE_V1_MULTIPROCESSING="0"), logs)
+    # vLLM's torch.compile over atom's models (a private compile cache: a cached graph would
+    # skip the trace this run must show)
+    procs["offline_atom_compiled"] = Proc(
+        "offline_atom_compiled",
+        [*offline, str(logs / "offline_atom_compiled.json"), prompts, str(MAX_TOKENS), "compiled", *models],
+        _env(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CACHE_ROOT=str(logs / "vllm-cache")), logs)
     # vLLM's own CPU MoE kernels need hidden sizes divisible by 32 (the tiny checkpoints have 72),
     # so the plugin-off reference runs Llama only
     procs["offline_vllm"] = Proc("offline_vllm", [*offline, str(logs / "offline_vllm.json"), prompts,
@@ -403,3 +411,16 @@ def test_offline_matches_vllm_and_llm_engine(runs, ckpts, engines):
 def test_offline_moe_matches_llm_engine(runs, ckpts, engines):
     ours = _offline(runs, "offline_atom")[f"{ckpts['qwen3_moe']}|on"]["tokens"]
     assert ours == _engine_greedy(engines("qwen3_moe"), OFFLINE_PROMPTS)
+
+
+@needs_vllm
+def test_offline_compiled_matches_eager(runs, ckpts):
+    """vLLM compiles atom's models (no "does not support it" fallback) and the compiled graphs
+    give the eager tokens."""
+    compiled = _offline(runs, "offline_atom_compiled")
+    eager = _offline(runs, "offline_atom")
+    for arch in ("llama", "qwen3_moe"):
+        assert compiled[f"{ckpts[arch]}|compiled"]["tokens"] == eager[f"{ckpts[arch]}|on"]["tokens"], arch
+    log = runs["offline_atom_compiled"].log()
+    assert "does not support it" not in log
+    assert log.count("saved AOT compiled function") == 2, "vLLM did not compile both models"

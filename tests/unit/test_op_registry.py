@@ -32,3 +32,18 @@ def test_public_ops_are_registered_and_run_the_reference_on_cpu():
     torch.testing.assert_close(res, 2 * x)
     with pytest.raises(ValueError, match="registered twice"):
         ops.register_op("silu_and_mul", triton="x:y", fake=lambda x: x)(ops.reference.silu_and_mul)
+
+
+def test_reference_ops_compile_as_opaque_custom_ops_on_cpu():
+    """Off CUDA, a compiled graph calls the references as custom ops: Dynamo traces a model
+    with the MoE reference's data-dependent loop in one graph, with the eager result."""
+    ops.init_device_ops("cpu")
+    torch.manual_seed(0)
+    x, w13, w2, router = torch.randn(5, 8), torch.randn(4, 6, 8), torch.randn(4, 8, 3), torch.randn(5, 4)
+
+    def moe_block(x, router):
+        weights, ids = ops.moe_topk(router, 2, True)
+        return ops.rms_norm(ops.fused_moe(x, w13, w2, weights, ids), torch.ones(8), 1e-6)
+
+    compiled = torch.compile(moe_block, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x, router), moe_block(x, router))

@@ -5,8 +5,9 @@ Each wrapper is a subclass of atom's own model class (same modules, same paramet
 (``intermediate_tensors``). Every atom attention layer gets a vLLM ``Attention`` layer attached,
 named ``model.layers.N.self_attn.attn``: vLLM builds its metadata and owns its KV cache, and
 its backend (atom's, unless switched off) runs the kernel. atom's layer still does q/k-norm
-and RoPE itself. vLLM does not torch.compile these models (they carry no
-``@support_torch_compile``); its CUDA graphs still capture them.
+and RoPE itself. The wrappers carry vLLM's ``@support_torch_compile``: vLLM compiles them like
+its own models (Dynamo traces atom's ops as opaque custom ops; vLLM's attention op is the
+splitting point of its piecewise CUDA graphs).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from atom import ops
 from atom.distributed.parallel_state import SINGLE, TPInfo
 from atom.layers.attention import Attention as AtomAttention
 from atom.models.registry import get_model_class, supported_architectures
@@ -93,6 +95,9 @@ class VllmModelAdapter:
     def __init__(self, *, vllm_config, prefix: str = "") -> None:
         arch = type(self).atom_architecture
         check_supported(vllm_config, arch)
+        # register atom's Triton custom ops now: registering them on first use would happen
+        # inside Dynamo's trace
+        ops.init_device_ops(vllm_config.device_config.device_type)
         super().__init__(vllm_config.model_config.hf_config, vllm_tp())
         n = attach_vllm_attention(self, vllm_config, prefix)
         logger.info("atom model %s (%s) built for vLLM; its %d attention layers run through vLLM's Attention",
@@ -106,16 +111,23 @@ class VllmModelAdapter:
         return super().compute_logits(hidden_states)
 
 
+# batch (token) dimension of each forward input, for vLLM's torch.compile (the annotations are
+# strings here, so vLLM cannot infer them)
+DYNAMIC_ARG_DIMS = {"input_ids": 0, "positions": -1, "inputs_embeds": 0}
+
+
 def _make_wrapper(arch: str) -> type[nn.Module]:
+    from vllm.compilation.decorators import support_torch_compile
+
     base = get_model_class(arch)
     name = wrapper_name(arch)
-    return type(name, (VllmModelAdapter, base), {
+    return support_torch_compile(dynamic_arg_dims=DYNAMIC_ARG_DIMS)(type(name, (VllmModelAdapter, base), {
         "__module__": __name__,
         "__qualname__": name,
         "__doc__": f"atom's {arch} ({base.__module__}) with vLLM's model interface.",
         "atom_architecture": arch,
         "atom_class": base,
-    })
+    }))
 
 
 for _arch in supported_architectures():
