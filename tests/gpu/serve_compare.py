@@ -14,6 +14,7 @@ processes during the measured pass are recorded too. Logs and JSON go to $OUT.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -136,7 +137,8 @@ def run_one(spec: str, args, trees: dict[str, str], port: int) -> dict:
     except subprocess.TimeoutExpired:
         result["error"] = "benchmark timed out"
     finally:
-        os.killpg(server.pid, signal.SIGINT)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGINT)
         try:
             server.wait(60)
         except subprocess.TimeoutExpired:
