@@ -103,7 +103,7 @@ def run_one(spec: str, args, trees: dict[str, str], port: int) -> dict:
         cmd += ["--no-async-scheduling"] if "sync" in flags and args.has_no_async else []
     cmd += ["--max-num-batched-tokens", mnbt[0]] if mnbt else []
     result = {"run": spec}
-    log = open(os.path.join(args.out, f"server_{name}.log"), "w")
+    log = open(os.path.join(args.out, f"log_{name}.txt"), "w")
     start = time.time()
     server = subprocess.Popen(cmd, cwd=path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -116,12 +116,13 @@ def run_one(spec: str, args, trees: dict[str, str], port: int) -> dict:
                  "--random-output-len", str(args.output_len), "--request-rate", "inf", "--ignore-eos",
                  "--max-concurrency", str(args.concurrency), "--disable-tqdm",
                  "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99"]
-        benv = dict(env, PYTHONPATH=os.path.abspath(trees[next(iter(trees))]))
-        with open(os.path.join(args.out, f"bench_{name}.log"), "w") as blog:
+        first = os.path.abspath(trees[next(iter(trees))])
+        benv = dict(env, PYTHONPATH=":".join(p for p in ("/tmp/site", first) if os.path.isdir(p)))
+        with open(os.path.join(args.out, f"log_{name}.txt"), "a") as blog:
             subprocess.run(bench + ["--num-prompts", str(args.warmup_prompts)], cwd=path, env=benv, stdout=blog,
                            stderr=subprocess.STDOUT, timeout=args.timeout)
             if os.path.exists(trace):
-                os.rename(trace, trace + ".warmup")
+                os.remove(trace)  # the warm-up pass's steps
             before = cpu_seconds(server.pid)
             subprocess.run(bench + ["--num-prompts", str(args.num_prompts), "--save-result", "--result-dir",
                                     args.out, "--result-filename", f"serve_{name}.json"],
