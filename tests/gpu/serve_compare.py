@@ -55,10 +55,10 @@ def wait_healthy(port: int, proc: subprocess.Popen, timeout: float) -> bool:
     return False
 
 
-def summarize_trace(path: str) -> dict:
+def summarize_trace(path: str, since: float) -> dict:
     if not os.path.exists(path):
         return {}
-    rows = [json.loads(line) for line in open(path)]
+    rows = [r for r in map(json.loads, open(path)) if r.get("t", r.get("arrive")) >= since]
     steps = [r for r in rows if "arrive" not in r]
     if not steps:
         return {}
@@ -123,7 +123,7 @@ def run_one(spec: str, args, trees: dict[str, str], port: int) -> dict:
                            stderr=subprocess.STDOUT, timeout=args.timeout)
             if os.path.exists(trace):
                 os.remove(trace)  # the warm-up pass's steps
-            before = cpu_seconds(server.pid)
+            before, since = cpu_seconds(server.pid), time.time()
             subprocess.run(bench + ["--num-prompts", str(args.num_prompts), "--save-result", "--result-dir",
                                     args.out, "--result-filename", f"serve_{name}.json"],
                            cwd=path, env=benv, stdout=blog, stderr=subprocess.STDOUT, timeout=args.timeout)
@@ -146,7 +146,7 @@ def run_one(spec: str, args, trees: dict[str, str], port: int) -> dict:
             os.killpg(server.pid, signal.SIGKILL)
             server.wait()
         log.close()
-    result["trace"] = summarize_trace(trace)
+    result["trace"] = summarize_trace(trace, since) if "since" in locals() else {}
     return result
 
 
