@@ -70,7 +70,10 @@ class EngineCore:
                 self.runner.release(rid)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self._in_flight is not None
+        if self.scheduler.has_unfinished():
+            return True
+        # a step in flight whose requests were all aborted has nothing left to deliver
+        return self._in_flight is not None and any(s.request_id in self.requests for s in self._in_flight[0].requests)
 
     def step(self) -> list[EngineCoreOutput]:
         """Schedule and launch a step, then collect the outputs of the step launched before
