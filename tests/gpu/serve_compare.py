@@ -102,7 +102,7 @@ def run_one(spec: str, args, trees: dict[str, str], port: int) -> dict:
         cmd += ["--async-scheduling"] if "async" in flags else []
         cmd += ["--no-async-scheduling"] if "sync" in flags and args.has_no_async else []
     cmd += ["--max-num-batched-tokens", mnbt[0]] if mnbt else []
-    result = {"run": spec}
+    result, since = {"run": spec}, None
     log = open(os.path.join(args.out, f"log_{name}.txt"), "w")
     start = time.time()
     server = subprocess.Popen(cmd, cwd=path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -135,6 +135,7 @@ def run_one(spec: str, args, trees: dict[str, str], port: int) -> dict:
             r = json.load(open(res))
             result.update({k: r[k] for k in r if k.endswith("_ms") or k in ("output_throughput", "duration",
                                                                             "completed", "request_throughput")})
+            os.remove(res)  # per-request lists; the device tool brings back few files
     except subprocess.TimeoutExpired:
         result["error"] = "benchmark timed out"
     finally:
@@ -146,7 +147,7 @@ def run_one(spec: str, args, trees: dict[str, str], port: int) -> dict:
             os.killpg(server.pid, signal.SIGKILL)
             server.wait()
         log.close()
-    result["trace"] = summarize_trace(trace, since) if "since" in locals() else {}
+    result["trace"] = summarize_trace(trace, since) if since is not None else {}
     return result
 
 
