@@ -4,7 +4,7 @@ one server at a time, ``benchmark_serving`` against each, a short table last.
     python tests/gpu/serve_compare.py --tokenizer DIR --tree after=. \
         --run after:qwen3-8b:sync --run after:qwen3-8b:async --run vllm:qwen3-8b
 
-A run is ``TREE:MODEL[:FLAG,...]``; flags: ``async`` / ``sync`` (atom's scheduling mode),
+A run is ``TREE:MODEL[:FLAG,...]``; flags: ``async`` / ``sync`` (atom's scheduling mode; default: the tree's),
 ``mnbt=N`` (--max-num-batched-tokens). Every run first sends a warm-up pass (Triton compiles
 kernels on first use) and then the measured one. atom runs write a step timeline
 (``ATOM_STEP_TRACE``) that is summarised in the table; the CPU seconds of the server's
@@ -100,7 +100,7 @@ def run_one(spec: str, args, trees: dict[str, str], port: int) -> dict:
         cmd = [sys.executable, "-m", "atom.entrypoints.openai_server", mdir, "--load_dummy", "--max-model-len", "4096",
                "--port", str(port), "--disable-uvicorn-access-log"]
         cmd += ["--async-scheduling"] if "async" in flags else []
-        cmd += ["--no-async-scheduling"] if "sync" in flags and args.has_no_async else []
+        cmd += ["--no-async-scheduling"] if "sync" in flags else []
     cmd += ["--max-num-batched-tokens", mnbt[0]] if mnbt else []
     result, since = {"run": spec}, None
     log = open(os.path.join(args.out, f"log_{name}.txt"), "w")
@@ -163,7 +163,6 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--start-timeout", type=float, default=300)
     p.add_argument("--timeout", type=int, default=400, help="seconds per benchmark pass")
-    p.add_argument("--has-no-async", action="store_true", help="the trees take --no-async-scheduling")
     args = p.parse_args()
     trees = dict(t.split("=", 1) for t in args.tree)
     args.out = os.path.abspath(os.environ.get("OUT", "gpu-results"))
