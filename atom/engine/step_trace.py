@@ -59,9 +59,16 @@ class StepTrace:
         """After a launch: the batch's shape and the device events around its work."""
         decodes = batch.num_decodes
         m = self.marks
-        row = {"t": time.time(), "sched_ms": _ms(m["begin"], m["scheduled"]), "launch_ms": _ms(m["scheduled"],
-               time.perf_counter()), "decodes": decodes, "prefills": len(batch.requests) - decodes,
-               "prefill_tokens": sum(batch.num_new_tokens) - decodes, "waiting": waiting, "running": running}
+        row = {
+            "t": time.time(),
+            "sched_ms": _ms(m["begin"], m["scheduled"]),
+            "launch_ms": _ms(m["scheduled"], time.perf_counter()),
+            "decodes": decodes,
+            "prefills": len(batch.requests) - decodes,
+            "prefill_tokens": sum(batch.num_new_tokens) - decodes,
+            "waiting": waiting,
+            "running": running,
+        }
         end = None
         if start is not None:
             end = torch.cuda.Event(enable_timing=True)

@@ -69,13 +69,23 @@ def summarize_trace(path: str, since: float) -> dict:
 
     mixed = [r for r in steps if r["prefills"]]
     gpu = sorted(r.get("gpu_ms", 0) for r in steps)
-    return {"steps": len(steps), "mixed_steps": len(mixed), "gpu_ms": mean("gpu_ms"), "gap_ms": mean("gap_ms"),
-            "gap_total_s": round(sum(r.get("gap_ms", 0) for r in steps) / 1000, 2),
-            "gpu_total_s": round(sum(gpu) / 1000, 2), "gpu_p99_ms": gpu[int(0.99 * (len(gpu) - 1))],
-            "sched_ms": mean("sched_ms"), "launch_ms": mean("launch_ms"), "wait_ms": mean("wait_ms"),
-            "collect_ms": mean("collect_ms"), "decodes": mean("decodes"), "mixed_prefill_tokens":
-            mean("prefill_tokens", mixed), "mixed_gpu_ms": mean("gpu_ms", mixed),
-            "decode_gpu_ms": mean("gpu_ms", [r for r in steps if not r["prefills"]])}
+    return {
+        "steps": len(steps),
+        "mixed_steps": len(mixed),
+        "gpu_ms": mean("gpu_ms"),
+        "gap_ms": mean("gap_ms"),
+        "gap_total_s": round(sum(r.get("gap_ms", 0) for r in steps) / 1000, 2),
+        "gpu_total_s": round(sum(gpu) / 1000, 2),
+        "gpu_p99_ms": gpu[int(0.99 * (len(gpu) - 1))],
+        "sched_ms": mean("sched_ms"),
+        "launch_ms": mean("launch_ms"),
+        "wait_ms": mean("wait_ms"),
+        "collect_ms": mean("collect_ms"),
+        "decodes": mean("decodes"),
+        "mixed_prefill_tokens": mean("prefill_tokens", mixed),
+        "mixed_gpu_ms": mean("gpu_ms", mixed),
+        "decode_gpu_ms": mean("gpu_ms", [r for r in steps if not r["prefills"]]),
+    }
 
 
 def run_one(spec: str, args, trees: dict[str, str], port: int) -> dict:
@@ -90,15 +100,41 @@ def run_one(spec: str, args, trees: dict[str, str], port: int) -> dict:
     trace = os.path.join(args.out, f"trace_{name}.jsonl")
     if os.path.exists(trace):
         os.remove(trace)
-    env = dict(os.environ, PYTHONPATH=":".join(p for p in ("/tmp/site", path) if os.path.isdir(p)),
-               ATOM_DISABLE_VLLM_PLUGIN="1", PYTHONUNBUFFERED="1", ATOM_STEP_TRACE=trace)
+    env = dict(
+        os.environ,
+        PYTHONPATH=":".join(p for p in ("/tmp/site", path) if os.path.isdir(p)),
+        ATOM_DISABLE_VLLM_PLUGIN="1",
+        PYTHONUNBUFFERED="1",
+        ATOM_STEP_TRACE=trace,
+    )
     mnbt = [f.split("=")[1] for f in flags if f.startswith("mnbt=")]
     if tree == "vllm":
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", mdir, "--load-format", "dummy",
-               "--max-model-len", "4096", "--port", str(port)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            mdir,
+            "--load-format",
+            "dummy",
+            "--max-model-len",
+            "4096",
+            "--port",
+            str(port),
+        ]
     else:
-        cmd = [sys.executable, "-m", "atom.entrypoints.openai_server", mdir, "--load_dummy", "--max-model-len", "4096",
-               "--port", str(port), "--disable-uvicorn-access-log"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "atom.entrypoints.openai_server",
+            mdir,
+            "--load_dummy",
+            "--max-model-len",
+            "4096",
+            "--port",
+            str(port),
+            "--disable-uvicorn-access-log",
+        ]
         cmd += ["--async-scheduling"] if "async" in flags else []
         cmd += ["--no-async-scheduling"] if "sync" in flags else []
     cmd += ["--max-num-batched-tokens", mnbt[0]] if mnbt else []
@@ -111,30 +147,77 @@ def run_one(spec: str, args, trees: dict[str, str], port: int) -> dict:
             result["error"] = "server did not start"
             return result
         result["start_s"] = round(time.time() - start, 1)
-        bench = [sys.executable, "-m", "atom.benchmarks.benchmark_serving", "--backend", "vllm", "--port", str(port),
-                 "--model", mdir, "--dataset-name", "random", "--random-input-len", str(args.input_len),
-                 "--random-output-len", str(args.output_len), "--request-rate", "inf", "--ignore-eos",
-                 "--max-concurrency", str(args.concurrency), "--disable-tqdm",
-                 "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99"]
+        bench = [
+            sys.executable,
+            "-m",
+            "atom.benchmarks.benchmark_serving",
+            "--backend",
+            "vllm",
+            "--port",
+            str(port),
+            "--model",
+            mdir,
+            "--dataset-name",
+            "random",
+            "--random-input-len",
+            str(args.input_len),
+            "--random-output-len",
+            str(args.output_len),
+            "--request-rate",
+            "inf",
+            "--ignore-eos",
+            "--max-concurrency",
+            str(args.concurrency),
+            "--disable-tqdm",
+            "--percentile-metrics",
+            "ttft,tpot,itl,e2el",
+            "--metric-percentiles",
+            "50,90,99",
+        ]
         first = os.path.abspath(trees[next(iter(trees))])
         benv = dict(env, PYTHONPATH=":".join(p for p in ("/tmp/site", first) if os.path.isdir(p)))
         with open(os.path.join(args.out, f"log_{name}.txt"), "a") as blog:
-            subprocess.run(bench + ["--num-prompts", str(args.warmup_prompts)], cwd=path, env=benv, stdout=blog,
-                           stderr=subprocess.STDOUT, timeout=args.timeout)
+            subprocess.run(
+                bench + ["--num-prompts", str(args.warmup_prompts)],
+                cwd=path,
+                env=benv,
+                stdout=blog,
+                stderr=subprocess.STDOUT,
+                timeout=args.timeout,
+            )
             if os.path.exists(trace):
                 os.remove(trace)  # the warm-up pass's steps
             before, since = cpu_seconds(server.pid), time.time()
-            subprocess.run(bench + ["--num-prompts", str(args.num_prompts), "--save-result", "--result-dir",
-                                    args.out, "--result-filename", f"serve_{name}.json"],
-                           cwd=path, env=benv, stdout=blog, stderr=subprocess.STDOUT, timeout=args.timeout)
+            subprocess.run(
+                bench
+                + [
+                    "--num-prompts",
+                    str(args.num_prompts),
+                    "--save-result",
+                    "--result-dir",
+                    args.out,
+                    "--result-filename",
+                    f"serve_{name}.json",
+                ],
+                cwd=path,
+                env=benv,
+                stdout=blog,
+                stderr=subprocess.STDOUT,
+                timeout=args.timeout,
+            )
             after = cpu_seconds(server.pid)
         used = {p: after[p] - before.get(p, 0) for p in after}
         result["cpu_s"] = {str(p): round(s, 1) for p, s in used.items() if s > 1}
         res = os.path.join(args.out, f"serve_{name}.json")
         if os.path.exists(res):
             r = json.load(open(res))
-            result.update({k: r[k] for k in r if k.endswith("_ms") or k in ("output_throughput", "duration",
-                                                                            "completed", "request_throughput")})
+            result.update(
+                {
+                    k: r[k]
+                    for k in r
+                    if k.endswith("_ms") or k in ("output_throughput", "duration", "completed", "request_throughput")
+                }
+            )
             os.remove(res)  # per-request lists; the device tool brings back few files
     except subprocess.TimeoutExpired:
         result["error"] = "benchmark timed out"
@@ -177,9 +260,11 @@ def main() -> None:
     for r in results:
         t = r.get("trace", {})
         host = "/".join(str(t.get(k)) for k in ("sched_ms", "launch_ms", "collect_ms")) if t else ""
-        print(f"| {r['run']} | {r.get('output_throughput', r.get('error', ''))} | {r.get('p50_ttft_ms')}/"
-              f"{r.get('p99_ttft_ms')} | {r.get('p50_tpot_ms')}/{r.get('p99_tpot_ms')} | {r.get('p99_itl_ms')} | "
-              f"{t.get('steps', '')} | {t.get('gpu_ms', '')} | {t.get('gap_ms', '')} | {host} |")
+        print(
+            f"| {r['run']} | {r.get('output_throughput', r.get('error', ''))} | {r.get('p50_ttft_ms')}/"
+            f"{r.get('p99_ttft_ms')} | {r.get('p50_tpot_ms')}/{r.get('p99_tpot_ms')} | {r.get('p99_itl_ms')} | "
+            f"{t.get('steps', '')} | {t.get('gpu_ms', '')} | {t.get('gap_ms', '')} | {host} |"
+        )
 
 
 if __name__ == "__main__":
