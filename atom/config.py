@@ -99,8 +99,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 16384
     max_num_seqs: int = 512
     scheduler_delay_factor: float = 0.0
-    # schedule and launch step N+1 before waiting for step N's tokens (vLLM's name)
-    async_scheduling: bool = False
+    # schedule and launch step N+1 before waiting for step N's tokens (vLLM's name); on by
+    # default: measured faster offline and in serving (docs/performance.md)
+    async_scheduling: bool = True
 
     def __post_init__(self):
         if self.max_num_batched_tokens <= 0:

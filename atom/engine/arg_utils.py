@@ -84,8 +84,9 @@ class EngineArgs:
         a("--max-num-seqs", type=int, default=d.max_num_seqs)
         a("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
         a("--scheduler-delay-factor", type=float, default=d.scheduler_delay_factor)
-        a("--async-scheduling", action="store_true",
-          help="overlap the host work of the next step (scheduling, input building) with the running step")
+        a("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
+          help="overlap the host work of the next step (scheduling, input building) with the running step "
+          "(default: on; --no-async-scheduling turns it off)")
         a("--cudagraph-capture-sizes", type=str, default=json.dumps(d.cudagraph_capture_sizes),
           help="batch sizes captured as CUDA graphs, e.g. '[1,2,4,8]'")
         a("--level", type=int, default=d.level, choices=[0, 1, 2, 3], help="compilation level; 3 = torch.compile")

@@ -9,6 +9,7 @@ hit a stop string.
 from __future__ import annotations
 
 import logging
+import time
 
 from atom.config import Config
 from atom.core_types import RunnerOutput, SchedulerOutput
@@ -16,6 +17,7 @@ from atom.engine.block_manager import BlockManager
 from atom.engine.outputs import CoreInfo, EngineCoreOutput, EngineCoreRequest, EngineStats
 from atom.engine.scheduler import Scheduler
 from atom.engine.sequence import Sequence
+from atom.engine.step_trace import StepTrace
 from atom.worker.model_runner import ModelRunner, PendingOutput
 from atom.worker.rank_worker import ParallelRunner
 
@@ -37,6 +39,7 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler_config, self.block_manager, config.model_config.max_model_len)
         self.requests: dict[str, Sequence] = {}
         self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None  # async scheduling
+        self.trace = StepTrace.from_env()  # ATOM_STEP_TRACE: a per-step timeline
 
     def info(self) -> CoreInfo:
         bm = self.block_manager
@@ -56,6 +59,8 @@ class EngineCore:
                        req.arrival_time)
         self.scheduler.add(seq)  # raises ValueError if it can never fit
         self.requests[req.request_id] = seq
+        if self.trace:
+            self.trace.arrive()
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -65,7 +70,10 @@ class EngineCore:
                 self.runner.release(rid)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self._in_flight is not None
+        if self.scheduler.has_unfinished():
+            return True
+        # a step in flight whose requests were all aborted has nothing left to deliver
+        return self._in_flight is not None and any(s.request_id in self.requests for s in self._in_flight[0].requests)
 
     def step(self) -> list[EngineCoreOutput]:
         """Schedule and launch a step, then collect the outputs of the step launched before
@@ -76,15 +84,27 @@ class EngineCore:
         outputs = []
         if self._in_flight is not None and any(s.sampling_params.uses_history for s in self._in_flight[0].requests):
             outputs, self._in_flight = self._collect(*self._in_flight), None
+        trace = self.trace
+        if trace:
+            trace.mark("begin")
         batch = self.scheduler.schedule()
+        if trace:
+            trace.mark("scheduled")
+            start = trace.device_begin()
         launched = (batch, self.runner.launch(batch)) if not batch.is_empty else None
+        if trace and launched:
+            trace.launched(batch, start, len(self.scheduler.waiting), len(self.scheduler.running))
         if not self.config.scheduler_config.async_scheduling:
             return self._collect(*launched) if launched else []
         previous, self._in_flight = self._in_flight, launched
         return outputs + (self._collect(*previous) if previous else [])
 
     def _collect(self, batch: SchedulerOutput, pending: PendingOutput) -> list[EngineCoreOutput]:
+        if self.trace:
+            self.trace.mark("wait")
         result: RunnerOutput = pending.result()
+        if self.trace:
+            self.trace.mark("ready")
         sampled = self.scheduler.collect(batch, result)
         outputs = []
         for i, seq in enumerate(batch.requests):
@@ -107,6 +127,9 @@ class EngineCore:
             if seq.is_finished:
                 self.requests.pop(seq.request_id, None)
                 self.runner.release(seq.request_id)
+        if self.trace:
+            m = self.trace.marks
+            self.trace.collected((m["ready"] - m["wait"]) * 1000, (time.perf_counter() - m["ready"]) * 1000)
         return outputs
 
     # utilities (the engine-core process calls them by name)
@@ -122,6 +145,8 @@ class EngineCore:
 
     def shutdown(self) -> None:
         """Stop the rank processes (tensor parallelism); the in-process runner needs nothing."""
+        if self.trace:
+            self.trace.flush()
         if isinstance(self.runner, ParallelRunner):
             self.runner.shutdown()
 

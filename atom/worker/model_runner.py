@@ -31,6 +31,7 @@ from atom.worker.logits_processors import process_logits
 from atom.worker.logprobs import prompt_logprobs, token_logprobs, top_logprobs
 from atom.worker.profiler import start_torch_profiler
 from atom.worker.sampler import SamplingTensors, sample
+from atom.worker.warmup import warm_up_sampler, warmup_batches, warmup_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -253,27 +254,20 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warmup(self) -> None:
-        """Run one large prefill-shaped batch so that torch.compile and the Triton kernels
-        compile at start-up rather than inside the first requests."""
+        """Run one batch of each kind the scheduler produces (``atom.worker.warmup``) so that
+        torch.compile and the Triton kernel variants compile at start-up rather than inside
+        the first requests."""
         if self.device.type != "cuda":
             return
         sc = self.config.scheduler_config
-        seq_len = min(self.config.model_config.max_model_len, max(2, sc.max_num_batched_tokens // 2))
-        num_seqs = 2
         start = time.perf_counter()
-        cu = torch.arange(num_seqs + 1, dtype=torch.int32, device=self.device) * seq_len
-        meta = AttentionMetadata(
-            slot_mapping=torch.full((num_seqs * seq_len,), -1, dtype=torch.int64, device=self.device),
-            cu_seqlens_q=cu, seq_lens=torch.full((num_seqs,), seq_len, dtype=torch.int32, device=self.device),
-            block_tables=torch.zeros(num_seqs, -(-seq_len // self.block_size), dtype=torch.int32,
-                                     device=self.device),
-            max_seqlen_q=seq_len, max_seqlen_k=seq_len,
-        )
-        ids = torch.zeros(num_seqs * seq_len, dtype=torch.int64, device=self.device)
-        pos = torch.arange(seq_len, device=self.device).repeat(num_seqs)
-        self.run_model(ids, pos, meta)
+        batches = warmup_batches(sc.max_num_batched_tokens, self.config.model_config.max_model_len)
+        for q_lens, seq_lens in batches:
+            hidden = self.run_model(*warmup_inputs(q_lens, seq_lens, self.block_size, self.device))
+        warm_up_sampler(self.model.compute_logits, hidden)
         torch.cuda.synchronize()
-        logger.info("warm-up (compilation of the prefill path) took %.1f s", time.perf_counter() - start)
+        logger.info("warm-up (compilation of %d batch kinds and the sampler) took %.1f s", len(batches),
+                    time.perf_counter() - start)
 
     def capture_cudagraphs(self) -> None:
         """Capture decode graphs unless eager is asked for or the ops cannot be captured."""

@@ -271,9 +271,10 @@ def test_64_concurrent_streams(server, reference, tiny_model):
     check_concurrent_streams(server, reference, tiny_model)
 
 
-def test_async_scheduling_server(make_server, reference, tiny_model):
-    """``--async-scheduling``: the same answers, and aborts still free every block."""
-    srv = make_server(extra_args=("--async-scheduling",))
+def test_sync_scheduling_server(make_server, reference, tiny_model):
+    """``--no-async-scheduling`` (async scheduling is the default): the same answers, and
+    aborts still free every block."""
+    srv = make_server(extra_args=("--no-async-scheduling",))
     check_concurrent_streams(srv, reference, tiny_model)
     check_killed_client_frees_blocks(srv)
 

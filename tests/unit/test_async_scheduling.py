@@ -43,7 +43,7 @@ def assert_same(got: dict, expected: dict) -> None:
 def engines(tiny_model):
     path = tiny_model("qwen3")
     kwargs = dict(max_model_len=256, enable_prefix_caching=True)
-    return LLMEngine(path, **kwargs), LLMEngine(path, async_scheduling=True, **kwargs)
+    return LLMEngine(path, async_scheduling=False, **kwargs), LLMEngine(path, async_scheduling=True, **kwargs)
 
 
 def workload(engine: LLMEngine) -> list[SamplingParams]:

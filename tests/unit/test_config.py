@@ -32,6 +32,12 @@ def test_cli_spellings():
     assert (args.method, args.num_speculative_tokens, args.torch_profiler_dir, args.level) == ("mtp", 2, "/tmp/p", 0)
 
 
+def test_async_scheduling_is_on_unless_turned_off():
+    assert parse([]).async_scheduling
+    assert parse(["--async-scheduling"]).async_scheduling
+    assert not parse(["--no-async-scheduling"]).async_scheduling
+
+
 @pytest.mark.parametrize("make", [
     lambda: CacheConfig(block_size=12),
     lambda: CacheConfig(gpu_memory_utilization=1.5),

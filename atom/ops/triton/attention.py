@@ -28,7 +28,12 @@ import triton.language as tl
 from atom.ops.triton.prefill_attention import _find_seq, _num_sms, descriptor_ready, prefill_attention
 
 
-@triton.jit
+# per-step values (sequence count, block-table width, metadata slice offsets) are not
+# specialized on: each new combination would compile a variant in the middle of serving
+@triton.jit(
+    do_not_specialize=["num_seqs", "num_splits", "stride_bt"],
+    do_not_specialize_on_alignment=["cu_seqlens_q_ptr", "seq_lens_ptr", "block_tables_ptr"],
+)
 def _paged_attention_kernel(
     out_ptr,
     part_out_ptr,
@@ -136,7 +141,7 @@ def _paged_attention_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(
     out_ptr,
     part_out_ptr,

@@ -91,7 +91,12 @@ def _attend_tile(q, k, v, t, m_i, l_i, acc, qk_scale, q_pos, kv_end, BLOCK_N: tl
     return m_new, l_i, acc
 
 
-@triton.jit
+# per-step values (sequence count, block-table width, metadata slice offsets) are not
+# specialized on: each new combination would compile a variant in the middle of serving
+@triton.jit(
+    do_not_specialize=["num_seqs", "stride_bt"],
+    do_not_specialize_on_alignment=["cu_seqlens_q_ptr", "seq_lens_ptr", "block_tables_ptr"],
+)
 def _prefill_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, k_desc, v_desc, cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
     qk_scale, num_seqs, stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ch, stride_ct, stride_bt,

@@ -76,7 +76,9 @@ def _norm_rope_heads(
     return o1, o2
 
 
-@triton.jit
+# per-step values (sequence count, block-table width, metadata slice offsets) are not
+# specialized on: each new combination would compile a variant in the middle of serving
+@triton.jit(do_not_specialize_on_alignment=["pos_ptr", "slot_ptr"])
 def _qk_norm_rope_store_kernel(
     q_ptr,
     k_ptr,
@@ -242,7 +244,7 @@ def rotary_embedding(
     return qk_norm_rope_store(q, k, k, None, None, 0.0, positions, cos_sin_cache, None, None, None)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["slot_ptr"])
 def _store_kv_cache_kernel(
     k_ptr,
     v_ptr,

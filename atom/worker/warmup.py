@@ -1,0 +1,65 @@
+"""Start-up warm-up batches: one of each kind the scheduler can produce, so that torch.compile
+and every Triton kernel variant compile before the first request instead of inside it.
+
+A kernel variant compiled on first use stalls that step by 0.4-2 s (seen in the step trace
+of a serving run on an H100: mixed batches of a first server process took 1.2-2.0 s instead
+of 0.05-0.4 s), and a throughput benchmark's first process ran at half the speed of a
+later one. The kinds: a full-budget prefill (torch.compile's graph, large prefill tiles,
+the largest MoE tiles), a mid-size prompt, a short chunk over a cached prefix (small
+prefill tiles), a mixed batch (decode rows launched apart from the chunk), decode batches
+outside the CUDA graphs at every split-K factor, and the sampler with every filter on.
+The batches write no KV (slot -1) and read block 0 for every page: only shapes matter.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from atom.forward_context import AttentionMetadata
+from atom.worker.sampler import SamplingTensors, sample
+
+MAX_SPLITS = 64  # atom.ops.triton.attention._num_splits: at most 64 splits of at least 32 keys
+
+
+def warmup_batches(max_num_batched_tokens: int, max_model_len: int) -> list[tuple[list[int], list[int]]]:
+    """(query lengths, sequence lengths) of each warm-up batch; decode rows (query length 1) first."""
+    big = min(max_model_len, max(2, max_num_batched_tokens // 2))
+    mid = min(max_model_len, 1024, max_num_batched_tokens)
+    chunk = min(64, max_num_batched_tokens)
+    prefix = min(max_model_len - chunk, 1024)
+    batches = [([big, big], [big, big]), ([mid], [mid]), ([chunk], [chunk + prefix])]
+    ctx = min(max_model_len, 256)
+    batches.append(([1, 1, 1, chunk], [ctx, ctx, ctx, chunk + prefix]))
+    splits = 1
+    while splits <= MAX_SPLITS and 32 * splits <= max_model_len:  # one decode row at each split-K factor
+        batches.append(([1], [32 * splits if splits > 1 else 16]))
+        splits *= 2
+    return [(q, s) for q, s in batches if sum(q) <= max_num_batched_tokens]
+
+
+def warmup_inputs(q_lens: list[int], seq_lens: list[int], block_size: int, device: torch.device):
+    """input ids, positions and attention metadata of one warm-up batch."""
+    num_tokens = sum(q_lens)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    positions = torch.cat([torch.arange(s - q, s) for q, s in zip(q_lens, seq_lens)]).to(device)
+    meta = AttentionMetadata(
+        slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
+        cu_seqlens_q=cu,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=torch.zeros(len(q_lens), -(-max(seq_lens) // block_size), dtype=torch.int32, device=device),
+        max_seqlen_q=max(q_lens),
+        max_seqlen_k=max(seq_lens),
+        num_decode_tokens=sum(1 for q in q_lens if q == 1),
+    )
+    return torch.zeros(num_tokens, dtype=torch.int64, device=device), positions, meta
+
+
+def warm_up_sampler(compute_logits, hidden: torch.Tensor) -> None:
+    """Greedy and filtered sampling on two rows (the filter kernel compiles on first use)."""
+    logits = compute_logits(hidden[:2])
+    device = logits.device
+    rows = logits.shape[0]
+    params = torch.tensor([[0.7, 0.0][:rows], [5.0, 0.0][:rows], [0.9, 1.0][:rows], [0.05, 0.0][:rows]],
+                          dtype=torch.float32, device=device)  # fmt: skip
+    sample(logits, SamplingTensors(temperatures=params[0], top_k=params[1].to(torch.int32), top_p=params[2],
+                                   min_p=params[3], generators=[None] * rows, all_greedy=False))  # fmt: skip

@@ -1,0 +1,41 @@
+"""The start-up warm-up batches: within the limits, one of each kind, and runnable by the model."""
+
+import torch
+
+from atom import LLMEngine
+from atom.worker.warmup import MAX_SPLITS, warm_up_sampler, warmup_batches, warmup_inputs
+
+
+def test_batches_cover_each_kind_within_limits():
+    batches = warmup_batches(max_num_batched_tokens=16384, max_model_len=4096)
+    for q_lens, seq_lens in batches:
+        assert sum(q_lens) <= 16384 and max(seq_lens) <= 4096
+        assert all(0 < q <= s for q, s in zip(q_lens, seq_lens))
+        decodes = [q == 1 for q in q_lens]
+        assert decodes == sorted(decodes, reverse=True)  # decode rows first, as the scheduler places them
+    assert any(len(q) == 2 and min(q) > 1 for q, _ in batches)  # full-budget prefill of two prompts
+    assert any(1 in q and max(q) > 1 for q, _ in batches)  # mixed: decode rows and a chunk
+    chunk_over_prefix = [s[0] - q[0] for q, s in batches if len(q) == 1 and q[0] > 1]
+    assert max(chunk_over_prefix) > 0
+    # one decode row at each split-K factor: a key range of 32 keys per split, up to MAX_SPLITS
+    decode_lens = sorted(s[0] for q, s in batches if q == [1])
+    assert decode_lens == [16] + [32 * (1 << i) for i in range(1, MAX_SPLITS.bit_length())]
+
+
+def test_batches_respect_small_limits():
+    for q_lens, seq_lens in warmup_batches(max_num_batched_tokens=48, max_model_len=128):
+        assert sum(q_lens) <= 48 and max(seq_lens) <= 128
+
+
+def test_every_batch_runs_through_the_model(tiny_model):
+    engine = LLMEngine(tiny_model("qwen3"), max_model_len=256, enforce_eager=True)
+    runner = engine.core.runner
+    hidden = None
+    with torch.inference_mode():
+        for q_lens, seq_lens in warmup_batches(512, 256):
+            ids, positions, meta = warmup_inputs(q_lens, seq_lens, runner.block_size, runner.device)
+            assert positions.tolist() == [p for q, s in zip(q_lens, seq_lens) for p in range(s - q, s)]
+            assert meta.num_decode_tokens == q_lens.count(1)
+            hidden = runner.run_model(ids, positions, meta)
+            assert hidden.shape[0] == sum(q_lens)  # the KV read is block 0's: values do not matter
+        warm_up_sampler(runner.model.compute_logits, hidden)
