@@ -31,8 +31,14 @@ def copy_bandwidth(nbytes: int = 2 << 30, iters: int = 20) -> float:
 def tpot_atom(path: str, args) -> float:
     from atom import LLMEngine, SamplingParams
 
-    llm = LLMEngine(path, load_dummy=True, skip_tokenizer_init=True, max_model_len=args.max_model_len,
-                    enforce_eager=args.enforce_eager, max_num_seqs=8)
+    llm = LLMEngine(
+        path,
+        load_dummy=True,
+        skip_tokenizer_init=True,
+        max_model_len=args.max_model_len,
+        enforce_eager=args.enforce_eager,
+        max_num_seqs=8,
+    )
     prompt = list(range(1000, 1000 + args.input_len))
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=args.output_len)
     llm.generate([prompt], params, use_tqdm=False)  # warm-up
@@ -43,8 +49,14 @@ def tpot_atom(path: str, args) -> float:
 def tpot_vllm(path: str, args) -> float:
     from vllm import LLM, SamplingParams
 
-    llm = LLM(path, load_format="dummy", skip_tokenizer_init=True, max_model_len=args.max_model_len,
-              enforce_eager=args.enforce_eager, max_num_seqs=8)
+    llm = LLM(
+        path,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        max_model_len=args.max_model_len,
+        enforce_eager=args.enforce_eager,
+        max_num_seqs=8,
+    )
     prompt = {"prompt_token_ids": list(range(1000, 1000 + args.input_len))}
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=args.output_len, detokenize=False)
     llm.generate([prompt], params, use_tqdm=False)
@@ -71,12 +83,22 @@ def main(argv=None) -> dict:
     tpot = (tpot_vllm if args.engine == "vllm" else tpot_atom)(path, args)
     bw = copy_bandwidth()
     floor = weight_bytes(args.model) / bw
-    result = dict(engine=args.engine, model=args.model, tpot_ms=round(tpot * 1e3, 3),
-                  floor_ms=round(floor * 1e3, 3), fraction_of_floor=round(floor / tpot, 3),
-                  copy_bandwidth_gbs=round(bw / 1e9, 1), weight_gb=round(weight_bytes(args.model) / 1e9, 3))
-    return report("| engine | model | TPOT (ms) | floor (ms) | floor/TPOT | copy GB/s |\n|---|---|---|---|---|---|\n"
-                  f"| {args.engine} | {args.model} | {tpot * 1e3:.3f} | {floor * 1e3:.3f} | {floor / tpot:.2f} "
-                  f"| {bw / 1e9:.0f} |", result, args.output_json)
+    result = dict(
+        engine=args.engine,
+        model=args.model,
+        tpot_ms=round(tpot * 1e3, 3),
+        floor_ms=round(floor * 1e3, 3),
+        fraction_of_floor=round(floor / tpot, 3),
+        copy_bandwidth_gbs=round(bw / 1e9, 1),
+        weight_gb=round(weight_bytes(args.model) / 1e9, 3),
+    )
+    return report(
+        "| engine | model | TPOT (ms) | floor (ms) | floor/TPOT | copy GB/s |\n|---|---|---|---|---|---|\n"
+        f"| {args.engine} | {args.model} | {tpot * 1e3:.3f} | {floor * 1e3:.3f} | {floor / tpot:.2f} "
+        f"| {bw / 1e9:.0f} |",
+        result,
+        args.output_json,
+    )
 
 
 if __name__ == "__main__":

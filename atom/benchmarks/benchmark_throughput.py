@@ -28,8 +28,9 @@ def workload(num_seqs: int, max_input_len: int, max_output_len: int):
 def run_atom(path: str, args) -> float:
     from atom import LLMEngine, SamplingParams
 
-    kwargs = dict(load_dummy=True, skip_tokenizer_init=True, max_model_len=args.max_model_len,
-                  enforce_eager=args.enforce_eager)
+    kwargs = dict(
+        load_dummy=True, skip_tokenizer_init=True, max_model_len=args.max_model_len, enforce_eager=args.enforce_eager
+    )
     if args.level is not None:
         kwargs["level"] = args.level
     llm = LLMEngine(path, async_scheduling=args.async_scheduling, **kwargs)
@@ -47,8 +48,14 @@ def run_vllm(path: str, args) -> float:
     from vllm import LLM, SamplingParams
 
     extra = {"async_scheduling": True} if args.async_scheduling else {}  # else vLLM's own default
-    llm = LLM(path, load_format="dummy", skip_tokenizer_init=True, max_model_len=args.max_model_len,
-              enforce_eager=args.enforce_eager, **extra)
+    llm = LLM(
+        path,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        max_model_len=args.max_model_len,
+        enforce_eager=args.enforce_eager,
+        **extra,
+    )
     prompts, max_tokens = workload(args.num_seqs, args.max_input_len, args.max_output_len)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n, detokenize=False) for n in max_tokens]
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=8, detokenize=False), use_tqdm=False)
@@ -70,12 +77,23 @@ def main(argv=None) -> dict:
     random.seed(0)  # before the engine starts, as bench.py
     path = model_dir(args.model)
     elapsed, tokens = (run_vllm if args.engine == "vllm" else run_atom)(path, args)
-    result = dict(engine=args.engine, model=args.model, num_seqs=args.num_seqs, output_tokens=tokens,
-                  elapsed_s=round(elapsed, 3), output_tokens_per_s=round(tokens / elapsed, 1),
-                  enforce_eager=args.enforce_eager, level=args.level, async_scheduling=args.async_scheduling)
-    return report(f"| engine | model | output tokens | time (s) | output tok/s |\n|---|---|---|---|---|\n"
-                  f"| {args.engine} | {args.model} | {tokens} | {elapsed:.2f} | {tokens / elapsed:.1f} |",
-                  result, args.output_json)
+    result = dict(
+        engine=args.engine,
+        model=args.model,
+        num_seqs=args.num_seqs,
+        output_tokens=tokens,
+        elapsed_s=round(elapsed, 3),
+        output_tokens_per_s=round(tokens / elapsed, 1),
+        enforce_eager=args.enforce_eager,
+        level=args.level,
+        async_scheduling=args.async_scheduling,
+    )
+    return report(
+        f"| engine | model | output tokens | time (s) | output tok/s |\n|---|---|---|---|---|\n"
+        f"| {args.engine} | {args.model} | {tokens} | {elapsed:.2f} | {tokens / elapsed:.1f} |",
+        result,
+        args.output_json,
+    )
 
 
 if __name__ == "__main__":

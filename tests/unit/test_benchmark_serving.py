@@ -621,7 +621,7 @@ def test_every_documented_flag_parses():
     known = set(bs.build_parser()._option_string_actions)
     assert len(documented) >= 40 and documented <= known, documented - known
     for group in bs.ARGUMENTS.values():  # and every flag of the parser is documented
-        assert {flags[0] for flags, _ in group} <= documented
+        assert {row[0] for row in group} <= documented
 
 
 def test_unknown_tokenizer_fails_fast_in_one_line(tmp_path):
