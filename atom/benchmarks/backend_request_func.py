@@ -1,7 +1,8 @@
-"""One streaming HTTP client for every serving backend, timed token by token (after vLLM's
-``backend_request_func.py``). A backend differs only in its endpoint, the JSON body it sends and where an
-event keeps its text: ``BACKENDS`` declares those. ``async_request`` never raises for a failed request:
-it comes back as ``success=False`` with the reason in ``error``, so one bad request does not abort a run."""
+"""One OpenAI-compatible streaming client for every serving backend, timed token by token (after
+vLLM's ``backend_request_func.py``). Every backend is sent OpenAI Completions requests (Chat Completions
+for ``openai-chat``); the backend's name only labels the results. ``async_request`` never raises for a
+failed request: it comes back as ``success=False`` with the reason in ``error``, so one bad request does
+not abort a run of thousands."""
 
 from __future__ import annotations
 
@@ -13,9 +14,7 @@ import time
 import traceback
 import urllib.parse
 import urllib.request
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
 
 import aiohttp
 
@@ -37,7 +36,6 @@ class RequestFuncInput:
     model_name: str | None = None
     logprobs: int | None = None
     best_of: int = 1
-    extra_body: dict | None = None
     ignore_eos: bool = False
 
 
@@ -57,27 +55,11 @@ class RequestFuncOutput:
 def _sse_payload(line: bytes) -> str | None:
     """The payload of one SSE line, or None for lines that carry no data."""
     text = line.strip().decode("utf-8")
-    # Blank lines separate events; ':' lines are comments (TGI's keep-alive pings).
+    # Blank lines separate events; ':' lines are comments (keep-alive pings).
     if not text or text.startswith(":") or text.split(":", 1)[0] in ("event", "id", "retry"):
         return None
     # Some servers stream bare JSON lines without the "data:" field name.
     return text.removeprefix("data:").strip()
-
-
-class SSEDecoder:
-    """Splits a streamed HTTP body into the payloads of server-sent events. aiohttp's line iterator fails
-    on a line over 64 KiB, which one event with logprobs can exceed, so raw chunks are buffered here.
-    Splitting on b"\\n" is safe for UTF-8: that byte never occurs inside a multi-byte character."""
-
-    def __init__(self) -> None:
-        self._buffer = b""
-
-    def feed(self, chunk: bytes) -> list[str]:
-        *lines, self._buffer = (self._buffer + chunk).split(b"\n")
-        return [p for p in map(_sse_payload, lines) if p is not None]
-
-    def flush(self) -> list[str]:
-        return self.feed(b"\n")
 
 
 def _openai_body(r: RequestFuncInput, chat: bool) -> dict:
@@ -92,72 +74,40 @@ def _openai_body(r: RequestFuncInput, chat: bool) -> dict:
         body.update(prompt=r.prompt, repetition_penalty=1.0, logprobs=r.logprobs)
         if r.best_of > 1:
             body["best_of"] = r.best_of
-    return {**body, **({"ignore_eos": True} if r.ignore_eos else {}), **(r.extra_body or {})}
+    return body | ({"ignore_eos": True} if r.ignore_eos else {})
 
 
-def _chat_text(event: dict) -> str | None:
+def _event_text(event: dict) -> str | None:
+    """The text of a streamed completion or chat chunk; None for the usage summary and a chat chunk that
+    only announces the assistant role (it comes before any token: timing it would make TTFT look near
+    zero). Reasoning text is kept so that counting tokens by text includes it."""
     if not event.get("choices"):
-        return None  # the usage summary
-    delta = event["choices"][0].get("delta") or {}
+        return None
+    if (delta := event["choices"][0].get("delta")) is None:
+        return event["choices"][0].get("text") or ""
     content, reasoning = delta.get("content"), delta.get("reasoning_content") or delta.get("reasoning")
-    # A chunk that only announces the assistant role comes before any token: timing it would make
-    # TTFT look near zero. Reasoning text is kept so that counting tokens by text includes it.
     return None if "role" in delta and not content and not reasoning else (reasoning or "") + (content or "")
 
 
-def _tgi_body(r: RequestFuncInput) -> dict:  # TGI rejects temperature 0 and top_p 1
-    params = dict(max_new_tokens=r.output_len, do_sample=True, temperature=0.01, top_p=0.99, truncate=r.prompt_len)
-    return {"inputs": r.prompt, "parameters": {**params, "ignore_eos_token": r.ignore_eos}}
+# backend -> the endpoint its URL must end with: all speak the OpenAI API, so a name only labels the results
+_NAMES = ["tgi", "vllm", "lmdeploy", "deepspeed-mii", "openai", "openai-chat", "tensorrt-llm", "scalellm", "sglang"]
+BACKENDS = {name: "chat/completions" if name == "openai-chat" else "completions" for name in _NAMES}
 
 
-def _trt_body(r: RequestFuncInput) -> dict:
-    body = dict(accumulate_tokens=True, text_input=r.prompt, temperature=0.0, top_p=1.0, max_tokens=r.output_len)
-    return {**body, "stream": True, **({"min_length": r.output_len} if r.ignore_eos else {})}
-
-
-def _mii_body(r: RequestFuncInput) -> dict:
-    return dict(model=r.model, prompt=r.prompt, max_tokens=r.output_len, temperature=0.01, top_p=1.0)
-
-
-def _mii_text(event: dict) -> str:
-    return event["choices"][0]["text"] if "choices" in event else event["text"][0]
-
-
-@dataclass(frozen=True)
-class Backend:
-    """How one serving protocol is spoken: where, what is sent, where the text is in an event."""
-
-    endpoint_suffix: str
-    body: Callable[[RequestFuncInput], dict]
-    # text of one event; None for an event that is not a token (e.g. the usage summary)
-    text: Callable[[dict], str | None]
-    stream: bool = True  # False: one JSON response, TTFT stays 0 and the whole time is latency
-
-
-def _completion_text(event: dict) -> str | None:
-    return (event["choices"][0].get("text") or "") if event.get("choices") else None
-
-
-COMPLETIONS = Backend("completions", partial(_openai_body, chat=False), _completion_text)
-BACKENDS: dict[str, Backend] = {
-    # only TGI's last event carries the full text
-    "tgi": Backend("generate_stream", _tgi_body, lambda e: e.get("generated_text") or ""),
-    "vllm": COMPLETIONS,
-    "lmdeploy": COMPLETIONS,
-    "deepspeed-mii": Backend("completions", _mii_body, _mii_text, stream=False),
-    "openai": COMPLETIONS,
-    "openai-chat": Backend("chat/completions", partial(_openai_body, chat=True), _chat_text),
-    "tensorrt-llm": Backend("generate_stream", _trt_body, lambda e: e["text_output"]),
-    "scalellm": COMPLETIONS,
-    "sglang": COMPLETIONS,
-}
+def client_session() -> aiohttp.ClientSession:
+    """The session requests go through: no cap on connections (aiohttp's default of 100 would silently
+    cap the concurrency; --max-concurrency rules), a timeout against a hung server only, and a read
+    buffer for any one server-sent event (aiohttp's line reader fails on a line over twice its 64 KiB
+    default, which an event with logprobs can exceed)."""
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60)
+    return aiohttp.ClientSession(connector=connector, trust_env=True, timeout=AIOHTTP_TIMEOUT, read_bufsize=1 << 24)
 
 
 def check_api_url(backend: str, api_url: str) -> None:
     """Raise ValueError unless ``api_url`` is an endpoint ``backend`` can use."""
     if backend not in BACKENDS:
         raise ValueError(f"Unknown backend: {backend}. Choices: {list(BACKENDS)}")
-    if not api_url.endswith(suffix := BACKENDS[backend].endpoint_suffix):
+    if not api_url.endswith(suffix := BACKENDS[backend]):
         raise ValueError(f"Backend {backend!r} URL must end with {suffix!r}, got {api_url!r}. Set --endpoint.")
 
 
@@ -167,42 +117,30 @@ def _auth_headers() -> dict[str, str]:
 
 
 async def async_request(backend: str, request: RequestFuncInput, session: aiohttp.ClientSession, pbar=None):
-    """Send one request to ``request.api_url`` the way ``backend`` speaks and time its tokens."""
-    b, output = BACKENDS[backend], RequestFuncOutput(prompt_len=request.prompt_len)
-    if backend == "tgi" and request.ignore_eos:  # TGI reports no usage; the count is the requested one
-        output.output_tokens = request.output_len
+    """Send one request to ``request.api_url`` as ``backend`` and time its tokens; ``session`` comes from
+    ``client_session``."""
+    output = RequestFuncOutput(prompt_len=request.prompt_len)
+    body = _openai_body(request, chat=BACKENDS[backend] == "chat/completions")
     times = [time.perf_counter()]  # the send time, then the arrival of every token
-
-    def on_payload(payload: str) -> None:
-        if payload == "[DONE]":
-            return
-        event = json.loads(payload)
-        if (text := b.text(event)) is not None:
-            times.append(time.perf_counter())
-            output.generated_text += text
-        if usage := event.get("usage"):
-            output.output_tokens = usage.get("completion_tokens")
-
     try:
-        async with session.post(request.api_url, json=b.body(request), headers=_auth_headers()) as response:
+        async with session.post(request.api_url, json=body, headers=_auth_headers()) as response:
             if response.status != 200:
                 output.error = f"HTTP {response.status} {response.reason}: {(await response.text())[:1000]}"
-            elif not b.stream:
-                on_payload(await response.text())
             else:
-                decoder = SSEDecoder()
-                async for chunk in response.content.iter_any():
-                    for payload in decoder.feed(chunk):
-                        on_payload(payload)
-                for payload in decoder.flush():
-                    on_payload(payload)
+                async for line in response.content:  # server-sent events, one a line
+                    if (payload := _sse_payload(line)) is None or payload == "[DONE]":
+                        continue
+                    if (text := _event_text(event := json.loads(payload))) is not None:
+                        times.append(time.perf_counter())
+                        output.generated_text += text
+                    if usage := event.get("usage"):
+                        output.output_tokens = usage.get("completion_tokens")
     except aiohttp.ClientConnectorError as exc:  # the server is not (yet) running: say so plainly
         output.error = f"Cannot connect to {request.api_url}: {exc}"
     except Exception as exc:
         output.error = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     if len(times) > 1 and not output.error:
-        output.success, output.latency = True, times[-1] - times[0]
-        output.ttft = times[1] - times[0] if b.stream else 0.0
+        output.success, output.latency, output.ttft = True, times[-1] - times[0], times[1] - times[0]
         output.itl = [b - a for a, b in zip(times[1:], times[2:])]
         if output.output_tokens and output.output_tokens > 1:
             output.tpot = (output.latency - output.ttft) / (output.output_tokens - 1)

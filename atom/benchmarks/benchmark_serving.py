@@ -29,12 +29,12 @@ import numpy as np
 from tqdm.asyncio import tqdm
 
 from atom.benchmarks.backend_request_func import (
-    AIOHTTP_TIMEOUT,
     BACKENDS,
     BenchmarkError,
     RequestFuncInput,
     async_request,
     check_api_url,
+    client_session,
     get_tokenizer,
     served_model,
 )
@@ -159,9 +159,7 @@ async def benchmark(
         options = dict(logprobs=args.logprobs, best_of=args.best_of, ignore_eos=args.ignore_eos)
         return RequestFuncInput(request.prompt, api_url, model=model, model_name=name, **lens, **options)
 
-    # aiohttp's default of 100 connections would silently cap the concurrency; --max-concurrency rules
-    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60)
-    async with aiohttp.ClientSession(connector=connector, trust_env=True, timeout=AIOHTTP_TIMEOUT) as session:
+    async with client_session() as session:
         semaphore = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else contextlib.nullcontext()
 
         async def send(request_input: RequestFuncInput, pbar: tqdm | None = None):

@@ -28,14 +28,13 @@ def add_arguments(parser: argparse.ArgumentParser | Any, rows: list[tuple]) -> N
     """Add ``(flag, default, help[, more argparse keywords])`` rows. The default gives the type; a type in
     its place means no default, and ``False`` makes a switch."""
     for flag, default, help, *more in rows:
-        kwargs = dict(help=help, **(more[0] if more else {}))
         if default is False:
-            kwargs["action"] = "store_true"
+            kwargs = dict(action="store_true")
         elif isinstance(default, type):
-            kwargs["type"] = default
+            kwargs = dict(type=default)
         else:
-            kwargs.update(default=default, type=type(default))
-        parser.add_argument(flag, **kwargs)
+            kwargs = dict(default=default, type=type(default))
+        parser.add_argument(flag, help=help, **kwargs | (more[0] if more else {}))
 
 
 def _clear_inf(o: Any) -> Any:
