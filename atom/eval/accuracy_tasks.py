@@ -141,87 +141,54 @@ _GSM8K_EXEMPLARS = [
 ]
 
 
+def _spec(output_type: str, text: str, target: str, version: float = 1.0, **fields) -> dict:
+    return dict(
+        output_type=output_type, doc_to_text=text, doc_to_target=target, **fields, metadata={"version": version}
+    )
+
+
+def _gsm8k_spec() -> dict:
+    strict = [{"function": "regex", "regex_pattern": "The answer is (\\-?[0-9\\.\\,]+)."}, {"function": "take_first"}]
+    flexible = [{"function": "regex", "group_select": -1, "regex_pattern": "(-?[$0-9.,]{2,})|(-?[0-9]+)"}]
+    exact_match = dict(metric="exact_match", aggregation="mean", higher_is_better=True, ignore_case=True)
+    exact_match.update(ignore_punctuation=False, regexes_to_ignore=[",", "\\$", "(?s).*#### ", "\\.$"])
+    return _spec(
+        "generate_until",
+        "Q: {{question}}\nA:",
+        "{{answer.split('####')[-1].strip() if answer is defined else target}}",
+        version=3.0,
+        num_fewshot=8,
+        fewshot_config={"sampler": "first_n", "samples": [{"question": q, "target": a} for q, a in _GSM8K_EXEMPLARS]},
+        generation_kwargs={"until": ["Q:", "</s>", "<|im_end|>"], "do_sample": False},
+        filter_list=[
+            {"name": "strict-match", "filter": strict},
+            {"name": "flexible-extract", "filter": [*flexible, {"function": "take_first"}]},
+        ],
+        metric_list=[exact_match],
+    )
+
+
 def task_config(task: str, data_file: str) -> dict:
     """lm-eval task config of ``task`` over the local ``data_file`` (jsonl); apart from the data source and
     the name (``atom_<task>``) these are lm-eval 0.4.13's own definitions."""
-    base = {
-        "task": f"atom_{task}",
-        "dataset_path": "json",
-        "dataset_kwargs": {"data_files": {"test": data_file}},
-        "test_split": "test",
-    }
+    base = dict(task=f"atom_{task}", dataset_path="json", dataset_kwargs={"data_files": {"test": data_file}})
+    base["test_split"] = "test"
     if task == "arc_easy":
-        return {
-            **base,
-            "output_type": "multiple_choice",
-            "doc_to_text": "Question: {{question}}\nAnswer:",
-            "doc_to_target": "{{choices.label.index(answerKey)}}",
-            "doc_to_choice": "{{choices.text}}",
-            "metric_list": _MC_METRICS,
-            "metadata": {"version": 1.0},
-        }
+        question, answer = "Question: {{question}}\nAnswer:", "{{choices.label.index(answerKey)}}"
+        return base | _spec(
+            "multiple_choice", question, answer, doc_to_choice="{{choices.text}}", metric_list=_MC_METRICS
+        )
     if task == "hellaswag":
-        return {
-            **base,
-            "output_type": "multiple_choice",
-            "doc_to_text": "{{query}}",
-            "doc_to_target": "{{label}}",
-            "doc_to_choice": "choices",
-            "metric_list": _MC_METRICS,
-            "metadata": {"version": 1.0},
-        }
+        return base | _spec(
+            "multiple_choice", "{{query}}", "{{label}}", doc_to_choice="choices", metric_list=_MC_METRICS
+        )
     if task == "lambada":
-        return {
-            **base,
-            "output_type": "loglikelihood",
-            "doc_to_text": "{{text.split(' ')[:-1]|join(' ')}}",
-            "doc_to_target": "{{' '+text.split(' ')[-1]}}",
-            "metric_list": [
-                {"metric": "perplexity", "aggregation": "perplexity", "higher_is_better": False},
-                {"metric": "acc", "aggregation": "mean", "higher_is_better": True},
-            ],
-            "metadata": {"version": 1.0},
-        }
+        perplexity = {"metric": "perplexity", "aggregation": "perplexity", "higher_is_better": False}
+        metrics = [perplexity, {"metric": "acc", "aggregation": "mean", "higher_is_better": True}]
+        text, target = "{{text.split(' ')[:-1]|join(' ')}}", "{{' '+text.split(' ')[-1]}}"
+        return base | _spec("loglikelihood", text, target, metric_list=metrics)
     if task == "gsm8k":
-        return {
-            **base,
-            "output_type": "generate_until",
-            "doc_to_text": "Q: {{question}}\nA:",
-            "doc_to_target": "{{answer.split('####')[-1].strip() if answer is defined else target}}",
-            "num_fewshot": 8,
-            "fewshot_config": {
-                "sampler": "first_n",
-                "samples": [{"question": q, "target": a} for q, a in _GSM8K_EXEMPLARS],
-            },
-            "generation_kwargs": {"until": ["Q:", "</s>", "<|im_end|>"], "do_sample": False},
-            "filter_list": [
-                {
-                    "name": "strict-match",
-                    "filter": [
-                        {"function": "regex", "regex_pattern": "The answer is (\\-?[0-9\\.\\,]+)."},
-                        {"function": "take_first"},
-                    ],
-                },
-                {
-                    "name": "flexible-extract",
-                    "filter": [
-                        {"function": "regex", "group_select": -1, "regex_pattern": "(-?[$0-9.,]{2,})|(-?[0-9]+)"},
-                        {"function": "take_first"},
-                    ],
-                },
-            ],
-            "metric_list": [
-                {
-                    "metric": "exact_match",
-                    "aggregation": "mean",
-                    "higher_is_better": True,
-                    "ignore_case": True,
-                    "ignore_punctuation": False,
-                    "regexes_to_ignore": [",", "\\$", "(?s).*#### ", "\\.$"],
-                }
-            ],
-            "metadata": {"version": 3.0},
-        }
+        return base | _gsm8k_spec()
     raise ValueError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
 
 
