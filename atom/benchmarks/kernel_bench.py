@@ -280,29 +280,17 @@ def prefill_sweep() -> list[dict]:
     for q_len, ctx in [(2048, 0), (8192, 0), (512, 4096), (2048, 4096), (4096, 0), (1024, 1024)]:
         for cfg, packed in itertools.product(cfgs, (False, True)):
             case = functools.partial(builder, cfg, packed, q_len, ctx)
-            rows.append(
-                _timed(
-                    f"prefill q={q_len} ctx={ctx}", {**cfg, "packed": packed}, functools.partial(prepare, case), check
-                )
-            )
+            config = {**cfg, "packed": packed}
+            rows.append(_timed(f"prefill q={q_len} ctx={ctx}", config, functools.partial(prepare, case), check))
     return [r for r in rows if r]
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(
-        parser,
-        [
-            ("--output-json", str, "write all results here"),
-            (
-                "--sweep",
-                str,
-                "also time alternative tile configs of these kernels",
-                dict(choices=["moe", "prefill"], nargs="*", default=[]),
-            ),
-            ("--only", "", "run only the cases whose kernel name contains this"),
-        ],
-    )
+    sweeps = dict(choices=["moe", "prefill"], nargs="*", default=[])
+    add_arguments(parser, [("--output-json", str, "write all results here")])
+    add_arguments(parser, [("--sweep", str, "also time alternative tile configs of these kernels", sweeps)])
+    add_arguments(parser, [("--only", "", "run only the cases whose kernel name contains this")])
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO)
     fa3, fused_experts = vllm_kernels()
@@ -329,9 +317,8 @@ def main():
     for r in results:
         tflops = f"{r['tflops']:6.1f} {100 * r['tflops'] / tf:4.0f}%" if r["tflops"] else " " * 12
         ref = f"{r['ref_ms']:8.4f} {r['ref_ms'] / r['ms']:6.2f} {r['diff']:7.4f}" if "ref_ms" in r else ""
-        print(
-            f"{r['kernel']:<13} {r['shape']:<29} {r['ms']:8.4f} {r['gbps']:6.0f} {100 * r['gbps'] / bw:4.0f}% {tflops} {ref}"
-        )
+        gbps = f"{r['gbps']:6.0f} {100 * r['gbps'] / bw:4.0f}%"
+        print(f"{r['kernel']:<13} {r['shape']:<29} {r['ms']:8.4f} {gbps} {tflops} {ref}")
     if args.output_json:
         machine = dict(device=torch.cuda.get_device_name(), copy_gbps=bw, bf16_matmul_tflops=tf)
         write_to_json(args.output_json, dict(machine=machine, results=results, sweep=sweep_rows), indent=2)
