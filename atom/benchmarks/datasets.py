@@ -80,14 +80,7 @@ class RandomDataset(BenchmarkDataset):
     always the measured length of the final prompt."""
 
     def sample(
-        self,
-        tokenizer,
-        num_requests,
-        prefix_len=0,
-        range_ratio=1.0,
-        input_len=1024,
-        output_len=128,
-        use_chat_template=False,
+        self, tokenizer, n, prefix_len=0, range_ratio=1.0, input_len=1024, output_len=128, use_chat_template=False
     ):
         if not 0.0 <= range_ratio <= 1.0:
             raise ValueError(f"--random-range-ratio must be in [0, 1], got {range_ratio}.")
@@ -100,11 +93,11 @@ class RandomDataset(BenchmarkDataset):
                 raise ValueError(f"--random-input-len leaves no room for the chat template ({template_len} tokens).")
         # a shared prefix of identical text, e.g. to measure prefix caching
         prefix_text = tokenizer.decode(self.np_rng.choice(allowed_ids, size=prefix_len).tolist()) if prefix_len else ""
-        in_lens = self.np_rng.integers(int(input_len * range_ratio), input_len + 1, size=num_requests)
-        out_lens = self.np_rng.integers(int(output_len * range_ratio), output_len + 1, size=num_requests)
-        offsets = self.np_rng.integers(0, len(allowed_ids), size=num_requests)
+        in_lens = self.np_rng.integers(int(input_len * range_ratio), input_len + 1, size=n)
+        out_lens = self.np_rng.integers(int(output_len * range_ratio), output_len + 1, size=n)
+        offsets = self.np_rng.integers(0, len(allowed_ids), size=n)
         requests, mismatches = [], []
-        for i in range(num_requests):
+        for i in range(n):
             target_len = prefix_len + int(in_lens[i])
             # consecutive ids from a random offset, as in vLLM: cheap and different for every request
             body_ids = allowed_ids[(offsets[i] + i + np.arange(in_lens[i])) % len(allowed_ids)].tolist()
@@ -154,26 +147,21 @@ def prompt_and_completion(record: dict[str, Any]) -> tuple[str, str | None]:
     raise ValueError(f"Cannot find a prompt in hf dataset record with columns {sorted(record)}; expected {columns}.")
 
 
-def _datasets_module(what: str):
-    try:
-        import datasets
-    except ImportError as err:
-        raise ImportError(f"Reading {what} needs the 'datasets' package (pip install datasets).") from err
-    return datasets
-
-
 def load_local_records(path: str, subset: str | None = None, split: str | None = None) -> list[dict[str, Any]]:
     if subset and os.path.isdir(os.path.join(path, subset)):
         path = os.path.join(path, subset)
     ext = os.path.splitext(path)[1].lower()
-    if os.path.isdir(path):
-        datasets = _datasets_module("a saved Hugging Face dataset directory")
+    if os.path.isdir(path) or (ext in (".parquet", ".arrow") and os.path.isfile(path)):
+        try:
+            import datasets
+        except ImportError as err:
+            raise ImportError(f"Reading {path} needs the 'datasets' package (pip install datasets).") from err
+        if not os.path.isdir(path):
+            return list(datasets.load_dataset(ext[1:], data_files=path, split="train"))
         data = datasets.load_from_disk(path)
         if isinstance(data, datasets.DatasetDict):
             data = data[split or ("train" if "train" in data else next(iter(data)))]
         return list(data)
-    if ext in (".parquet", ".arrow") and os.path.isfile(path):
-        return list(_datasets_module(f"{ext} files").load_dataset(ext[1:], data_files=path, split="train"))
     if not os.path.isfile(path) or ext not in (".json", ".jsonl", ".csv"):
         raise ValueError(
             f"--dataset-path {path!r} is not a local directory nor a .json/.jsonl/.csv/.parquet file. The hf "
@@ -302,20 +290,17 @@ def get_samples(args: argparse.Namespace, tokenizer) -> list[SampleRequest]:
     if args.use_chat_template and args.backend == "openai-chat":
         logger.warning("--use-chat-template with the openai-chat backend applies the chat template twice.")
     if name == "random":
-        lens = dict(input_len=args.random_input_len, output_len=args.random_output_len)
-        kwargs = dict(prefix_len=args.random_prefix_len, range_ratio=args.random_range_ratio, **lens)
-        return RandomDataset(random_seed=args.seed).sample(
-            tokenizer, n, use_chat_template=args.use_chat_template, **kwargs
+        dataset, kwargs = RandomDataset(random_seed=args.seed), dict(use_chat_template=args.use_chat_template)
+        kwargs |= dict(prefix_len=args.random_prefix_len, range_ratio=args.random_range_ratio)
+        return dataset.sample(
+            tokenizer, n, input_len=args.random_input_len, output_len=args.random_output_len, **kwargs
         )
     if name == "sharegpt":
         return ShareGPTDataset(**files).sample(tokenizer, n, output_len=args.sharegpt_output_len)
     if name == "sonnet":  # a chat server applies the template itself; the completions API needs the templated text
-        lens = dict(
-            prefix_len=args.sonnet_prefix_len, input_len=args.sonnet_input_len, output_len=args.sonnet_output_len
-        )
-        return SonnetDataset(**files).sample(
-            tokenizer, n, return_prompt_formatted=args.backend != "openai-chat", **lens
-        )
+        kwargs = dict(prefix_len=args.sonnet_prefix_len, return_prompt_formatted=args.backend != "openai-chat")
+        lens = dict(input_len=args.sonnet_input_len, output_len=args.sonnet_output_len)
+        return SonnetDataset(**files).sample(tokenizer, n, **lens, **kwargs)
     if name == "burstgpt":
         return BurstGPTDataset(**files).sample(tokenizer, n)
     if name == "hf":
