@@ -136,9 +136,7 @@ async def _post_profile(session: aiohttp.ClientSession, base_url: str, action: s
         logger.warning("POST %s/%s failed: %s", base_url, action, exc)
 
 
-async def benchmark(
-    args, api_url: str, base_url: str, model_id: str, requests: list[SampleRequest]
-) -> tuple[list, float]:
+async def benchmark(args: argparse.Namespace, api_url: str, base_url: str, model_id: str, requests: list) -> tuple:
     """Send the test request, the warm-ups and then ``requests`` at their arrival times; returns the
     outputs of ``requests`` and the duration of their run."""
     lora_rng = random.Random(args.seed)  # with LoRA modules each request goes to an adapter chosen at random

@@ -9,6 +9,7 @@ import logging
 import os
 import tempfile
 import time
+from functools import partial
 
 from atom.benchmarks.benchmark_utils import add_arguments, write_to_json
 
@@ -91,22 +92,13 @@ class Engine:
         self.vllm, path = args.engine == "vllm", model_dir(args.model)
         kwargs.update(skip_tokenizer_init=True, max_model_len=args.max_model_len, enforce_eager=args.enforce_eager)
         if self.vllm:
-            from vllm import LLM
+            from vllm import LLM, SamplingParams
 
-            self.llm = LLM(path, load_format="dummy", **kwargs)
+            self.llm, self.params = LLM(path, load_format="dummy", **kwargs), partial(SamplingParams, detokenize=False)
         else:
-            from atom import LLMEngine
+            from atom import LLMEngine, SamplingParams
 
-            self.llm = LLMEngine(path, load_dummy=True, **kwargs)
-
-    def params(self, **kwargs):
-        if self.vllm:
-            from vllm import SamplingParams
-
-            return SamplingParams(**kwargs, detokenize=False)
-        from atom import SamplingParams
-
-        return SamplingParams(**kwargs)
+            self.llm, self.params = LLMEngine(path, load_dummy=True, **kwargs), SamplingParams
 
     def generate(self, prompts: list[list[int]], params) -> list[int]:
         """Output token counts; atom's outputs also carry the engine's own TPOT (``self.tpots``)."""
