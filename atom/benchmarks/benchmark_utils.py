@@ -23,17 +23,17 @@ PERCENTILE_METRICS = list(METRICS)
 GOODPUT_METRICS = ["ttft", "tpot", "e2el"]
 
 
-def add_arguments(parser: argparse.ArgumentParser | Any, rows: list[tuple]) -> None:
+def add_arguments(parser: argparse._ActionsContainer, rows: list[tuple]) -> None:
     """Add ``(flag, default, help[, more argparse keywords])`` rows. The default gives the type; a type in
     its place means no default, and ``False`` makes a switch."""
-    for flag, default, help, *more in rows:
+    for flag, default, text, *more in rows:
         if default is False:
             kwargs = dict(action="store_true")
         elif isinstance(default, type):
             kwargs = dict(type=default)
         else:
             kwargs = dict(default=default, type=type(default))
-        parser.add_argument(flag, help=help, **kwargs | (more[0] if more else {}))
+        parser.add_argument(flag, help=text, **kwargs | (more[0] if more else {}))
 
 
 def _clear_inf(o: Any) -> Any:

@@ -17,6 +17,7 @@ paged, as its FLASH_ATTN backend calls it) and each MoE case its ``fused_experts
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import itertools
 import logging
@@ -39,14 +40,10 @@ DEV = "cuda"
 def vllm_kernels() -> tuple[Callable | None, Callable | None]:
     """vLLM's FlashAttention 3 varlen entry point and fused_experts, or None where missing."""
     fa3 = fused_experts = None
-    try:
+    with contextlib.suppress(ImportError):
         from vllm.vllm_flash_attn import flash_attn_varlen_func as fa3
-    except ImportError:
-        pass
-    try:
+    with contextlib.suppress(ImportError):
         from vllm.model_executor.layers.fused_moe import fused_experts
-    except ImportError:
-        pass
     return fa3, fused_experts
 
 
