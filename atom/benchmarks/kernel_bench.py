@@ -151,7 +151,7 @@ def cases() -> list[tuple[str, str, Callable]]:
         shape = f"q={q[0]}{f'x{len(q)}' if len(q) > 1 else ''} ctx={c}"
         out += [
             ("attn prefill", label, case(attention_case, q, [c] * len(q), p))
-            for label, p in [(shape, 0), ("  +packed K/V", 1)]
+            for label, p in [(shape, False), ("  +packed K/V", True)]
         ]
     out.append(("attn mixed", "64 dec ctx=2k + q=512 ctx=4k", case(attention_case, *MIXED, num_decode_tokens=64)))
     out.append(("attn mixed", "  +packed K/V", case(attention_case, *MIXED, packed=True, num_decode_tokens=64)))
