@@ -1,12 +1,8 @@
-"""One streaming HTTP client for every serving backend, timed token by token.
-
-Adapted from vLLM's ``benchmarks/backend_request_func.py``. The backends differ only in the
-endpoint they accept, the JSON body they send and where a streamed event keeps its text; those
-are declared as data in ``BACKENDS``. ``async_request`` sends one request and returns a
-``RequestFuncOutput`` with the time to first token (TTFT), the inter-token latencies (ITL) and
-the end-to-end latency. Failures never raise: they come back as ``success=False`` with the
-reason in ``error``, so one bad request does not abort a benchmark of thousands.
-"""
+"""One OpenAI-compatible streaming client for every serving backend, timed token by token (after
+vLLM's ``backend_request_func.py``). Every backend is sent OpenAI Completions requests (Chat Completions
+for ``openai-chat``); the backend's name only labels the results. ``async_request`` never raises for a
+failed request: it comes back as ``success=False`` with the reason in ``error``, so one bad request does
+not abort a run of thousands."""
 
 from __future__ import annotations
 
@@ -18,11 +14,9 @@ import time
 import traceback
 import urllib.parse
 import urllib.request
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
-from tqdm.asyncio import tqdm
 
 # Long generations at high concurrency can take hours; the limit only guards against a hung server.
 AIOHTTP_TIMEOUT = aiohttp.ClientTimeout(total=6 * 60 * 60)
@@ -42,7 +36,6 @@ class RequestFuncInput:
     model_name: str | None = None
     logprobs: int | None = None
     best_of: int = 1
-    extra_body: dict | None = None
     ignore_eos: bool = False
 
 
@@ -62,37 +55,17 @@ class RequestFuncOutput:
 def _sse_payload(line: bytes) -> str | None:
     """The payload of one SSE line, or None for lines that carry no data."""
     text = line.strip().decode("utf-8")
-    # Blank lines separate events; ':' lines are comments (TGI's keep-alive pings).
+    # Blank lines separate events; ':' lines are comments (keep-alive pings).
     if not text or text.startswith(":") or text.split(":", 1)[0] in ("event", "id", "retry"):
         return None
     # Some servers stream bare JSON lines without the "data:" field name.
-    return text[len("data:") :].strip() if text.startswith("data:") else text
-
-
-class SSEDecoder:
-    """Splits a streamed HTTP body into the ``data:`` payloads of server-sent events.
-
-    aiohttp's line iterator fails on a line longer than its 64 KiB buffer, which one JSON event
-    can exceed (e.g. with logprobs), so raw chunks are buffered here. Splitting on b"\\n" is safe
-    for UTF-8: that byte never occurs inside a multi-byte character.
-    """
-
-    def __init__(self) -> None:
-        self._buffer = b""
-
-    def feed(self, chunk: bytes) -> list[str]:
-        *lines, self._buffer = (self._buffer + chunk).split(b"\n")
-        return [p for p in map(_sse_payload, lines) if p is not None]
-
-    def flush(self) -> list[str]:
-        line, self._buffer = self._buffer, b""
-        return [p for p in [_sse_payload(line)] if p is not None]
+    return text.removeprefix("data:").strip()
 
 
 def _openai_body(r: RequestFuncInput, chat: bool) -> dict:
-    body = {"model": r.model_name or r.model, "temperature": 0.0, "max_tokens": r.output_len, "stream": True,
-            # the final usage chunk gives the exact token count, so the text need not be re-tokenized
-            "stream_options": {"include_usage": True}}
+    body = dict(model=r.model_name or r.model, temperature=0.0, max_tokens=r.output_len, stream=True)
+    # the final usage chunk gives the exact token count, so the text need not be re-tokenized
+    body["stream_options"] = {"include_usage": True}
     if chat:  # max_tokens too, for servers that only know the older name
         body.update(messages=[{"role": "user", "content": r.prompt}], max_completion_tokens=r.output_len)
         if r.logprobs is not None:
@@ -101,114 +74,73 @@ def _openai_body(r: RequestFuncInput, chat: bool) -> dict:
         body.update(prompt=r.prompt, repetition_penalty=1.0, logprobs=r.logprobs)
         if r.best_of > 1:
             body["best_of"] = r.best_of
-    return {**body, **({"ignore_eos": True} if r.ignore_eos else {}), **(r.extra_body or {})}
+    return body | ({"ignore_eos": True} if r.ignore_eos else {})
 
 
-def _chat_text(event: dict) -> str | None:
-    delta = event["choices"][0].get("delta") or {}
+def _event_text(event: dict) -> str | None:
+    """The text of a streamed completion or chat chunk; None for the usage summary and a chat chunk that
+    only announces the assistant role (it comes before any token: timing it would make TTFT look near
+    zero). Reasoning text is kept so that counting tokens by text includes it."""
+    if not event.get("choices"):
+        return None
+    if (delta := event["choices"][0].get("delta")) is None:
+        return event["choices"][0].get("text") or ""
     content, reasoning = delta.get("content"), delta.get("reasoning_content") or delta.get("reasoning")
-    # A chunk that only announces the assistant role comes before any token: timing it would make
-    # TTFT look near zero. Reasoning text is kept so that counting tokens by text includes it.
     return None if "role" in delta and not content and not reasoning else (reasoning or "") + (content or "")
 
 
-def _mii_text(event: dict) -> str:
-    if "choices" in event:
-        return event["choices"][0]["text"]
-    if "text" in event:
-        return event["text"][0]
-    raise ValueError("Unexpected response format: neither 'choices' nor 'text' found")
+# backend -> the endpoint its URL must end with: all speak the OpenAI API, so a name only labels the results
+_NAMES = ["tgi", "vllm", "lmdeploy", "deepspeed-mii", "openai", "openai-chat", "tensorrt-llm", "scalellm", "sglang"]
+BACKENDS = {name: "chat/completions" if name == "openai-chat" else "completions" for name in _NAMES}
 
 
-@dataclass(frozen=True)
-class Backend:
-    """How one serving protocol is spoken: where, what is sent, where the text is in an event."""
-
-    api_name: str
-    endpoint_suffix: str
-    body: Callable[[RequestFuncInput], dict]
-    # text of one event; None for an event that is not a token (e.g. the usage summary)
-    text: Callable[[dict], str | None]
-    stream: bool = True  # False: one JSON response, TTFT stays 0 and the whole time is latency
-
-
-COMPLETIONS = Backend("OpenAI Completions API", "completions", lambda r: _openai_body(r, chat=False),
-                      lambda e: (e["choices"][0].get("text") or "") if e.get("choices") else None)
-CHAT = Backend("OpenAI Chat Completions API", "chat/completions", lambda r: _openai_body(r, chat=True),
-               lambda e: _chat_text(e) if e.get("choices") else None)
-BACKENDS: dict[str, Backend] = {
-    # TGI rejects temperature 0 and top_p 1; only its last event carries the full text
-    "tgi": Backend("TGI", "generate_stream", lambda r: {"inputs": r.prompt, "parameters": {
-        "max_new_tokens": r.output_len, "do_sample": True, "temperature": 0.01, "top_p": 0.99,
-        "truncate": r.prompt_len, "ignore_eos_token": r.ignore_eos}}, lambda e: e.get("generated_text") or ""),
-    "vllm": COMPLETIONS,
-    "lmdeploy": COMPLETIONS,
-    "deepspeed-mii": Backend("DeepSpeed-MII (OpenAI Completions API)", "completions", lambda r: {
-        "model": r.model, "prompt": r.prompt, "max_tokens": r.output_len, "temperature": 0.01, "top_p": 1.0,
-    }, _mii_text, stream=False),
-    "openai": COMPLETIONS,
-    "openai-chat": CHAT,
-    "tensorrt-llm": Backend("TensorRT-LLM", "generate_stream", lambda r: {
-        "accumulate_tokens": True, "text_input": r.prompt, "temperature": 0.0, "top_p": 1.0,
-        "max_tokens": r.output_len, "stream": True, **({"min_length": r.output_len} if r.ignore_eos else {}),
-    }, lambda e: e["text_output"]),
-    "scalellm": COMPLETIONS,
-    "sglang": COMPLETIONS,
-}
-OPENAI_COMPATIBLE_BACKENDS = [name for name, b in BACKENDS.items() if b in (COMPLETIONS, CHAT)]
+def client_session() -> aiohttp.ClientSession:
+    """The session requests go through: no cap on connections (aiohttp's default of 100 would silently
+    cap the concurrency; --max-concurrency rules), a timeout against a hung server only, and a read
+    buffer for any one server-sent event (aiohttp's line reader fails on a line over twice its 64 KiB
+    default, which an event with logprobs can exceed)."""
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60)
+    return aiohttp.ClientSession(connector=connector, trust_env=True, timeout=AIOHTTP_TIMEOUT, read_bufsize=1 << 24)
 
 
 def check_api_url(backend: str, api_url: str) -> None:
     """Raise ValueError unless ``api_url`` is an endpoint ``backend`` can use."""
     if backend not in BACKENDS:
         raise ValueError(f"Unknown backend: {backend}. Choices: {list(BACKENDS)}")
-    b = BACKENDS[backend]
-    if not api_url.endswith(b.endpoint_suffix):
-        raise ValueError(f"Backend {backend!r} ({b.api_name}) URL must end with {b.endpoint_suffix!r}, "
-                         f"got {api_url!r}. Set --endpoint accordingly.")
+    if not api_url.endswith(suffix := BACKENDS[backend]):
+        raise ValueError(f"Backend {backend!r} URL must end with {suffix!r}, got {api_url!r}. Set --endpoint.")
 
 
-async def async_request(backend: str, request: RequestFuncInput, session: aiohttp.ClientSession,
-                        pbar: tqdm | None = None) -> RequestFuncOutput:
-    """Send one request to ``request.api_url`` the way ``backend`` speaks and time its tokens."""
-    b = BACKENDS[backend]
-    output = RequestFuncOutput(prompt_len=request.prompt_len)
-    if backend == "tgi" and request.ignore_eos:  # TGI reports no usage; the count is the requested one
-        output.output_tokens = request.output_len
+def _auth_headers() -> dict[str, str]:
     api_key = os.environ.get("OPENAI_API_KEY")
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+async def async_request(backend: str, request: RequestFuncInput, session: aiohttp.ClientSession, pbar=None):
+    """Send one request to ``request.api_url`` as ``backend`` and time its tokens; ``session`` comes from
+    ``client_session``."""
+    output = RequestFuncOutput(prompt_len=request.prompt_len)
+    body = _openai_body(request, chat=BACKENDS[backend] == "chat/completions")
     times = [time.perf_counter()]  # the send time, then the arrival of every token
-
-    def on_payload(payload: str) -> None:
-        if payload == "[DONE]":
-            return
-        event = json.loads(payload)
-        if (text := b.text(event)) is not None:
-            times.append(time.perf_counter())
-            output.generated_text += text
-        if usage := event.get("usage"):
-            output.output_tokens = usage.get("completion_tokens")
-
     try:
-        async with session.post(request.api_url, json=b.body(request), headers=headers) as response:
+        async with session.post(request.api_url, json=body, headers=_auth_headers()) as response:
             if response.status != 200:
                 output.error = f"HTTP {response.status} {response.reason}: {(await response.text())[:1000]}"
-            elif b.stream:
-                decoder = SSEDecoder()
-                async for chunk in response.content.iter_any():
-                    for payload in decoder.feed(chunk):
-                        on_payload(payload)
-                for payload in decoder.flush():
-                    on_payload(payload)
             else:
-                on_payload(await response.text())
+                async for line in response.content:  # server-sent events, one a line
+                    if (payload := _sse_payload(line)) is None or payload == "[DONE]":
+                        continue
+                    if (text := _event_text(event := json.loads(payload))) is not None:
+                        times.append(time.perf_counter())
+                        output.generated_text += text
+                    if usage := event.get("usage"):
+                        output.output_tokens = usage.get("completion_tokens")
     except aiohttp.ClientConnectorError as exc:  # the server is not (yet) running: say so plainly
         output.error = f"Cannot connect to {request.api_url}: {exc}"
     except Exception as exc:
         output.error = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     if len(times) > 1 and not output.error:
-        output.success, output.latency = True, times[-1] - times[0]
-        output.ttft = times[1] - times[0] if b.stream else 0.0
+        output.success, output.latency, output.ttft = True, times[-1] - times[0], times[1] - times[0]
         output.itl = [b - a for a, b in zip(times[1:], times[2:])]
         if output.output_tokens and output.output_tokens > 1:
             output.tpot = (output.latency - output.ttft) / (output.output_tokens - 1)
@@ -221,15 +153,13 @@ async def async_request(backend: str, request: RequestFuncInput, session: aiohtt
 
 def served_model(base_url: str) -> tuple[str, str | None]:
     """(id, root) of the first model of the server's ``GET /v1/models``; root is the path it loaded."""
-    api_key = os.environ.get("OPENAI_API_KEY")
-    request = urllib.request.Request(f"{base_url}/v1/models",
-                                     headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
     try:
+        request = urllib.request.Request(f"{base_url}/v1/models", headers=_auth_headers())
         with urllib.request.urlopen(request, timeout=30) as response:
             card = json.load(response)["data"][0]
     except (OSError, ValueError, KeyError, IndexError) as exc:
-        raise BenchmarkError(f"Cannot ask {base_url}/v1/models which model is served ({exc}); start the server "
-                             "or pass --model") from exc
+        msg = f"Cannot ask {base_url}/v1/models which model is served ({exc}); start the server or pass --model"
+        raise BenchmarkError(msg) from exc
     return card["id"], card.get("root")
 
 
@@ -241,24 +171,25 @@ def _hub_reachable() -> bool:
     url = urllib.parse.urlsplit(constants.ENDPOINT)
     try:
         socket.create_connection((url.hostname, url.port or 443), timeout=3).close()
-        return True
     except OSError:
         return False
+    return True
 
 
-def get_tokenizer(name: str, tokenizer_mode: str = "auto", trust_remote_code: bool = False, **kwargs):
+def get_tokenizer(name: str, tokenizer_mode: str = "auto", trust_remote_code: bool = False):
     """A Hugging Face tokenizer from a local directory, the hub cache, or the hub when it answers.
-
-    Without a network transformers retries the hub for about a minute before failing, so a name
-    that is neither local nor cached fails at once when the hub cannot be reached."""
+    Without a network transformers retries the hub for about a minute before failing, so a name that
+    is neither local nor cached fails at once when the hub cannot be reached."""
     from transformers import AutoTokenizer
 
-    kwargs.update(trust_remote_code=trust_remote_code, **({"use_fast": False} if tokenizer_mode == "slow" else {}))
+    kwargs = dict(trust_remote_code=trust_remote_code, **({"use_fast": False} if tokenizer_mode == "slow" else {}))
     if not os.path.exists(name):
         with contextlib.suppress(OSError):
             return AutoTokenizer.from_pretrained(name, local_files_only=True, **kwargs)
         if not _hub_reachable():
-            raise BenchmarkError(f"Cannot load the tokenizer {name!r}: it is not a local path nor in the Hugging Face "
-                                 "cache, and the hub cannot be reached. Pass --tokenizer DIR (a directory with the "
-                                 "model's tokenizer files), or leave out --model to use the server's model.")
+            raise BenchmarkError(
+                f"Cannot load the tokenizer {name!r}: it is not a local path nor in the Hugging Face cache, and the "
+                "hub cannot be reached. Pass --tokenizer DIR (a directory with the model's tokenizer files), or "
+                "leave out --model to use the server's model."
+            )
     return AutoTokenizer.from_pretrained(name, **kwargs)

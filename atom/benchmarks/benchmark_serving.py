@@ -5,9 +5,9 @@ Start a server (``python -m atom.entrypoints.openai_server``), then::
     python -m atom.benchmarks.benchmark_serving --dataset-name random --random-input-len 128 \
         --random-output-len 32 --num-prompts 50 --ignore-eos
 
-Without ``--model`` the benchmark asks the server (``GET /v1/models``) which model it serves and
-loads that model's tokenizer from the directory the server reports. ``main(parse_args([...]))``
-runs the same benchmark from Python and returns the result dictionary ``--save-result`` writes.
+Without ``--model`` the server is asked (``GET /v1/models``) which model it serves, and the tokenizer is
+loaded from the directory it reports. ``main(parse_args([...]))`` returns the dictionary ``--save-result``
+writes. Every flag is described in docs/benchmark_serving.md.
 """
 
 from __future__ import annotations
@@ -21,45 +21,88 @@ import os
 import random
 import sys
 import time
-from collections.abc import AsyncGenerator
 from datetime import datetime
 from typing import Any
 
 import aiohttp
 import numpy as np
 from tqdm.asyncio import tqdm
-from transformers import PreTrainedTokenizerBase
 
-from atom.benchmarks.backend_request_func import (
-    AIOHTTP_TIMEOUT,
-    BACKENDS,
-    BenchmarkError,
-    RequestFuncInput,
-    RequestFuncOutput,
-    async_request,
-    check_api_url,
-    get_tokenizer,
-    served_model,
-)
+from atom.benchmarks import backend_request_func as client
+from atom.benchmarks.backend_request_func import BenchmarkError, RequestFuncInput
 from atom.benchmarks.benchmark_utils import (
     GOODPUT_METRICS,
     PERCENTILE_METRICS,
     BenchmarkMetrics,
+    add_arguments,
     calculate_metrics,
-    percentile_key,
     print_and_collect_results,
-    save_to_pytorch_benchmark_format,
     write_to_json,
 )
 from atom.benchmarks.datasets import DATASET_NAMES, SampleRequest, get_samples
 
 # importable from here as from vLLM's benchmark_serving module
-__all__ = ["BenchmarkError", "BenchmarkMetrics", "calculate_metrics", "percentile_key", "print_and_collect_results"]
+__all__ = ["BenchmarkError", "BenchmarkMetrics", "calculate_metrics", "print_and_collect_results"]
 
 logger = logging.getLogger(__name__)
 
-def arrival_times(num_requests: int, request_rate: float, burstiness: float = 1.0,
-                  rng: np.random.Generator | None = None) -> np.ndarray:
+# (flag, default or type, help[, more argparse keywords]) per argument group, in vLLM's names and order
+ARGUMENTS: dict[str | None, list[tuple]] = {
+    None: [
+        ("--backend", "vllm", "Serving backend protocol.", dict(choices=list(client.BACKENDS))),
+        ("--base-url", str, "Server base URL, instead of --host and --port."),
+        ("--host", "127.0.0.1", "Server host (127.0.0.1 rather than localhost forces IPv4)."),
+        ("--port", 8000, "Server port."),
+        ("--endpoint", "/v1/completions", "API path appended to the base URL."),
+        ("--dataset-name", "sharegpt", "Dataset to benchmark on.", dict(choices=DATASET_NAMES)),
+        ("--dataset-path", str, "Local dataset file (or directory for hf)."),
+        ("--max-concurrency", int, "Maximum number of requests in flight."),
+        ("--model", str, "Model name (default: the one the server reports at /v1/models)."),
+        ("--tokenizer", str, "Tokenizer name or path (default: the model's)."),
+        ("--best-of", 1, "Generates best_of sequences per prompt."),
+        ("--num-prompts", 1000, "Number of prompts to process."),
+        ("--logprobs", int, "Number of logprobs per token to request (default: none)."),
+        ("--request-rate", float("inf"), "Requests per second; inf sends every request at time 0."),
+        ("--burstiness", 1.0, "Gamma shape of the gaps between requests: 1 is a Poisson process."),
+        ("--seed", 0, "Seed of dataset sampling and arrival times."),
+        ("--trust-remote-code", False, "Trust remote code from huggingface."),
+        ("--disable-tqdm", False, "Hide the progress bar."),
+        ("--profile", False, "POST /start_profile before and /stop_profile after the run."),
+        ("--save-result", False, "Save the results to a JSON file."),
+        ("--metadata", str, "KEY=VALUE pairs saved in the result JSON.", dict(metavar="KEY=VALUE", nargs="*")),
+        ("--result-dir", str, "Directory for the result JSON (default: the current directory)."),
+        ("--result-filename", str, "File name of the result JSON (default: from backend, rate, model, date)."),
+        ("--ignore-eos", False, "Set ignore_eos in the requests (not supported by deepspeed-mii and tgi)."),
+        ("--percentile-metrics", "ttft,tpot,itl", "Comma-separated metrics to report percentiles of."),
+        ("--metric-percentiles", "99", 'Comma-separated percentiles, e.g. "25,50,75".'),
+        ("--goodput", str, 'SLOs as "KEY:VALUE" pairs in ms, keys ttft, tpot and e2el.', dict(nargs="+")),
+        ("--num-warmups", 0, "Warm-up requests before the measured run (not counted)."),
+        ("--tokenizer-mode", "auto", "auto: the fast tokenizer if available.", dict(choices=["auto", "slow"])),
+        ("--served-model-name", str, "The model name used in the API (default: --model)."),
+        ("--lora-modules", str, "LoRA adapters; each request uses one at random.", dict(nargs="+")),
+    ],
+    "sonnet dataset options": [
+        ("--sonnet-input-len", 550, "Input tokens per request."),
+        ("--sonnet-output-len", 150, "Output tokens per request."),
+        ("--sonnet-prefix-len", 200, "Prefix tokens per request."),
+    ],
+    "sharegpt dataset options": [("--sharegpt-output-len", int, "Output length, overriding the dataset's.")],
+    "random dataset options": [
+        ("--random-input-len", 1024, "Input tokens per request."),
+        ("--random-output-len", 128, "Output tokens per request."),
+        ("--random-range-ratio", 1.0, "Lengths are drawn uniformly from [length * ratio, length]."),
+        ("--random-prefix-len", 0, "Prefix tokens shared by all requests, before the random ones."),
+        ("--use-chat-template", False, "Format prompts with the chat template (counted in the input length)."),
+    ],
+    "hf dataset options": [
+        ("--hf-subset", str, "Subset of the HF dataset (a sub-directory of --dataset-path)."),
+        ("--hf-split", str, "Split of the HF dataset."),
+        ("--hf-output-len", int, "Output length, overriding the dataset's."),
+    ],
+}
+
+
+def arrival_times(num_requests: int, request_rate: float, burstiness: float = 1.0, rng=None) -> np.ndarray:
     """Send time of each request in seconds after the start (the first at 0). The gaps follow a gamma
     distribution of shape ``burstiness`` and mean ``1 / request_rate``: 1 is a Poisson process, below
     1 burstier, above 1 more uniform. With an infinite rate every request is sent at once."""
@@ -74,11 +117,10 @@ def arrival_times(num_requests: int, request_rate: float, burstiness: float = 1.
     return np.concatenate([[0.0], np.cumsum(gaps)])
 
 
-async def get_request(input_requests: list[SampleRequest], request_rate: float, burstiness: float = 1.0,
-                      rng: np.random.Generator | None = None) -> AsyncGenerator[SampleRequest, None]:
+async def get_request(requests: list[SampleRequest], request_rate: float, burstiness: float = 1.0, rng=None):
     """Yield the requests at their arrival times (see ``arrival_times``)."""
     start = time.perf_counter()
-    for request, send_at in zip(input_requests, arrival_times(len(input_requests), request_rate, burstiness, rng)):
+    for request, send_at in zip(requests, arrival_times(len(requests), request_rate, burstiness, rng)):
         # sleep until an absolute time, so time spent between sleeps does not lower the achieved rate
         await asyncio.sleep(max(start + send_at - time.perf_counter(), 0))
         yield request
@@ -88,64 +130,54 @@ async def _post_profile(session: aiohttp.ClientSession, base_url: str, action: s
     """POST /start_profile or /stop_profile; a failure is reported, not fatal."""
     try:
         async with session.post(f"{base_url}/{action}") as response:
-            logger.log(logging.INFO if response.status == 200 else logging.WARNING, "POST %s/%s: HTTP %d %s",
-                       base_url, action, response.status, await response.text())
+            level = logging.INFO if response.status == 200 else logging.WARNING
+            logger.log(level, "POST %s/%s: HTTP %d %s", base_url, action, response.status, await response.text())
     except aiohttp.ClientError as exc:
         logger.warning("POST %s/%s failed: %s", base_url, action, exc)
 
 
-async def benchmark(args: argparse.Namespace, api_url: str, base_url: str, model_id: str,
-                    tokenizer: PreTrainedTokenizerBase, input_requests: list[SampleRequest],
-                    goodput_config_dict: dict[str, float]) -> dict[str, Any]:
-    def make_input(request: SampleRequest, model: str = model_id, name: str | None = args.served_model_name):
-        return RequestFuncInput(model=model, model_name=name, prompt=request.prompt, api_url=api_url,
-                                prompt_len=request.prompt_len, output_len=request.expected_output_len,
-                                logprobs=args.logprobs, best_of=args.best_of, ignore_eos=args.ignore_eos)
+async def benchmark(args: argparse.Namespace, api_url: str, base_url: str, model_id: str, requests: list) -> tuple:
+    """Send the test request, the warm-ups and then ``requests`` at their arrival times; returns the
+    outputs of ``requests`` and the duration of their run."""
+    lora_rng = random.Random(args.seed)  # with LoRA modules each request goes to an adapter chosen at random
 
-    # aiohttp's default of 100 connections would silently cap the concurrency; --max-concurrency rules
-    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60)
-    async with aiohttp.ClientSession(connector=connector, trust_env=True, timeout=AIOHTTP_TIMEOUT) as session:
+    def make_input(request: SampleRequest, lora: list[str] | None = None) -> RequestFuncInput:
+        model, name = (lora_rng.choice(lora),) * 2 if lora else (model_id, args.served_model_name)
+        lens = dict(prompt_len=request.prompt_len, output_len=request.expected_output_len)
+        options = dict(logprobs=args.logprobs, best_of=args.best_of, ignore_eos=args.ignore_eos)
+        return RequestFuncInput(request.prompt, api_url, model=model, model_name=name, **lens, **options)
+
+    async with client.client_session() as session:
         semaphore = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else contextlib.nullcontext()
 
-        async def send(request_input: RequestFuncInput, pbar: tqdm | None = None) -> RequestFuncOutput:
+        async def send(request_input: RequestFuncInput, pbar: tqdm | None = None):
             async with semaphore:
-                return await async_request(args.backend, request_input, session, pbar)
+                return await client.async_request(args.backend, request_input, session, pbar)
 
         logger.info("Starting initial single prompt test run...")
-        test_input = make_input(input_requests[0])
-        if not (test_output := await send(test_input)).success:
-            raise BenchmarkError(f"Initial test run failed - please make sure the server is running at {base_url} "
-                                 "and the benchmark arguments (--backend, --endpoint, --model) are correctly "
-                                 f"specified. Error: {test_output.error}")
-        if args.num_warmups > 0:
+        if not (test_output := await send(test_input := make_input(requests[0]))).success:
+            raise BenchmarkError(
+                f"Initial test run failed - please make sure the server is running at {base_url} and the benchmark "
+                f"arguments (--backend, --endpoint, --model) are correctly specified. Error: {test_output.error}"
+            )
+        if args.num_warmups:
             logger.info("Warming up with %d requests...", args.num_warmups)
-            await asyncio.gather(*(send(test_input) for _ in range(args.num_warmups)))
+        await asyncio.gather(*(send(test_input) for _ in range(args.num_warmups)))
         if args.profile:
             await _post_profile(session, base_url, "start_profile")
-        logger.info("Request rate %s, burstiness %s (%s), max concurrency %s: starting the main run", args.request_rate,
-                    args.burstiness, "Poisson process" if args.burstiness == 1.0 else "gamma distribution",
-                    args.max_concurrency)
-        pbar = None if args.disable_tqdm else tqdm(total=len(input_requests))
-        lora_rng = random.Random(args.seed)
-        start, tasks = time.perf_counter(), []
-        async for request in get_request(input_requests, args.request_rate, args.burstiness,
-                                         np.random.default_rng(args.seed)):
-            # with LoRA modules each request goes to an adapter chosen at random
-            lora = lora_rng.choice(args.lora_modules) if args.lora_modules else None
-            request_input = make_input(request, lora, lora) if lora else make_input(request)
-            tasks.append(asyncio.create_task(send(request_input, pbar)))
-        outputs: list[RequestFuncOutput] = await asyncio.gather(*tasks)
+        traffic = "Poisson process" if args.burstiness == 1.0 else "gamma distribution"
+        logger.info("Rate %s, burstiness %s (%s): starting the main run", args.request_rate, args.burstiness, traffic)
+        pbar = None if args.disable_tqdm else tqdm(total=len(requests))
+        start, tasks, rng = time.perf_counter(), [], np.random.default_rng(args.seed)
+        async for request in get_request(requests, args.request_rate, args.burstiness, rng):
+            tasks.append(asyncio.create_task(send(make_input(request, args.lora_modules), pbar)))
+        outputs = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
         if pbar is not None:
             pbar.close()
         if args.profile:
             await _post_profile(session, base_url, "stop_profile")
-    percentile_metrics = args.percentile_metrics.split(",")
-    metrics, output_lens = calculate_metrics(input_requests, outputs, duration, tokenizer, percentile_metrics,
-                                             [float(p) for p in args.metric_percentiles.split(",")],
-                                             goodput_config_dict)
-    return print_and_collect_results(metrics, duration, outputs, output_lens, percentile_metrics,
-                                     goodput_config_dict)
+    return outputs, duration
 
 
 def check_goodput_args(args: argparse.Namespace) -> dict[str, float]:
@@ -157,15 +189,13 @@ def check_goodput_args(args: argparse.Namespace) -> dict[str, float]:
             goodput[name] = float(value)
         except ValueError as err:
             raise argparse.ArgumentTypeError(
-                'Invalid format found for service level objectives. Specify service level objectives for goodput '
-                'as "KEY:VALUE" pairs, where the key is a metric name, and the value is a number in milliseconds.'
+                'Specify service level objectives for goodput as "KEY:VALUE" pairs, where the key is a metric name '
+                "and the value is a number in milliseconds."
             ) from err
         if name not in GOODPUT_METRICS:
-            raise ValueError(f"Invalid metric name found, {name}: {value}. The service level objective name should "
-                             f"be one of {GOODPUT_METRICS}.")
+            raise ValueError(f"Invalid metric name found, {name}: {value}. It should be one of {GOODPUT_METRICS}.")
         if goodput[name] < 0:
-            raise ValueError(f"Invalid value found, {name}: {value}. The service level objective value should be "
-                             "non-negative.")
+            raise ValueError(f"Invalid value found, {name}: {value}. The SLO should be non-negative.")
     return goodput
 
 
@@ -202,129 +232,44 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     _validate_args(args)
     _raise_open_file_limit()
     base_url = args.base_url.rstrip("/") if args.base_url is not None else f"http://{args.host}:{args.port}"
-    api_url = f"{base_url}{args.endpoint}"
-    check_api_url(args.backend, api_url)
-    goodput_config_dict = check_goodput_args(args)
-    model_id, root = args.model, None
-    if model_id is None:
-        model_id, root = served_model(base_url)
-        logger.info("Benchmarking the served model %s", model_id)
+    client.check_api_url(args.backend, api_url := f"{base_url}{args.endpoint}")
+    goodput = check_goodput_args(args)
+    model_id, root = (args.model, None) if args.model else client.served_model(base_url)
     tokenizer_id = args.tokenizer or (root if root and os.path.isdir(root) else model_id)
-    tokenizer = get_tokenizer(tokenizer_id, args.tokenizer_mode, args.trust_remote_code)
-    input_requests = get_samples(args, tokenizer)
-
-    # keep the garbage collector off the long-lived prompt data during the run; unfrozen for callers
-    gc.collect()
+    tokenizer = client.get_tokenizer(tokenizer_id, args.tokenizer_mode, args.trust_remote_code)
+    requests = get_samples(args, tokenizer)
+    gc.collect()  # keep the garbage collector off the long-lived prompt data during the run
     gc.freeze()
     try:
-        benchmark_result = asyncio.run(
-            benchmark(args, api_url, base_url, model_id, tokenizer, input_requests, goodput_config_dict))
+        outputs, duration = asyncio.run(benchmark(args, api_url, base_url, model_id, requests))
     finally:
         gc.unfreeze()
+    metrics = args.percentile_metrics.split(",")
+    percentiles = [float(p) for p in args.metric_percentiles.split(",")]
+    stats, output_lens = calculate_metrics(requests, outputs, duration, tokenizer, metrics, percentiles, goodput)
+    results = print_and_collect_results(stats, duration, outputs, output_lens, metrics, goodput)
 
     # setup, metadata and traffic first, then the measured results
-    current_dt = datetime.now().strftime("%Y%m%d-%H%M%S")
-    result_json: dict[str, Any] = {"date": current_dt, "backend": args.backend, "model_id": model_id,
-                                   "tokenizer_id": tokenizer_id, "best_of": args.best_of,
-                                   "num_prompts": args.num_prompts}
-    for item in args.metadata or []:
-        key, value = item.split("=", 1)
-        result_json[key.strip()] = value.strip()
-    result_json.update(request_rate=args.request_rate if args.request_rate < float("inf") else "inf",
-                       burstiness=args.burstiness, max_concurrency=args.max_concurrency, **benchmark_result)
+    date = datetime.now().strftime("%Y%m%d-%H%M%S")
+    result = dict(date=date, backend=args.backend, model_id=model_id, tokenizer_id=tokenizer_id, best_of=args.best_of)
+    result["num_prompts"] = args.num_prompts
+    result |= {k.strip(): v.strip() for k, v in (item.split("=", 1) for item in args.metadata or [])}
+    rate = args.request_rate if args.request_rate < float("inf") else "inf"
+    result |= dict(request_rate=rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency, **results)
     if args.save_result:
         concurrency = f"-concurrency{args.max_concurrency}" if args.max_concurrency is not None else ""
-        file_name = args.result_filename or (
-            f"{args.backend}-{args.request_rate}qps{concurrency}-{model_id.split('/')[-1]}-{current_dt}.json")
-        if args.result_dir:
-            os.makedirs(args.result_dir, exist_ok=True)
-            file_name = os.path.join(args.result_dir, file_name)
-        write_to_json(file_name, result_json)
+        name = f"{args.backend}-{args.request_rate}qps{concurrency}-{model_id.split('/')[-1]}-{date}.json"
+        file_name = os.path.join(args.result_dir or "", args.result_filename or name)
+        os.makedirs(args.result_dir or ".", exist_ok=True)
+        write_to_json(file_name, result)
         logger.info("Saved results to %s", file_name)
-        save_to_pytorch_benchmark_format(args, result_json, file_name)
-    return result_json
-
-
-# (flags, argparse keyword arguments) per argument group, in vLLM's names and order
-ARGUMENTS: dict[str | None, list[tuple[tuple[str, ...], dict[str, Any]]]] = {
-    None: [
-        (("--backend",), dict(default="vllm", choices=list(BACKENDS), help="Serving backend protocol to use.")),
-        (("--base-url",), dict(help="Server or API base url if not using http host and port.")),
-        (("--host",), dict(default="127.0.0.1")),  # 127.0.0.1 rather than localhost forces IPv4
-        (("--port",), dict(type=int, default=8000)),
-        (("--endpoint",), dict(default="/v1/completions", help="API endpoint.")),
-        (("--dataset-name",), dict(default="sharegpt", choices=DATASET_NAMES, help="Dataset to benchmark on.")),
-        (("--dataset-path",), dict(help="Path to the sharegpt/sonnet/burstgpt dataset file, or to a local Hugging "
-                                        "Face dataset (directory or file) for --dataset-name hf.")),
-        (("--max-concurrency",), dict(type=int, help="Maximum number of concurrent requests. Requests wait for a "
-                                      "free slot, so the achieved rate may be lower than --request-rate.")),
-        (("--model",), dict(help="Name of the model (default: the one the server reports at /v1/models).")),
-        (("--tokenizer",), dict(help="Name or path of the tokenizer, if not using the default tokenizer.")),
-        (("--best-of",), dict(type=int, default=1, help="Generates `best_of` sequences per prompt.")),
-        (("--num-prompts",), dict(type=int, default=1000, help="Number of prompts to process.")),
-        (("--logprobs",), dict(type=int, help="Number of logprobs-per-token to request (default: none).")),
-        (("--request-rate",), dict(type=float, default=float("inf"), help="Requests per second. inf sends every "
-                                   "request at time 0; otherwise arrivals are a Poisson or gamma process.")),
-        (("--burstiness",), dict(type=float, default=1.0, help="Burstiness factor (finite rates only): 1 is a "
-                                 "Poisson process, lower is burstier, higher more uniform (gamma-distributed gaps).")),
-        (("--seed",), dict(type=int, default=0)),
-        (("--trust-remote-code",), dict(action="store_true", help="Trust remote code from huggingface.")),
-        (("--disable-tqdm",), dict(action="store_true", help="Specify to disable tqdm progress bar.")),
-        (("--profile",), dict(action="store_true", help="POST /start_profile before and /stop_profile after the run "
-                              "(the server needs --torch-profiler-dir or ATOM_TORCH_PROFILER_DIR).")),
-        (("--save-result",), dict(action="store_true", help="Specify to save benchmark results to a json file.")),
-        (("--metadata",), dict(metavar="KEY=VALUE", nargs="*", help="Key-value pairs (e.g. --metadata version=0.3.3 "
-                               "tp=1) saved in the result JSON file for record keeping.")),
-        (("--result-dir",), dict(help="Directory for the result JSON (default: the current directory).")),
-        (("--result-filename",), dict(help="File name of the result JSON (default: "
-                                      "{backend}-{request_rate}qps[-concurrency{N}]-{model}-{date}.json).")),
-        (("--ignore-eos",), dict(action="store_true", help="Set ignore_eos in the requests (not supported by "
-                                 "deepspeed-mii and tgi).")),
-        (("--percentile-metrics",), dict(default="ttft,tpot,itl", help="Comma-separated metrics to report "
-                                         'percentiles for, of "ttft", "tpot", "itl", "e2el".')),
-        (("--metric-percentiles",), dict(default="99", help='Comma-separated percentiles, e.g. "25,50,75".')),
-        (("--goodput",), dict(nargs="+", help='Service level objectives as "KEY:VALUE" pairs in ms, keys "ttft", '
-                              '"tpot", "e2el" (goodput as in DistServe, https://arxiv.org/pdf/2401.09670).')),
-        (("--num-warmups",), dict(type=int, default=0, help="Warm-up requests sent after the initial test request "
-                                  "and before the measured run (not counted).")),
-        (("--tokenizer-mode",), dict(default="auto", choices=["auto", "slow"], help='"auto" uses the fast tokenizer '
-                                     'if available, "slow" always the slow one.')),
-        (("--served-model-name",), dict(help="The model name used in the API (default: --model).")),
-        (("--lora-modules",), dict(nargs="+", help="LoRA module names served by the server; each request uses one "
-                                   "chosen at random.")),
-    ],
-    "sonnet dataset options": [
-        (("--sonnet-input-len",), dict(type=int, default=550, help="Input tokens per request.")),
-        (("--sonnet-output-len",), dict(type=int, default=150, help="Output tokens per request.")),
-        (("--sonnet-prefix-len",), dict(type=int, default=200, help="Prefix tokens per request.")),
-    ],
-    "sharegpt dataset options": [
-        (("--sharegpt-output-len",), dict(type=int, help="Output length, overriding the dataset's.")),
-    ],
-    "random dataset options": [
-        (("--random-input-len",), dict(type=int, default=1024, help="Input tokens per request.")),
-        (("--random-output-len",), dict(type=int, default=128, help="Output tokens per request.")),
-        (("--random-range-ratio",), dict(type=float, default=1.0, help="Lengths are drawn uniformly from "
-                                         "[length * ratio, length]; 1.0 gives fixed lengths.")),
-        (("--random-prefix-len",), dict(type=int, default=0, help="Fixed prefix tokens shared by all requests, "
-                                        "before the random context.")),
-        (("--use-chat-template",), dict(action="store_true", help="Format prompts with the chat template (its "
-                                        "tokens count towards --random-input-len).")),
-    ],
-    "hf dataset options": [
-        (("--hf-subset",), dict(help="Subset of the HF dataset (a sub-directory of --dataset-path).")),
-        (("--hf-split",), dict(help="Split of the HF dataset.")),
-        (("--hf-output-len",), dict(type=int, help="Output length, overriding the dataset's.")),
-    ],
-}
+    return result
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Benchmark the online serving throughput.")
-    for group, arguments in ARGUMENTS.items():
-        target = parser.add_argument_group(group) if group else parser
-        for flags, kwargs in arguments:
-            target.add_argument(*flags, **kwargs)
+    for group, rows in ARGUMENTS.items():
+        add_arguments(parser.add_argument_group(group) if group else parser, rows)
     return parser
 
 

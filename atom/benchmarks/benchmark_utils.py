@@ -1,26 +1,53 @@
-"""Serving metrics and result files (vLLM's ``calculate_metrics``, result table and ``benchmark_utils.py``)."""
+"""What the benchmarks share: argument tables, JSON result files, and the serving metrics and result table
+(vLLM's ``calculate_metrics`` and ``benchmark_utils.py``)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import math
-import os
 import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from transformers import PreTrainedTokenizerBase
 
-from atom.benchmarks.backend_request_func import RequestFuncOutput
-from atom.benchmarks.datasets import SampleRequest
-
-# metric -> (short name, table header); the order of the result table
-METRICS = {"ttft": ("TTFT", "Time to First Token"), "tpot": ("TPOT", "Time per Output Token (excl. 1st token)"),
-           "itl": ("ITL", "Inter-token Latency"), "e2el": ("E2EL", "End-to-end Latency")}
+# metric -> (short name, table header), in the order of the result table
+METRICS = {
+    "ttft": ("TTFT", "Time to First Token"),
+    "tpot": ("TPOT", "Time per Output Token (excl. 1st token)"),
+    "itl": ("ITL", "Inter-token Latency"),
+    "e2el": ("E2EL", "End-to-end Latency"),
+}
 PERCENTILE_METRICS = list(METRICS)
 GOODPUT_METRICS = ["ttft", "tpot", "e2el"]
+
+
+def add_arguments(parser: argparse._ActionsContainer, rows: list[tuple]) -> None:
+    """Add ``(flag, default, help[, more argparse keywords])`` rows. The default gives the type; a type in
+    its place means no default, and ``False`` makes a switch."""
+    for flag, default, text, *more in rows:
+        if default is False:
+            kwargs = dict(action="store_true")
+        elif isinstance(default, type):
+            kwargs = dict(type=default)
+        else:
+            kwargs = dict(default=default, type=type(default))
+        parser.add_argument(flag, help=text, **kwargs | (more[0] if more else {}))
+
+
+def _clear_inf(o: Any) -> Any:
+    """JSON has no infinity: infinite floats (e.g. request_rate) are written as "inf"."""
+    if isinstance(o, dict):
+        return {k: _clear_inf(v) for k, v in o.items()}
+    if isinstance(o, list):
+        return [_clear_inf(v) for v in o]
+    return "inf" if isinstance(o, float) and math.isinf(o) else o
+
+
+def write_to_json(filename: str, records: Any, indent: int | None = None) -> None:
+    with open(filename, "w", encoding="utf-8") as f:
+        json.dump(_clear_inf(records), f, indent=indent)
 
 
 @dataclass
@@ -43,42 +70,36 @@ class BenchmarkMetrics:
             raise AttributeError(name) from None
 
 
-def calculate_metrics(input_requests: list[SampleRequest], outputs: list[RequestFuncOutput], dur_s: float,
-                      tokenizer: PreTrainedTokenizerBase, selected_percentile_metrics: list[str],
-                      selected_percentiles: list[float], goodput_config_dict: dict[str, float],
-                      ) -> tuple[BenchmarkMetrics, list[int]]:
-    """Aggregate per-request outputs (seconds) into metrics (ms); also the output length of every
-    request (0 for failed ones)."""
-    done = [(r, o) for r, o in zip(input_requests, outputs) if o.success]
+def calculate_metrics(requests, outputs, dur_s, tokenizer, selected_metrics, percentiles, goodput_slos):
+    """Aggregate per-request outputs (seconds) into a ``BenchmarkMetrics`` (ms) and the output length of
+    every request (0 for failed ones); ``goodput_slos`` maps a metric to its SLO in ms."""
+    done = [(r, o) for r, o in zip(requests, outputs) if o.success]
     # without a count from the server, count the text's tokens (len(itl) undercounts multi-token chunks)
-    lens = {id(o): o.output_tokens or len(tokenizer(o.generated_text, add_special_tokens=False).input_ids)
-            for _, o in done}
-    actual_output_lens = [lens.get(id(o), 0) for o in outputs]
+    lens = {
+        id(o): o.output_tokens or len(tokenizer(o.generated_text, add_special_tokens=False).input_ids) for _, o in done
+    }
+    output_lens = [lens.get(id(o), 0) for o in outputs]
     # a request with at most one output token has no TPOT; it counts as 0 for goodput
-    all_tpots = [(o.latency - o.ttft) / (lens[id(o)] - 1) if lens[id(o)] > 1 else 0.0 for _, o in done]
-    per_request = {"ttft": [o.ttft for _, o in done], "tpot": all_tpots, "e2el": [o.latency for _, o in done],
-                   "itl": [t for _, o in done for t in o.itl]}
+    tpots = [(o.latency - o.ttft) / (lens[id(o)] - 1) if lens[id(o)] > 1 else 0.0 for _, o in done]
+    per_request = {"ttft": [o.ttft for _, o in done], "tpot": tpots, "e2el": [o.latency for _, o in done]}
     good = np.ones(len(done), dtype=bool)
-    for name, slo_ms in goodput_config_dict.items():
+    for name, slo_ms in goodput_slos.items():
         good &= np.asarray(per_request[name]) <= slo_ms / 1000
     if not done:
-        warnings.warn("All requests failed. This is likely due to a misconfiguration on the benchmark arguments.",
-                      stacklevel=2)
-    per_request["tpot"] = [t for (_, o), t in zip(done, all_tpots) if lens[id(o)] > 1]
+        warnings.warn("All requests failed. This is likely due to a misconfiguration of the benchmark.", stacklevel=2)
+    per_request["tpot"] = [t for (_, o), t in zip(done, tpots) if lens[id(o)] > 1]
+    per_request["itl"] = [t for _, o in done for t in o.itl]
     stats: dict[str, Any] = {}
     for name in METRICS:
         data = np.asarray(per_request[name] or [0.0]) * 1000  # nothing measured (e.g. no ITLs) reports 0
-        stats.update({f"mean_{name}_ms": float(np.mean(data)), f"median_{name}_ms": float(np.median(data)),
-                      f"std_{name}_ms": float(np.std(data)),
-                      f"percentiles_{name}_ms": [(p, float(np.percentile(data, p))) for p in selected_percentiles]})
-    total_input, total_output = sum(r.prompt_len for r, _ in done), sum(actual_output_lens)
-    metrics = BenchmarkMetrics(
-        completed=len(done), total_input=total_input, total_output=total_output,
-        request_throughput=len(done) / dur_s,
-        request_goodput=(int(good.sum()) if goodput_config_dict else 0) / dur_s,
-        output_throughput=total_output / dur_s, total_token_throughput=(total_input + total_output) / dur_s,
-        latencies=stats)  # fmt: skip
-    return metrics, actual_output_lens
+        stats[f"mean_{name}_ms"], stats[f"median_{name}_ms"] = float(np.mean(data)), float(np.median(data))
+        stats[f"std_{name}_ms"] = float(np.std(data))
+        stats[f"percentiles_{name}_ms"] = [(p, float(np.percentile(data, p))) for p in percentiles]
+    total_input, total_output = sum(r.prompt_len for r, _ in done), sum(output_lens)
+    num_good = int(good.sum()) if goodput_slos else 0
+    totals = (len(done), num_good, total_output, total_input + total_output)
+    metrics = BenchmarkMetrics(len(done), total_input, total_output, *(n / dur_s for n in totals), stats)
+    return metrics, output_lens
 
 
 def percentile_key(p: float) -> str:
@@ -86,83 +107,36 @@ def percentile_key(p: float) -> str:
     return str(int(p)) if int(p) == p else str(p)
 
 
-def print_and_collect_results(metrics: BenchmarkMetrics, benchmark_duration: float, outputs: list[RequestFuncOutput],
-                              actual_output_lens: list[int], selected_percentile_metrics: list[str],
-                              goodput_config_dict: dict[str, float]) -> dict[str, Any]:
+def print_and_collect_results(metrics, duration, outputs, output_lens, selected_metrics, goodput_slos) -> dict:
     """Print vLLM's result table (the program's output, hence print) and return the result dictionary."""
-    rows = [("Successful requests:", metrics.completed), ("Benchmark duration (s):", benchmark_duration),
-            ("Total input tokens:", metrics.total_input), ("Total generated tokens:", metrics.total_output),
-            ("Request throughput (req/s):", metrics.request_throughput)]
-    rows += [("Request goodput (req/s):", metrics.request_goodput)] if goodput_config_dict else []
-    rows += [("Output token throughput (tok/s):", metrics.output_throughput),
-             ("Total Token throughput (tok/s):", metrics.total_token_throughput)]
-    result: dict[str, Any] = {
-        "duration": benchmark_duration, "completed": metrics.completed, "total_input_tokens": metrics.total_input,
-        "total_output_tokens": metrics.total_output, "request_throughput": metrics.request_throughput,
-        "request_goodput": metrics.request_goodput if goodput_config_dict else None,
-        "output_throughput": metrics.output_throughput, "total_token_throughput": metrics.total_token_throughput,
-        "input_lens": [o.prompt_len for o in outputs], "output_lens": actual_output_lens,
-        "ttfts": [o.ttft for o in outputs], "itls": [o.itl for o in outputs],
-        "generated_texts": [o.generated_text for o in outputs], "errors": [o.error for o in outputs],
-    }  # fmt: skip
+    m = metrics
+    table = [
+        ("Successful requests:", "completed", m.completed),
+        ("Benchmark duration (s):", "duration", duration),
+        ("Total input tokens:", "total_input_tokens", m.total_input),
+        ("Total generated tokens:", "total_output_tokens", m.total_output),
+        ("Request throughput (req/s):", "request_throughput", m.request_throughput),
+        ("Request goodput (req/s):", "request_goodput", m.request_goodput if goodput_slos else None),
+        ("Output token throughput (tok/s):", "output_throughput", m.output_throughput),
+        ("Total Token throughput (tok/s):", "total_token_throughput", m.total_token_throughput),
+    ]
+    result: dict[str, Any] = {"duration": duration} | {key: value for _, key, value in table}
+    result.update(input_lens=[o.prompt_len for o in outputs], output_lens=output_lens, ttfts=[o.ttft for o in outputs])
+    result.update(itls=[o.itl for o in outputs], generated_texts=[o.generated_text for o in outputs])
+    result["errors"] = [o.error for o in outputs]
     print("{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=50, c="="))
-    for label, value in rows:
-        print(f"{label:<40} {value:<10}" if isinstance(value, int) else f"{label:<40} {value:<10.2f}")
+    for label, _, value in table:
+        if value is not None:  # no goodput without --goodput
+            print(f"{label:<40} {value:<10}" if isinstance(value, int) else f"{label:<40} {value:<10.2f}")
     for name, (short, header) in METRICS.items():
-        if name not in selected_percentile_metrics:
+        if name not in selected_metrics:
             continue
         print("{s:{c}^{n}}".format(s=header, n=50, c="-"))
-        for stat in ("mean", "median", "std"):
-            result[f"{stat}_{name}_ms"] = getattr(metrics, f"{stat}_{name}_ms")
-        rows = [(f"{stat.capitalize()} {short} (ms):", result[f"{stat}_{name}_ms"]) for stat in ("mean", "median")]
-        for p, value in getattr(metrics, f"percentiles_{name}_ms"):
-            result[f"p{percentile_key(p)}_{name}_ms"] = value
-            rows.append((f"P{percentile_key(p)} {short} (ms):", value))
-        for label, value in rows:
-            print(f"{label:<40} {value:<10.2f}")
+        values = {f"{stat}_{name}_ms": m.latencies[f"{stat}_{name}_ms"] for stat in ("mean", "median", "std")}
+        values |= {f"p{percentile_key(p)}_{name}_ms": v for p, v in m.latencies[f"percentiles_{name}_ms"]}
+        result.update(values)
+        for key, value in values.items():
+            if not key.startswith("std_"):  # "p99.9_ttft_ms" -> "P99.9 TTFT (ms):"
+                print(f"{key.split('_')[0].capitalize() + ' ' + short + ' (ms):':<40} {value:<10.2f}")
     print("=" * 50)
     return result
-
-
-
-# the per-request lists are large and the metrics are records of their own: neither goes in extra_info
-_PYTORCH_METRICS = [f"{s}_{name}_ms" for name in ("ttft", "tpot", "itl") for s in ("mean", "median", "std", "p99")]
-_PER_REQUEST = ["ttfts", "itls", "generated_texts", "errors"]
-
-
-def convert_to_pytorch_benchmark_format(args: argparse.Namespace, metrics: dict[str, list],
-                                        extra_info: dict[str, Any]) -> list:
-    """One record per metric in the PyTorch OSS benchmark database format
-    (https://github.com/pytorch/pytorch/wiki/How-to-integrate-with-PyTorch-OSS-benchmark-database);
-    empty unless SAVE_TO_PYTORCH_BENCHMARK_FORMAT is set, so ordinary runs write no extra file."""
-    if not os.environ.get("SAVE_TO_PYTORCH_BENCHMARK_FORMAT"):
-        return []
-    # a copy of the arguments; tensor_parallel_size is kept when it was only given as --metadata
-    run_args = {**vars(args)}
-    if not run_args.get("tensor_parallel_size") and "tensor_parallel_size" in extra_info:
-        run_args["tensor_parallel_size"] = extra_info["tensor_parallel_size"]
-    return [{"benchmark": {"name": "atom benchmark", "extra_info": {"args": run_args}}, "model": {"name": args.model},
-             "metric": {"name": name, "benchmark_values": values, "extra_info": extra_info}}
-            for name, values in metrics.items()]
-
-
-def save_to_pytorch_benchmark_format(args: argparse.Namespace, results: dict[str, Any], file_name: str) -> None:
-    records = convert_to_pytorch_benchmark_format(
-        args, {k: [results[k]] for k in _PYTORCH_METRICS if k in results},
-        {k: v for k, v in results.items() if k not in _PYTORCH_METRICS and k not in _PER_REQUEST})
-    if records:  # not a .json suffix, so that CI collecting *.json results skips it
-        write_to_json(f"{os.path.splitext(file_name)[0]}.pytorch.json", records)
-
-
-def _clear_inf(o: Any) -> Any:
-    """JSON has no infinity: infinite floats (e.g. request_rate) are written as "inf"."""
-    if isinstance(o, dict):
-        return {k: _clear_inf(v) for k, v in o.items()}
-    if isinstance(o, list):
-        return [_clear_inf(v) for v in o]
-    return "inf" if isinstance(o, float) and math.isinf(o) else o
-
-
-def write_to_json(filename: str, records: Any) -> None:
-    with open(filename, "w", encoding="utf-8") as f:
-        json.dump(_clear_inf(records), f)

@@ -1,33 +1,35 @@
-"""Real model shapes for benchmarks with random weights: a directory holding only the
-Hugging Face ``config.json`` (no weights, no tokenizer; use ``load_dummy``); and the command line
-shared by the offline benchmarks (throughput, latency)."""
+"""What the offline benchmarks (throughput, latency) share: real model shapes with random weights (a
+directory holding only the Hugging Face ``config.json``), the command line, atom's or vLLM's engine on
+token-id prompts, the device's copy bandwidth and the report."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import tempfile
+import time
+from functools import partial
 
-_QWEN3 = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], head_dim=128, vocab_size=151936,
-              max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6, attention_bias=False,
-              hidden_act="silu", torch_dtype="bfloat16", bos_token_id=151643, eos_token_id=151645)
+from atom.benchmarks.benchmark_utils import add_arguments, write_to_json
+
+_SHAPE = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+_COMMON = dict(hidden_act="silu", torch_dtype="bfloat16", tie_word_embeddings=False)
+_QWEN3 = dict(_COMMON, model_type="qwen3", architectures=["Qwen3ForCausalLM"], head_dim=128, vocab_size=151936)
+_QWEN3.update(max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6, attention_bias=False)
+_QWEN3.update(bos_token_id=151643, eos_token_id=151645)
+_QWEN3_MOE = dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], moe_intermediate_size=768)
+_QWEN3_MOE.update(
+    num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]
+)
+_LLAMA3 = dict(_COMMON, model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=128256, rms_norm_eps=1e-5)
+_LLAMA3.update(max_position_embeddings=8192, rope_theta=500000.0, bos_token_id=128000, eos_token_id=128001)
 
 CONFIGS = {
-    "qwen3-0.6b": dict(_QWEN3, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                       num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=True),
-    "qwen3-8b": dict(_QWEN3, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                     num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False),
-    "qwen3-30b-a3b": dict(_QWEN3, model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], hidden_size=2048,
-                          intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
-                          num_attention_heads=32, num_key_value_heads=4, num_experts=128, num_experts_per_tok=8,
-                          norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False),
-    "llama-3-8b": dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=4096,
-                       intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                       vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
-                       hidden_act="silu", torch_dtype="bfloat16", tie_word_embeddings=False, bos_token_id=128000,
-                       eos_token_id=128001),
+    "qwen3-0.6b": {**_QWEN3, **dict(zip(_SHAPE, (1024, 3072, 28, 16, 8))), "tie_word_embeddings": True},
+    "qwen3-8b": {**_QWEN3, **dict(zip(_SHAPE, (4096, 12288, 36, 32, 8)))},
+    "qwen3-30b-a3b": {**_QWEN3, **dict(zip(_SHAPE, (2048, 6144, 48, 32, 4))), **_QWEN3_MOE},
+    "llama-3-8b": {**_LLAMA3, **dict(zip(_SHAPE, (4096, 14336, 32, 32, 8)))},
 }
 
 
@@ -37,8 +39,7 @@ def model_dir(name_or_path: str) -> str:
         return name_or_path
     path = os.path.join(tempfile.gettempdir(), "atom-shapes", name_or_path)
     os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(CONFIGS[name_or_path], f, indent=1)
+    write_to_json(os.path.join(path, "config.json"), CONFIGS[name_or_path], indent=1)
     return path
 
 
@@ -53,24 +54,65 @@ def weight_bytes(name: str, dtype_bytes: int = 2) -> int:
     return (layers * (attn + mlp) + v * h) * dtype_bytes
 
 
-def parse_offline_args(doc: str, argv: list[str] | None, default_model: str, arguments: list) -> argparse.Namespace:
-    """The flags both offline benchmarks take, then ``arguments`` ((flags, kwargs) pairs)."""
+def copy_bandwidth(nbytes: int = 2 << 30, iters: int = 20) -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write counted), over a copy far larger than L2."""
+    import torch
+
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    return 2 * nbytes * iters / (time.perf_counter() - start)
+
+
+def parse_offline_args(doc: str, argv: list[str] | None, default_model: str, rows: list) -> argparse.Namespace:
+    """The flags both offline benchmarks take, with ``rows`` (see ``add_arguments``) after --engine."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=default_model, help=f"a model dir or one of {', '.join(CONFIGS)}")
-    p.add_argument("--engine", choices=["atom", "vllm"], default="atom")
-    for flags, kwargs in arguments:
-        p.add_argument(*flags, **kwargs)
-    p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--output-json", default=None)
+    rows = [
+        ("--model", default_model, f"a model dir or one of {', '.join(CONFIGS)}"),
+        ("--engine", "atom", "the engine to measure", dict(choices=["atom", "vllm"])),
+        *rows,
+        ("--max-model-len", 4096, None),
+        ("--enforce-eager", False, None),
+        ("--output-json", str, "write the result here"),
+    ]
+    add_arguments(p, rows)
     return p.parse_args(argv)
+
+
+class Engine:
+    """atom's ``LLMEngine`` or vLLM's ``LLM`` with random weights of ``args.model``'s shape, on token-id prompts."""
+
+    def __init__(self, args: argparse.Namespace, **kwargs) -> None:
+        self.vllm, path = args.engine == "vllm", model_dir(args.model)
+        kwargs.update(skip_tokenizer_init=True, max_model_len=args.max_model_len, enforce_eager=args.enforce_eager)
+        if self.vllm:
+            from vllm import LLM, SamplingParams
+
+            self.llm, self.params = LLM(path, load_format="dummy", **kwargs), partial(SamplingParams, detokenize=False)
+        else:
+            from atom import LLMEngine, SamplingParams
+
+            self.llm, self.params = LLMEngine(path, load_dummy=True, **kwargs), SamplingParams
+
+    def generate(self, prompts: list[list[int]], params) -> list[int]:
+        """Output token counts; atom's outputs also carry the engine's own TPOT (``self.tpots``)."""
+        if self.vllm:
+            outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            return [len(o.outputs[0].token_ids) for o in outs]
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        self.tpots = [o["tpot"] for o in outs]
+        return [o["num_tokens_output"] for o in outs]
 
 
 def report(table: str, result: dict, output_json: str | None) -> dict:
     """Print the markdown table and write ``result`` to ``output_json`` when given."""
     print(table)
     if output_json:
-        with open(output_json, "w") as f:
-            json.dump(result, f, indent=1)
+        write_to_json(output_json, result, indent=1)
     return result

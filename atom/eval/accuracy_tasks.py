@@ -94,106 +94,101 @@ _MC_METRICS = [
 
 # lm-eval's gsm8k_cot: 8 fixed chain-of-thought exemplars (Wei et al.), so no train split is needed
 _GSM8K_EXEMPLARS = [
-    ("There are 15 trees in the grove. Grove workers will plant trees in the grove today. After they are done, "
-     "there will be 21 trees. How many trees did the grove workers plant today?",
-     "There are 15 trees originally. Then there were 21 trees after some more were planted. So there must have "
-     "been 21 - 15 = 6. The answer is 6."),
-    ("If there are 3 cars in the parking lot and 2 more cars arrive, how many cars are in the parking lot?",
-     "There are originally 3 cars. 2 more cars arrive. 3 + 2 = 5. The answer is 5."),
-    ("Leah had 32 chocolates and her sister had 42. If they ate 35, how many pieces do they have left in total?",
-     "Originally, Leah had 32 chocolates. Her sister had 42. So in total they had 32 + 42 = 74. After eating 35, "
-     "they had 74 - 35 = 39. The answer is 39."),
-    ("Jason had 20 lollipops. He gave Denny some lollipops. Now Jason has 12 lollipops. How many lollipops did "
-     "Jason give to Denny?",
-     "Jason started with 20 lollipops. Then he had 12 after giving some to Denny. So he gave Denny 20 - 12 = 8. "
-     "The answer is 8."),
-    ("Shawn has five toys. For Christmas, he got two toys each from his mom and dad. How many toys does he have "
-     "now?",
-     "Shawn started with 5 toys. If he got 2 toys each from his mom and dad, then that is 4 more toys. "
-     "5 + 4 = 9. The answer is 9."),
-    ("There were nine computers in the server room. Five more computers were installed each day, from monday to "
-     "thursday. How many computers are now in the server room?",
-     "There were originally 9 computers. For each of 4 days, 5 more computers were added. So 5 * 4 = 20 "
-     "computers were added. 9 + 20 is 29. The answer is 29."),
-    ("Michael had 58 golf balls. On tuesday, he lost 23 golf balls. On wednesday, he lost 2 more. How many golf "
-     "balls did he have at the end of wednesday?",
-     "Michael started with 58 golf balls. After losing 23 on tuesday, he had 58 - 23 = 35. After losing 2 more, "
-     "he had 35 - 2 = 33 golf balls. The answer is 33."),
-    ("Olivia has $23. She bought five bagels for $3 each. How much money does she have left?",
-     "Olivia had 23 dollars. 5 bagels for 3 dollars each will be 5 x 3 = 15 dollars. So she has 23 - 15 dollars "
-     "left. 23 - 15 is 8. The answer is 8."),
+    (
+        "There are 15 trees in the grove. Grove workers will plant trees in the grove today. After they are done, "
+        "there will be 21 trees. How many trees did the grove workers plant today?",
+        "There are 15 trees originally. Then there were 21 trees after some more were planted. So there must have "
+        "been 21 - 15 = 6. The answer is 6.",
+    ),
+    (
+        "If there are 3 cars in the parking lot and 2 more cars arrive, how many cars are in the parking lot?",
+        "There are originally 3 cars. 2 more cars arrive. 3 + 2 = 5. The answer is 5.",
+    ),
+    (
+        "Leah had 32 chocolates and her sister had 42. If they ate 35, how many pieces do they have left in total?",
+        "Originally, Leah had 32 chocolates. Her sister had 42. So in total they had 32 + 42 = 74. After eating 35, "
+        "they had 74 - 35 = 39. The answer is 39.",
+    ),
+    (
+        "Jason had 20 lollipops. He gave Denny some lollipops. Now Jason has 12 lollipops. How many lollipops did "
+        "Jason give to Denny?",
+        "Jason started with 20 lollipops. Then he had 12 after giving some to Denny. So he gave Denny 20 - 12 = 8. "
+        "The answer is 8.",
+    ),
+    (
+        "Shawn has five toys. For Christmas, he got two toys each from his mom and dad. How many toys does he have "
+        "now?",
+        "Shawn started with 5 toys. If he got 2 toys each from his mom and dad, then that is 4 more toys. "
+        "5 + 4 = 9. The answer is 9.",
+    ),
+    (
+        "There were nine computers in the server room. Five more computers were installed each day, from monday to "
+        "thursday. How many computers are now in the server room?",
+        "There were originally 9 computers. For each of 4 days, 5 more computers were added. So 5 * 4 = 20 "
+        "computers were added. 9 + 20 is 29. The answer is 29.",
+    ),
+    (
+        "Michael had 58 golf balls. On tuesday, he lost 23 golf balls. On wednesday, he lost 2 more. How many golf "
+        "balls did he have at the end of wednesday?",
+        "Michael started with 58 golf balls. After losing 23 on tuesday, he had 58 - 23 = 35. After losing 2 more, "
+        "he had 35 - 2 = 33 golf balls. The answer is 33.",
+    ),
+    (
+        "Olivia has $23. She bought five bagels for $3 each. How much money does she have left?",
+        "Olivia had 23 dollars. 5 bagels for 3 dollars each will be 5 x 3 = 15 dollars. So she has 23 - 15 dollars "
+        "left. 23 - 15 is 8. The answer is 8.",
+    ),
 ]
+
+
+def _spec(output_type: str, text: str, target: str, version: float = 1.0, **fields) -> dict:
+    return dict(
+        output_type=output_type, doc_to_text=text, doc_to_target=target, **fields, metadata={"version": version}
+    )
+
+
+def _gsm8k_spec() -> dict:
+    strict = [{"function": "regex", "regex_pattern": "The answer is (\\-?[0-9\\.\\,]+)."}, {"function": "take_first"}]
+    flexible = [{"function": "regex", "group_select": -1, "regex_pattern": "(-?[$0-9.,]{2,})|(-?[0-9]+)"}]
+    exact_match = dict(metric="exact_match", aggregation="mean", higher_is_better=True, ignore_case=True)
+    exact_match.update(ignore_punctuation=False, regexes_to_ignore=[",", "\\$", "(?s).*#### ", "\\.$"])
+    return _spec(
+        "generate_until",
+        "Q: {{question}}\nA:",
+        "{{answer.split('####')[-1].strip() if answer is defined else target}}",
+        version=3.0,
+        num_fewshot=8,
+        fewshot_config={"sampler": "first_n", "samples": [{"question": q, "target": a} for q, a in _GSM8K_EXEMPLARS]},
+        generation_kwargs={"until": ["Q:", "</s>", "<|im_end|>"], "do_sample": False},
+        filter_list=[
+            {"name": "strict-match", "filter": strict},
+            {"name": "flexible-extract", "filter": [*flexible, {"function": "take_first"}]},
+        ],
+        metric_list=[exact_match],
+    )
 
 
 def task_config(task: str, data_file: str) -> dict:
     """lm-eval task config of ``task`` over the local ``data_file`` (jsonl); apart from the data source and
     the name (``atom_<task>``) these are lm-eval 0.4.13's own definitions."""
-    base = {
-        "task": f"atom_{task}",
-        "dataset_path": "json",
-        "dataset_kwargs": {"data_files": {"test": data_file}},
-        "test_split": "test",
-    }
+    base = dict(task=f"atom_{task}", dataset_path="json", dataset_kwargs={"data_files": {"test": data_file}})
+    base["test_split"] = "test"
     if task == "arc_easy":
-        return {
-            **base,
-            "output_type": "multiple_choice",
-            "doc_to_text": "Question: {{question}}\nAnswer:",
-            "doc_to_target": "{{choices.label.index(answerKey)}}",
-            "doc_to_choice": "{{choices.text}}",
-            "metric_list": _MC_METRICS,
-            "metadata": {"version": 1.0},
-        }
+        question, answer = "Question: {{question}}\nAnswer:", "{{choices.label.index(answerKey)}}"
+        return base | _spec(
+            "multiple_choice", question, answer, doc_to_choice="{{choices.text}}", metric_list=_MC_METRICS
+        )
     if task == "hellaswag":
-        return {
-            **base,
-            "output_type": "multiple_choice",
-            "doc_to_text": "{{query}}",
-            "doc_to_target": "{{label}}",
-            "doc_to_choice": "choices",
-            "metric_list": _MC_METRICS,
-            "metadata": {"version": 1.0},
-        }
+        return base | _spec(
+            "multiple_choice", "{{query}}", "{{label}}", doc_to_choice="choices", metric_list=_MC_METRICS
+        )
     if task == "lambada":
-        return {
-            **base,
-            "output_type": "loglikelihood",
-            "doc_to_text": "{{text.split(' ')[:-1]|join(' ')}}",
-            "doc_to_target": "{{' '+text.split(' ')[-1]}}",
-            "metric_list": [
-                {"metric": "perplexity", "aggregation": "perplexity", "higher_is_better": False},
-                {"metric": "acc", "aggregation": "mean", "higher_is_better": True},
-            ],
-            "metadata": {"version": 1.0},
-        }
+        perplexity = {"metric": "perplexity", "aggregation": "perplexity", "higher_is_better": False}
+        metrics = [perplexity, {"metric": "acc", "aggregation": "mean", "higher_is_better": True}]
+        text, target = "{{text.split(' ')[:-1]|join(' ')}}", "{{' '+text.split(' ')[-1]}}"
+        return base | _spec("loglikelihood", text, target, metric_list=metrics)
     if task == "gsm8k":
-        return {
-            **base,
-            "output_type": "generate_until",
-            "doc_to_text": "Q: {{question}}\nA:",
-            "doc_to_target": "{{answer.split('####')[-1].strip() if answer is defined else target}}",
-            "num_fewshot": 8,
-            "fewshot_config": {
-                "sampler": "first_n",
-                "samples": [{"question": q, "target": a} for q, a in _GSM8K_EXEMPLARS],
-            },
-            "generation_kwargs": {"until": ["Q:", "</s>", "<|im_end|>"], "do_sample": False},
-            "filter_list": [
-                {"name": "strict-match", "filter": [
-                    {"function": "regex", "regex_pattern": "The answer is (\\-?[0-9\\.\\,]+)."},
-                    {"function": "take_first"},
-                ]},
-                {"name": "flexible-extract", "filter": [
-                    {"function": "regex", "group_select": -1, "regex_pattern": "(-?[$0-9.,]{2,})|(-?[0-9]+)"},
-                    {"function": "take_first"},
-                ]},
-            ],
-            "metric_list": [{
-                "metric": "exact_match", "aggregation": "mean", "higher_is_better": True, "ignore_case": True,
-                "ignore_punctuation": False, "regexes_to_ignore": [",", "\\$", "(?s).*#### ", "\\.$"],
-            }],
-            "metadata": {"version": 3.0},
-        }
+        return base | _gsm8k_spec()
     raise ValueError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
 
 
