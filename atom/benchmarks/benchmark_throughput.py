@@ -10,6 +10,7 @@ token ids with lengths ``randint(100, 1024)`` and 256 ``max_tokens`` of
 
 from __future__ import annotations
 
+import argparse
 import random
 import time
 
@@ -27,7 +28,8 @@ def workload(num_seqs: int, max_input_len: int, max_output_len: int):
 
 def run(args) -> tuple[float, int]:
     """Seconds to generate the workload, and its output tokens."""
-    kwargs = {"async_scheduling": True} if args.async_scheduling else {}  # else each engine's own default
+    # unset: each engine's own default (atom: async on; vLLM: its own)
+    kwargs = {} if args.async_scheduling is None else {"async_scheduling": args.async_scheduling}
     if args.level is not None and args.engine == "atom":
         kwargs["level"] = args.level
     engine = Engine(args, **kwargs)
@@ -51,7 +53,12 @@ def main(argv=None) -> dict:
             ("--max-input-len", 1024, None),
             ("--max-output-len", 1024, None),
             ("--level", int, "atom's compilation level"),
-            ("--async-scheduling", False, "both engines: overlap host work with the device"),
+            (
+                "--async-scheduling",
+                False,
+                "overlap host and device work (default: each engine's own)",
+                dict(action=argparse.BooleanOptionalAction, default=None),
+            ),
         ],
     )
     random.seed(0)  # before the engine starts, as bench.py

@@ -6,7 +6,8 @@ and vLLM, one benchmark process per run, a short table last.
 
 A run is ``TREE:MODEL[:FLAG,...]`` with TREE a ``--tree`` name or ``vllm`` (vLLM native on the
 first tree's PYTHONPATH with the plugin disabled); flags: ``async`` (--async-scheduling),
-``eager`` (--enforce-eager), ``latency`` (benchmark_latency instead of benchmark_throughput).
+``sync`` (--no-async-scheduling), ``eager`` (--enforce-eager), ``latency`` (benchmark_latency
+instead of benchmark_throughput).
 Each run's log and JSON go to $OUT (or ./gpu-results).
 """
 
@@ -30,6 +31,7 @@ def run_one(spec: str, trees: dict[str, str], out: str, timeout: int) -> dict:
     cmd = [sys.executable, "-m", f"atom.benchmarks.{bench}", "--engine", engine, "--model", model,
            "--output-json", f"{out}/{name}.json"]
     cmd += ["--async-scheduling"] if "async" in flags else []
+    cmd += ["--no-async-scheduling"] if "sync" in flags else []
     cmd += ["--enforce-eager"] if "eager" in flags else []
     env = dict(os.environ, PYTHONPATH=":".join(p for p in ("/tmp/site", path) if os.path.isdir(p)),
                ATOM_DISABLE_VLLM_PLUGIN="1", PYTHONUNBUFFERED="1")
