@@ -137,7 +137,7 @@ class EngineArgs:
             model_config=model_config,
             cache_config=self._section(CacheConfig),
             scheduler_config=self._section(SchedulerConfig),
-            parallel_config=self._section(ParallelConfig),
+            parallel_config=self._section(ParallelConfig, data_parallel_rank=0),  # replicas get theirs
             compilation_config=self._section(CompilationConfig,
                                              cudagraph_capture_sizes=tuple(self.cudagraph_capture_sizes)),
             speculative_config=self._section(SpeculativeConfig),
@@ -147,7 +147,7 @@ class EngineArgs:
 
     def _section(self, cls, **overrides):
         """A config dataclass from the arguments of the same names."""
-        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(cls)}
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(cls) if f.name not in overrides}
         return cls(**(values | overrides))
 
 
