@@ -33,13 +33,15 @@ SHAPES = {  # model_configs shape, layers kept (None: all)
     "qwen3-8b": ("qwen3-8b", None),
     "qwen3-30b-a3b-12l": ("qwen3-30b-a3b", 12),
 }
-# (shape, tp, mode, extra): mode "graphs" = CUDA graphs without torch.compile (level 0),
+# (shape, tp, mode, extra): extra "ep" = --enable-expert-parallel, "dp2" = -dp 2 (a replica
+# per GPU; needs pyzmq there); mode "graphs" = CUDA graphs without torch.compile (level 0),
 # "compile" = the default level 3, "eager" = --enforce-eager
 RUNS = [
     ("qwen3-0.6b", 1, "graphs", ""),
     ("qwen3-0.6b", 2, "graphs", ""),
     ("qwen3-8b", 1, "graphs", ""),
     ("qwen3-8b", 2, "graphs", ""),
+    ("qwen3-8b", 1, "graphs", "dp2"),
     ("qwen3-0.6b", 2, "compile", ""),
     ("qwen3-30b-a3b-12l", 1, "graphs", ""),
     ("qwen3-30b-a3b-12l", 2, "graphs", "ep"),
@@ -76,7 +78,8 @@ def run_one(path: str, tp: int, mode: str, extra: str, num_seqs: int) -> dict:
     from atom.benchmarks.benchmark_throughput import workload
 
     kwargs = dict(skip_tokenizer_init=True, max_model_len=4096, tensor_parallel_size=tp,
-                  enable_expert_parallel="ep" in extra, enforce_eager=mode == "eager")
+                  data_parallel_size=2 if "dp2" in extra else 1, enable_expert_parallel="ep" in extra,
+                  enforce_eager=mode == "eager")
     if mode != "compile":
         kwargs["level"] = 0
     t0 = time.perf_counter()
@@ -144,14 +147,22 @@ def main() -> None:
         return
     start, results, paths = time.monotonic(), [], {}
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    log = open(f"{out}/tp_check.log", "w")
+    log_path = f"{out}/tp_check.log"  # every run's output, in order (the device returns few files)
 
     def sub(spec: dict, timeout: float) -> int | str:
-        try:
-            return subprocess.run([sys.executable, __file__, "--one", json.dumps(spec), "--ckpt-dir", args.ckpt_dir],
-                                  env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout).returncode
-        except subprocess.TimeoutExpired:
-            return "timeout"
+        with open(log_path, "a") as log:
+            log.write(f"\n===== {json.dumps(spec)}\n")
+            offset = log.tell()
+            try:
+                rc = subprocess.run([sys.executable, __file__, "--one", json.dumps(spec), "--ckpt-dir", args.ckpt_dir],
+                                    env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+        if rc != 0:  # its last lines, for the caller's output tail
+            with open(log_path) as log:
+                log.seek(offset)
+                print("".join(log.readlines()[-25:]), flush=True)
+        return rc
 
     for shape, tp, mode, extra in RUNS:
         left = args.budget_s - (time.monotonic() - start)
@@ -170,18 +181,18 @@ def main() -> None:
         num_seqs = args.num_seqs if mode != "eager" else args.num_seqs // 4
         t = time.monotonic()
         spec = dict(what="run", path=paths[shape], tp=tp, mode=mode, extra=extra, num_seqs=num_seqs,
-                    json=f"{out}/{name}.json")
+                    json=f"/tmp/tp_check_{name}.json")
         rc = sub(spec, args.budget_s - (time.monotonic() - start))
-        res = dict(run=name, shape=shape, tp=tp, mode=mode, rc=rc, wall_s=round(time.monotonic() - t, 1),
+        res = dict(run=name, shape=shape, tp=tp, mode=mode, extra=extra, rc=rc, wall_s=round(time.monotonic() - t, 1),
                    num_seqs=num_seqs)
         if rc == 0:
             res.update(json.load(open(spec["json"])))
         results.append(res)
         print(json.dumps({k: v for k, v in res.items() if k not in ("greedy", "teacher_forced")}), flush=True)
-    tp1 = {(r["shape"], r["mode"]): r for r in results if r.get("tp") == 1 and "greedy" in r}
+    one = {(r["shape"], r["mode"]): r for r in results if r.get("tp") == 1 and not r.get("extra") and "greedy" in r}
     for r in results:
-        ref = tp1.get((r.get("shape"), r.get("mode"))) or tp1.get((r.get("shape"), "graphs"))
-        if r.get("tp") == 2 and "greedy" in r and ref is not None:
+        ref = one.get((r.get("shape"), r.get("mode"))) or one.get((r.get("shape"), "graphs"))
+        if r is not ref and "greedy" in r and ref is not None:
             r["vs_tp1"] = dict(compare(ref, r), ref=ref["run"])
     summary = [{k: v for k, v in r.items() if k not in ("greedy", "teacher_forced")} for r in results]
     json.dump(summary, open(f"{out}/tp_check.json", "w"), indent=1)
