@@ -38,6 +38,7 @@ class EngineArgs:
     trust_remote_code: bool = ModelConfig.trust_remote_code
     tensor_parallel_size: int = ParallelConfig.tensor_parallel_size
     data_parallel_size: int = ParallelConfig.data_parallel_size
+    data_parallel_rank: int = ParallelConfig.data_parallel_rank  # no flag: set for each replica by the engine
     enforce_eager: bool = CompilationConfig.enforce_eager
     enable_prefix_caching: bool = CacheConfig.enable_prefix_caching
     port: int = 8006  # the guide's flag; accepted and unused (the core talks over IPC sockets)
@@ -137,7 +138,7 @@ class EngineArgs:
             model_config=model_config,
             cache_config=self._section(CacheConfig),
             scheduler_config=self._section(SchedulerConfig),
-            parallel_config=self._section(ParallelConfig, data_parallel_rank=0),  # replicas get theirs
+            parallel_config=self._section(ParallelConfig),
             compilation_config=self._section(CompilationConfig,
                                              cudagraph_capture_sizes=tuple(self.cudagraph_capture_sizes)),
             speculative_config=self._section(SpeculativeConfig),
@@ -147,7 +148,7 @@ class EngineArgs:
 
     def _section(self, cls, **overrides):
         """A config dataclass from the arguments of the same names."""
-        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(cls) if f.name not in overrides}
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(cls)}
         return cls(**(values | overrides))
 
 
