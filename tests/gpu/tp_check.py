@@ -51,6 +51,10 @@ RUNS = [
 GEN_TOKENS, TF_LEN, CLEAR_GAP = 64, 256, 0.1
 
 
+def run_name(shape: str, tp: int, mode: str, extra: str) -> str:
+    return f"{shape}_tp{tp}_{mode}{'_' + extra if extra else ''}"
+
+
 def build(shape: str, out_dir: str) -> str:
     """A checkpoint of ``shape`` with random bf16 weights, made on the GPU (fast) and saved
     to ``out_dir`` (use /dev/shm: a 16 GB write to RAM takes seconds)."""
@@ -132,6 +136,7 @@ def main() -> None:
     p.add_argument("--budget-s", type=float, default=280.0, help="stop starting runs after this many seconds")
     p.add_argument("--num-seqs", type=int, default=256, help="throughput workload size")
     p.add_argument("--ckpt-dir", default="/dev/shm/atom-tp-check")
+    p.add_argument("--select", default="", help="only the runs whose name contains this, e.g. tp1_graphs")
     p.add_argument("--one", help=argparse.SUPPRESS)  # internal: one run (JSON spec) in this process
     args = p.parse_args()
     out = os.environ.get("OUT", "gpu-results")
@@ -164,13 +169,13 @@ def main() -> None:
                 print("".join(log.readlines()[-25:]), flush=True)
         return rc
 
-    queue, graphs_broken = list(RUNS), False
+    queue, graphs_broken = [r for r in RUNS if args.select in run_name(*r)], False
     while queue:
         shape, tp, mode, extra = queue.pop(0)
         if graphs_broken and tp > 1 and mode != "eager":
             mode = "eager"  # CUDA graphs with the collectives failed once: see the rest eagerly
         left = args.budget_s - (time.monotonic() - start)
-        name = f"{shape}_tp{tp}_{mode}{'_' + extra if extra else ''}"
+        name = run_name(shape, tp, mode, extra)
         if left < 30:
             results.append(dict(run=name, rc="skipped (budget)"))
             continue
