@@ -1,8 +1,8 @@
 """LLMEngine with data_parallel_size=2 (two engine-core processes, each a full replica):
 greedy output token-identical to one replica on the tiny Qwen3 and Qwen3-MoE checkpoints
 (with -tp 2 inside each replica too), requests spread over the replicas, aborts reach the
-replica that owns the request, stats add up, and a killed replica raises a clear error
-and leaves no process behind."""
+replica that owns the request, stats add up, each replica writes its own profiler trace,
+and a killed replica raises a clear error and leaves no process behind."""
 
 import os
 import signal
@@ -53,10 +53,11 @@ def test_dp2_greedy_matches_one_replica(tiny_model, arch, kwargs):
     assert wait_gone(pids + ranks) == []
 
 
-def test_abort_reaches_the_owning_replica(tiny_model):
-    engine = LLMEngine(tiny_model("qwen3"), max_model_len=256, data_parallel_size=2)
+def test_abort_reaches_the_owning_replica(tiny_model, tmp_path):
+    engine = LLMEngine(tiny_model("qwen3"), max_model_len=256, data_parallel_size=2, torch_profiler_dir=str(tmp_path))
     try:
         long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        engine.start_profile()  # on both replicas, one trace directory each
         ids = engine.add_request(PROMPTS, long)
         owners = dict(engine.core.balancer.owner)
         assert sorted(owners.values()) == [0, 0, 1, 1]
@@ -65,6 +66,8 @@ def test_abort_reaches_the_owning_replica(tiny_model):
         aborted = [ids[0], ids[1]]  # one on each replica
         assert {owners[i] for i in aborted} == {0, 1}
         engine.abort_request(aborted)
+        engine.stop_profile()
+        assert all(list((tmp_path / f"dp_{r}_rank_0").glob("*.pt.trace.json.gz")) for r in (0, 1))
         # each replica dropped its own (a misrouted abort would leave all 4 running: each
         # has ~190 tokens to go, and the stats call is answered right after the abort)
         assert engine.core.stats().num_running == 2
