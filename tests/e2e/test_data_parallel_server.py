@@ -1,8 +1,8 @@
 """A real server with -dp 2 (two engine-core processes, each a full replica): concurrent
-greedy completions through the official ``openai`` client equal one engine's, and the merged
-/metrics count both replicas' KV blocks, all free afterwards; then a killed replica makes
-/health report the engine dead in one line, and the server exits cleanly with no process
-left behind."""
+greedy completions through the official ``openai`` client equal one engine's; the merged
+/metrics count both replicas' KV blocks, all free afterwards, also after a client that
+hangs up; then a killed replica makes /health report the engine dead in one line, and the
+server exits cleanly with no process left behind."""
 
 import asyncio
 import signal
@@ -11,6 +11,7 @@ import openai
 import psutil
 import requests
 from server_process import MAX_MODEL_LEN, assert_all_blocks_free, wait_until
+from test_openai_server import check_killed_client_frees_blocks
 
 from atom import LLMEngine, SamplingParams
 
@@ -40,6 +41,7 @@ def test_dp2_server_serves_concurrently_then_survives_a_replica_death(make_serve
     assert asyncio.run(run_all()) == expected
     assert_all_blocks_free(srv)
     assert srv.metrics()["atom:num_kv_blocks"] == 2 * ref.core.block_manager.num_blocks  # both replicas'
+    check_killed_client_frees_blocks(srv)  # the abort reaches the replica that runs the request
 
     replicas[1].send_signal(signal.SIGKILL)
     assert wait_until(lambda: requests.get(f"{srv.url}/health").status_code == 503, timeout=15)
