@@ -29,7 +29,7 @@ class DPAsyncEngineCoreClient:
         self.on_add_error = on_add_error
         self.on_dead = on_dead
         self.clients = [
-            AsyncEngineCoreClient(cfg, functools.partial(self._replica_outputs, r), self._replica_add_error,
+            AsyncEngineCoreClient(cfg, self._replica_outputs, self._replica_add_error,
                                   functools.partial(self._replica_dead, r))
             for r, cfg in enumerate(replica_configs(config))
         ]
@@ -46,10 +46,6 @@ class DPAsyncEngineCoreClient:
         """The latest stats every replica sent, merged (None until each has sent some)."""
         latest = [c.stats for c in self.clients]
         return merge_stats(latest) if all(s is not None for s in latest) else None
-
-    @property
-    def pids(self) -> list[int]:
-        return [c.proc.pid for c in self.clients if c.proc is not None]
 
     async def start(self) -> CoreInfo:
         """Start every replica at once; if one fails, stop them all and raise its error."""
@@ -82,7 +78,7 @@ class DPAsyncEngineCoreClient:
         self.dead_reason = self.dead_reason or "the engine was shut down"
 
     # the replicas' reader tasks
-    def _replica_outputs(self, replica: int, outputs: list[EngineCoreOutput], stats: EngineStats) -> None:
+    def _replica_outputs(self, outputs: list[EngineCoreOutput], stats: EngineStats) -> None:
         for out in outputs:
             if out.finished:
                 self.balancer.finish(out.request_id)
