@@ -1,8 +1,9 @@
 """LLMEngine with data_parallel_size=2 (two engine-core processes, each a full replica):
-greedy output token-identical to one replica on the tiny Qwen3 and Qwen3-MoE checkpoints
-(with -tp 2 inside each replica too), requests spread over the replicas, aborts reach the
-replica that owns the request, stats add up, each replica writes its own profiler trace,
-and a killed replica raises a clear error and leaves no process behind."""
+greedy output token-identical to one replica on the tiny Qwen3, Llama (chunked prefill)
+and Qwen3-MoE checkpoints (with -tp 2 inside each replica), requests spread over the
+replicas, aborts reach the replica that owns the request, stats add up, each replica
+writes its own profiler trace, and a killed replica raises a clear error and leaves no
+process behind."""
 
 import os
 import signal
@@ -34,7 +35,8 @@ def descendants(pids: list[int]) -> list[int]:
     return [c.pid for p in pids for c in psutil.Process(p).children(recursive=True)]
 
 
-@pytest.mark.parametrize("arch, kwargs", [("qwen3", {}), ("qwen3_moe", dict(tensor_parallel_size=2))])
+@pytest.mark.parametrize("arch, kwargs", [("qwen3", {}), ("llama", dict(max_num_batched_tokens=32)),
+                                          ("qwen3_moe", dict(tensor_parallel_size=2))])
 def test_dp2_greedy_matches_one_replica(tiny_model, arch, kwargs):
     path = tiny_model(arch)
     ref = greedy(LLMEngine(path, max_model_len=256))
