@@ -44,7 +44,8 @@ def test_dp2_greedy_matches_one_replica(tiny_model, arch, kwargs):
     try:
         pids = engine.core.pids
         ranks = descendants(pids)
-        assert len(ranks) == (2 if kwargs else 0) * 2  # each replica's own rank processes
+        tp = kwargs.get("tensor_parallel_size", 1)
+        assert len(ranks) == (2 * tp if tp > 1 else 0)  # each replica's own rank processes
         ids = engine.add_request(PROMPTS, PARAMS)
         assert engine.core.balancer.load == [2, 2]  # least outstanding first: they alternate
         engine.abort_request(ids)
