@@ -116,6 +116,7 @@ class SchedulerConfig:
 class ParallelConfig:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    data_parallel_rank: int = 0  # this replica's index; set per engine-core process
     enable_expert_parallel: bool = False
     enable_dp_attention: bool = False
 
@@ -123,6 +124,8 @@ class ParallelConfig:
         for name in ("tensor_parallel_size", "data_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.data_parallel_rank < self.data_parallel_size:
+            raise ValueError(f"data_parallel_rank {self.data_parallel_rank} outside [0, {self.data_parallel_size})")
 
 
 @dataclass(frozen=True)
@@ -168,7 +171,6 @@ class Config:
     def _refuse_unbuilt(self) -> None:
         """Arguments whose feature is not built yet fail loudly rather than being ignored."""
         unbuilt = {
-            "data_parallel_size > 1": self.parallel_config.data_parallel_size > 1,
             "enable_dp_attention": self.parallel_config.enable_dp_attention,
             "kv_cache_dtype='fp8'": self.cache_config.kv_cache_dtype == "fp8",
             "method='mtp' (speculative decoding)": self.speculative_config.method is not None,
@@ -182,6 +184,9 @@ class Config:
         (the layers check it too, but only inside a rank process)."""
         tp, pc = self.parallel_config.tensor_parallel_size, self.parallel_config
         hf = self.model_config.hf_config
+        if self.device.type == "cuda" and tp * pc.data_parallel_size > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size x data_parallel_size ({tp} x {pc.data_parallel_size}) is larger "
+                             f"than the {torch.cuda.device_count()} visible GPUs")
         if tp == 1:
             if pc.enable_expert_parallel:
                 logger.info("enable_expert_parallel with one rank: every expert stays on it")
@@ -201,6 +206,3 @@ class Config:
         if num_experts and moe_inter and not pc.enable_expert_parallel and moe_inter % tp:
             raise ValueError(f"moe_intermediate_size ({moe_inter}) must be divisible by tensor_parallel_size ({tp}); "
                              "or use enable_expert_parallel")
-        if self.device.type == "cuda" and tp > torch.cuda.device_count():
-            raise ValueError(f"tensor_parallel_size ({tp}) is larger than the {torch.cuda.device_count()} visible "
-                             "GPUs")

@@ -79,3 +79,19 @@ def init_distributed(rank: int, world_size: int, init_method: str, backend: str 
 def destroy_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def select_replica_gpus(tensor_parallel_size: int, data_parallel_rank: int) -> None:
+    """Leave visible only this data-parallel replica's GPUs, rank-major as vLLM: replica r
+    gets GPUs r*tp .. r*tp+tp-1 of those visible to the server. Must run in the replica's
+    process before CUDA initialises (``device_count`` reads NVML then, and caches nothing);
+    its rank processes inherit the setting."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    first = data_parallel_rank * tensor_parallel_size
+    mine = ids[first:first + tensor_parallel_size]
+    if len(mine) < tensor_parallel_size:
+        raise ValueError(f"data-parallel replica {data_parallel_rank} needs GPUs {first}.."
+                         f"{first + tensor_parallel_size - 1}; only {len(ids)} are visible")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(mine)
+    logger.info("data-parallel replica %d uses GPUs %s", data_parallel_rank, ",".join(mine))

@@ -38,6 +38,7 @@ class EngineArgs:
     trust_remote_code: bool = ModelConfig.trust_remote_code
     tensor_parallel_size: int = ParallelConfig.tensor_parallel_size
     data_parallel_size: int = ParallelConfig.data_parallel_size
+    data_parallel_rank: int = ParallelConfig.data_parallel_rank  # no flag: set for each replica by the engine
     enforce_eager: bool = CompilationConfig.enforce_eager
     enable_prefix_caching: bool = CacheConfig.enable_prefix_caching
     port: int = 8006  # the guide's flag; accepted and unused (the core talks over IPC sockets)

@@ -22,6 +22,7 @@ from typing import TypeVar
 from atom.config import Config
 from atom.engine.arg_utils import EngineArgs, eos_token_ids
 from atom.engine.core_client import AsyncEngineCoreClient, CoreInfo, EngineDeadError
+from atom.engine.dp_async_client import DPAsyncEngineCoreClient
 from atom.engine.input_processor import InputProcessor, ProcessedPrompt
 from atom.engine.llm_engine import load_tokenizer
 from atom.engine.output_processor import RequestOutput, RequestState
@@ -65,7 +66,10 @@ class AsyncLLM:
         self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="atom-tokenizer")
         self.max_in_flight = (config.scheduler_config.max_num_seqs + max_queued_requests
                               if max_queued_requests is not None else None)
-        self.client = AsyncEngineCoreClient(config, self._on_outputs, self._on_add_error, self._on_dead)
+        # -dp N: N engine-core processes behind the same interface
+        dp = config.parallel_config.data_parallel_size
+        client_cls = AsyncEngineCoreClient if dp == 1 else DPAsyncEngineCoreClient
+        self.client = client_cls(config, self._on_outputs, self._on_add_error, self._on_dead)
         self.requests: dict[str, _Request] = {}
         self._start_stats: EngineStats | None = None
         # called with every finished (or aborted) request's last output, e.g. for metrics

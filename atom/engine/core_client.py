@@ -107,25 +107,9 @@ class AsyncEngineCoreClient:
         )
         self.proc.start()
         child_conn.close()
-        self.info = await asyncio.get_running_loop().run_in_executor(None, self._wait_ready, parent_conn)
+        self.info = await asyncio.get_running_loop().run_in_executor(None, wait_ready, self.proc, parent_conn)
         self._reader = asyncio.create_task(self._read_loop(), name="atom-engine-core-reader")
         return self.info
-
-    def _wait_ready(self, conn) -> CoreInfo:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while not conn.poll(1.0):
-            if not self.proc.is_alive():
-                raise RuntimeError(f"engine core process exited during start-up (exit code {self.proc.exitcode})")
-            if time.monotonic() > deadline:
-                raise RuntimeError("engine core process did not start in time")
-        try:
-            status, payload = conn.recv()
-        except EOFError:
-            raise RuntimeError(f"engine core process exited during start-up (exit code {self.proc.exitcode})") from None
-        conn.close()
-        if status != "ready":
-            raise RuntimeError(f"engine core failed to start:\n{payload}")
-        return payload
 
     # requests (sends never block: the socket's queue is unbounded)
     def add_request(self, req: EngineCoreRequest) -> None:
@@ -223,3 +207,21 @@ class AsyncEngineCoreClient:
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join()
+
+
+def wait_ready(proc: mp.Process, conn) -> CoreInfo:
+    """Wait for a spawned core's start-up report (``run_engine_core``'s ready pipe)."""
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while not conn.poll(1.0):
+        if not proc.is_alive():
+            raise RuntimeError(f"engine core process exited during start-up (exit code {proc.exitcode})")
+        if time.monotonic() > deadline:
+            raise RuntimeError("engine core process did not start in time")
+    try:
+        status, payload = conn.recv()
+    except EOFError:
+        raise RuntimeError(f"engine core process exited during start-up (exit code {proc.exitcode})") from None
+    conn.close()
+    if status != "ready":
+        raise RuntimeError(f"engine core failed to start:\n{payload}")
+    return payload

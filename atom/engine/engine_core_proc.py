@@ -24,6 +24,7 @@ import msgspec
 import zmq
 
 from atom.config import Config
+from atom.distributed.parallel_state import select_replica_gpus
 from atom.engine.engine_core import EngineCore
 from atom.engine.outputs import (
     AbortRequests,
@@ -63,8 +64,12 @@ def run_engine_core(config: Config, in_addr: str, out_addr: str, ready_conn, par
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process coordinates shutdown
     signal.signal(signal.SIGTERM, _raise_system_exit)
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [engine-core] %(name)s: %(message)s")
+    pc = config.parallel_config
+    name = f"engine-core {pc.data_parallel_rank}" if pc.data_parallel_size > 1 else "engine-core"
+    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s [{name}] %(name)s: %(message)s")
     try:
+        if pc.data_parallel_size > 1 and config.device.type == "cuda":
+            select_replica_gpus(pc.tensor_parallel_size, pc.data_parallel_rank)
         core = EngineCore(config)
     except BaseException:
         ready_conn.send(("failed", traceback.format_exc()))

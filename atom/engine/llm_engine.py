@@ -41,7 +41,7 @@ class LLMEngine:
                         self.config.compilation_config.level, self.config.device)
         self.tokenizer = None if self.args.skip_tokenizer_init else load_tokenizer(mc.tokenizer, mc.trust_remote_code)
         self.eos_token_ids = eos_token_ids(mc.model, mc.hf_config, self.tokenizer)
-        self.core = EngineCore(self.config)
+        self.core = _make_core(self.config)
         self.input_processor = InputProcessor(self.tokenizer, mc.hf_config.vocab_size, mc.max_model_len,
                                               self.core.info().max_seq_len)
         self.states: dict[str, RequestState] = {}
@@ -142,9 +142,18 @@ class LLMEngine:
         self.core.stop_profile()
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel rank processes now (they also stop when the engine is
-        garbage-collected or the interpreter exits)."""
+        """Stop the tensor-parallel ranks and data-parallel replicas now (they also stop
+        when the engine is garbage-collected or the interpreter exits)."""
         self.core.shutdown()
+
+
+def _make_core(config):
+    """The in-process core, or with ``-dp N`` a client of N engine-core processes."""
+    if config.parallel_config.data_parallel_size == 1:
+        return EngineCore(config)
+    from atom.engine.dp_client import DPEngineCoreClient  # ZMQ: imported only when needed
+
+    return DPEngineCoreClient(config)
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:

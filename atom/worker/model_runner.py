@@ -67,7 +67,10 @@ class ModelRunner:
     def start_profile(self) -> None:
         if self.profiler is not None:
             raise RuntimeError("the profiler is already running")
-        self.profiler = start_torch_profiler(self.config.torch_profiler_dir, f"rank_{self.tp.rank}", self.device)
+        pc = self.config.parallel_config  # one directory per rank, and per replica under -dp
+        name = f"rank_{self.tp.rank}"
+        name = f"dp_{pc.data_parallel_rank}_{name}" if pc.data_parallel_size > 1 else name
+        self.profiler = start_torch_profiler(self.config.torch_profiler_dir, name, self.device)
 
     def stop_profile(self) -> None:
         if self.profiler is None:
