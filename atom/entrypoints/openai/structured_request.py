@@ -5,6 +5,7 @@ inside the engine."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,7 +49,9 @@ def _given(request: SamplingRequest) -> dict[str, StructuredOutputsParams]:
     except (ValueError, AttributeError) as e:
         raise OpenAIError(f"response_format: {e}", param="response_format") from e
     so = request.structured_outputs
-    if so is not None:
+    constrains = so is not None and any(v is not None for v in (so.json_, so.regex, so.choice, so.grammar,
+                                                                 so.json_object))
+    if constrains:
         given["structured_outputs"] = _params("structured_outputs", json=so.json_, regex=so.regex, choice=so.choice,
                                               grammar=so.grammar, json_object=so.json_object or None,
                                               disable_any_whitespace=so.disable_any_whitespace)
@@ -56,6 +59,9 @@ def _given(request: SamplingRequest) -> dict[str, StructuredOutputsParams]:
                         ("guided_grammar", "grammar")):
         if getattr(request, name) is not None:
             given[name] = _params(name, **{field: getattr(request, name)})
+    if so is not None and not constrains and so.disable_any_whitespace:
+        # an option alone (vLLM's disable_any_whitespace) applies to the constraint given elsewhere
+        given = {k: dataclasses.replace(v, disable_any_whitespace=True) for k, v in given.items()}
     return given
 
 
