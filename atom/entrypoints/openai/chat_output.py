@@ -37,6 +37,8 @@ class ChoiceOutput:
     # whole
     def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
         """The response message's fields and the choice's finish_reason."""
+        if not self.plan.forced and self._reasoning is None and not self.plan.parse_output:
+            return self._fields(None, text, ()), finish_reason  # no parser: the text as it is
         if not self.plan.forced:
             parsed = self._parser.parse(text)
             reason = "tool_calls" if parsed.tool_calls else finish_reason

@@ -91,6 +91,7 @@ class OpenAIServingChat(OpenAIServing):
         created = int(time.time())
         finals: list[RequestOutput | None] = [None] * request.n
         parsers = [self._choice_output(request, plan) for _ in range(request.n)]
+        plain = not plan.forced and not plan.parse_output and self.reasoning_parser is None
 
         def chunk(choices, usage=None) -> str:
             return sse(ChatCompletionStreamResponse(id=request_id, created=created, model=self.model_name,
@@ -104,6 +105,12 @@ class OpenAIServingChat(OpenAIServing):
             if not out.new_token_ids and not out.finished:
                 continue
             logprobs = self.logprobs(out.new_token_ids, out.new_logprobs) if request.logprobs else None
+            if plain:  # no parser: every step's text as it comes (maybe empty: a held-back stop string)
+                yield chunk([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(content=out.delta_text),
+                                                        logprobs=logprobs, finish_reason=out.finish_reason,
+                                                        stop_reason=out.stop_reason)])
+                finals[i] = out if out.finished else finals[i]
+                continue
             delta = parsers[i].delta(out.delta_text) if out.delta_text else None
             finish_reason = out.finish_reason
             if out.finished:
