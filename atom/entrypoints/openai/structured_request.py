@@ -112,6 +112,7 @@ def tool_plan(request: ChatCompletionRequest, tool_call_parser: str | None, auto
     named = choice["function"]["name"] if isinstance(choice, dict) else None
     constraint = None
     if schema is not None:
-        constraint = StructuredOutputsParams(json=schema)
+        so = request.structured_outputs
+        constraint = StructuredOutputsParams(json=schema, disable_any_whitespace=bool(so and so.disable_any_whitespace))
         check(constraint, "tools")
     return ToolPlan(tools, "named" if named else (choice or "none"), named, constraint)
