@@ -163,7 +163,8 @@ def streamed_calls(chunks) -> tuple[dict[int, dict], str | None]:
 def test_forced_tool_calls_stream(client, tiny_model, tool_choice):
     chunks = client.chat.completions.create(model=tiny_model, messages=MESSAGES, tools=[WEATHER],
                                             tool_choice=tool_choice, stream=True, max_tokens=MAX_TOKENS,
-                                            temperature=0, parallel_tool_calls=False)
+                                            temperature=0, parallel_tool_calls=False,
+                                            extra_body={"structured_outputs": {"disable_any_whitespace": True}})
     calls, finish = streamed_calls(chunks)
     assert list(calls) == [0] and calls[0]["name"] == "get_weather" and calls[0]["id"]
     valid(WEATHER["function"]["parameters"], calls[0]["arguments"])
