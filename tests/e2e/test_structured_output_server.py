@@ -175,13 +175,13 @@ def test_auto_parses_the_models_hermes_call(client, tiny_model):
     # the tiny model cannot choose to call a tool: a guided_choice makes it write the call
     extra = {"guided_choice": [HERMES_CALL]}
     out = client.chat.completions.create(model=tiny_model, messages=MESSAGES, tools=[WEATHER], tool_choice="auto",
-                                         max_tokens=80, temperature=0, extra_body=extra)
+                                         max_tokens=200, temperature=0, extra_body=extra)
     choice = out.choices[0]
     assert choice.finish_reason == "tool_calls" and not choice.message.content
     [call] = choice.message.tool_calls
     assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather",
                                                                          {"city": "Paris", "unit": "celsius"})
-    chunks = client.chat.completions.create(model=tiny_model, messages=MESSAGES, tools=[WEATHER], max_tokens=80,
+    chunks = client.chat.completions.create(model=tiny_model, messages=MESSAGES, tools=[WEATHER], max_tokens=200,
                                             temperature=0, extra_body=extra, stream=True)
     calls, finish = streamed_calls(chunks)
     assert finish == "tool_calls" and calls[0]["name"] == "get_weather"
@@ -201,11 +201,11 @@ def test_reasoning_parser_splits_reasoning_content(tiny_model, tmp_path):
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="EMPTY", max_retries=0, timeout=600)
         # the tiny vocabulary has no <think> token, so the grammar covers the whole output
         extra = {"guided_choice": ["<think>Paris is in France.</think>It is sunny."]}
-        out = client.chat.completions.create(model=tiny_model, messages=MESSAGES, max_tokens=80, temperature=0,
+        out = client.chat.completions.create(model=tiny_model, messages=MESSAGES, max_tokens=200, temperature=0,
                                              extra_body=extra)
         message = out.choices[0].message
         assert (message.reasoning_content, message.content) == ("Paris is in France.", "It is sunny.")
-        chunks = list(client.chat.completions.create(model=tiny_model, messages=MESSAGES, max_tokens=80,
+        chunks = list(client.chat.completions.create(model=tiny_model, messages=MESSAGES, max_tokens=200,
                                                      temperature=0, extra_body=extra, stream=True))
         deltas = [c.choices[0].delta for c in chunks if c.choices]
         assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == "Paris is in France."
