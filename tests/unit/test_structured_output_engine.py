@@ -34,8 +34,12 @@ def engine(model) -> LLMEngine:
 
 def constrained(i: int, **fields) -> SamplingParams:
     """Greedy for even ``i``, sampled with seed ``i`` for odd."""
-    return SamplingParams(temperature=0.0 if i % 2 == 0 else 0.9, seed=i, max_tokens=MAX_TOKENS,
-                          structured_outputs=StructuredOutputsParams(**fields))
+    return SamplingParams(
+        temperature=0.0 if i % 2 == 0 else 0.9,
+        seed=i,
+        max_tokens=MAX_TOKENS,
+        structured_outputs=StructuredOutputsParams(**fields),
+    )
 
 
 def check_json(output: dict, schema: dict) -> None:
@@ -57,8 +61,12 @@ def test_regex_choice_grammar_and_json_object_beside_plain_requests(engine):
         constrained(1, choice=["yes", "no", "maybe"]),
         constrained(2, grammar='root ::= "(" [0-9]+ ("+" [0-9]+)* ")"'),
         # a random model writes keys forever: logit_bias (applied in the same pass) closes the object
-        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logit_bias={close: 30},
-                       structured_outputs=StructuredOutputsParams(json_object=True)),
+        SamplingParams(
+            temperature=0,
+            max_tokens=MAX_TOKENS,
+            logit_bias={close: 30},
+            structured_outputs=StructuredOutputsParams(json_object=True),
+        ),
         SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),  # unconstrained row in the same batch
     ]
     outs = engine.generate(["a", "b", "c", "d", "e"], params, use_tqdm=False)
@@ -86,8 +94,12 @@ def test_async_scheduling_and_preemption_give_the_same_valid_outputs(model, engi
 
 def test_seeded_samples_differ_and_all_validate(engine):
     schema = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}, "maxItems": 6}
-    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=MAX_TOKENS,
-                             structured_outputs=StructuredOutputsParams(json=schema)) for s in range(4)]
+    params = [
+        SamplingParams(
+            temperature=1.0, seed=s, max_tokens=MAX_TOKENS, structured_outputs=StructuredOutputsParams(json=schema)
+        )
+        for s in range(4)
+    ]
     outs = engine.generate(["numbers"] * 4, params, use_tqdm=False)
     for out in outs:
         check_json(out, schema)

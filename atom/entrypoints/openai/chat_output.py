@@ -23,11 +23,13 @@ logger = logging.getLogger(__name__)
 class ChoiceOutput:
     """One per choice (a streamed choice keeps its state between deltas)."""
 
-    def __init__(self, plan: ToolPlan, reasoning_parser: str | None, tool_call_parser: str | None,
-                 enable_thinking: bool = True):
+    def __init__(
+        self, plan: ToolPlan, reasoning_parser: str | None, tool_call_parser: str | None, enable_thinking: bool = True
+    ):
         self.plan = plan
-        self._parser = ChatResponseParser(reasoning_parser, tool_call_parser if plan.parse_output else None,
-                                          enable_thinking)
+        self._parser = ChatResponseParser(
+            reasoning_parser, tool_call_parser if plan.parse_output else None, enable_thinking
+        )
         # forced calls: the reasoning parser alone splits off the reasoning; the rest is the call
         self._reasoning = REASONING_PARSERS[reasoning_parser](enable_thinking) if reasoning_parser else None
         self._content = ""  # forced: the constrained text so far
@@ -67,8 +69,7 @@ class ChoiceOutput:
         calls = self._forced_calls(self._content)
         if calls is None:
             return _merge(tail, DeltaMessage(content=self._content or None)), finish_reason
-        deltas = tuple(DeltaToolCall(index=i, id=c.id, name=c.name, arguments=c.arguments)
-                       for i, c in enumerate(calls))
+        deltas = tuple(DeltaToolCall(index=i, id=c.id, name=c.name, arguments=c.arguments) for i, c in enumerate(calls))
         return _merge(tail, DeltaMessage(tool_calls=deltas)), self._forced_reason(finish_reason)
 
     def _forced_delta(self, piece: DeltaMessage | None) -> DeltaMessage | None:
@@ -82,8 +83,14 @@ class ChoiceOutput:
         if content and self.plan.named is not None:
             first = not self._named_started
             self._named_started = True
-            calls = (DeltaToolCall(index=0, id=self._call_id if first else None,
-                                   name=self.plan.named if first else None, arguments=content),)
+            calls = (
+                DeltaToolCall(
+                    index=0,
+                    id=self._call_id if first else None,
+                    name=self.plan.named if first else None,
+                    arguments=content,
+                ),
+            )
         if reasoning is None and not calls:
             return None
         return DeltaMessage(reasoning_content=reasoning, tool_calls=calls)
@@ -107,13 +114,13 @@ class ChoiceOutput:
 
     @staticmethod
     def _fields(reasoning: str | None, content: str | None, calls) -> dict:
-        return {"content": content, "reasoning_content": reasoning,
-                "tool_calls": [c.to_dict() for c in calls]}
+        return {"content": content, "reasoning_content": reasoning, "tool_calls": [c.to_dict() for c in calls]}
 
 
 def _merge(a: DeltaMessage | None, b: DeltaMessage | None) -> DeltaMessage | None:
     if a is None or b is None:
         return a or b
     content = (a.content or "") + (b.content or "")
-    return DeltaMessage(content=content or None, reasoning_content=a.reasoning_content,
-                        tool_calls=a.tool_calls + b.tool_calls)
+    return DeltaMessage(
+        content=content or None, reasoning_content=a.reasoning_content, tool_calls=a.tool_calls + b.tool_calls
+    )

@@ -21,8 +21,9 @@ def structured_outputs(request: SamplingRequest) -> StructuredOutputsParams | No
     one the grammar engine cannot enforce."""
     given = _given(request)
     if len(given) > 1:
-        raise OpenAIError(f"give one structured output constraint, not several: {', '.join(given)}",
-                          param=next(iter(given)))
+        raise OpenAIError(
+            f"give one structured output constraint, not several: {', '.join(given)}", param=next(iter(given))
+        )
     if not given:
         return None
     [(param, params)] = given.items()
@@ -44,19 +45,33 @@ def _given(request: SamplingRequest) -> dict[str, StructuredOutputsParams]:
             spec = GrammarSpec.from_response_format(request.response_format)
             if spec is not None:
                 schema = request.response_format.get("json_schema", {}).get("schema")
-                given["response_format"] = (StructuredOutputsParams(json_object=True) if spec.kind == "json_object"
-                                            else StructuredOutputsParams(json=schema))
+                given["response_format"] = (
+                    StructuredOutputsParams(json_object=True)
+                    if spec.kind == "json_object"
+                    else StructuredOutputsParams(json=schema)
+                )
     except (ValueError, AttributeError) as e:
         raise OpenAIError(f"response_format: {e}", param="response_format") from e
     so = request.structured_outputs
-    constrains = so is not None and any(v is not None for v in (so.json_, so.regex, so.choice, so.grammar,
-                                                                 so.json_object))
+    constrains = so is not None and any(
+        v is not None for v in (so.json_, so.regex, so.choice, so.grammar, so.json_object)
+    )
     if constrains:
-        given["structured_outputs"] = _params("structured_outputs", json=so.json_, regex=so.regex, choice=so.choice,
-                                              grammar=so.grammar, json_object=so.json_object or None,
-                                              disable_any_whitespace=so.disable_any_whitespace)
-    for name, field in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
-                        ("guided_grammar", "grammar")):
+        given["structured_outputs"] = _params(
+            "structured_outputs",
+            json=so.json_,
+            regex=so.regex,
+            choice=so.choice,
+            grammar=so.grammar,
+            json_object=so.json_object or None,
+            disable_any_whitespace=so.disable_any_whitespace,
+        )
+    for name, field in (
+        ("guided_json", "json"),
+        ("guided_regex", "regex"),
+        ("guided_choice", "choice"),
+        ("guided_grammar", "grammar"),
+    ):
         if getattr(request, name) is not None:
             given[name] = _params(name, **{field: getattr(request, name)})
     if so is not None and not constrains and so.disable_any_whitespace:
@@ -103,8 +118,10 @@ def tool_plan(request: ChatCompletionRequest, tool_call_parser: str | None, auto
     if tools and choice is None:
         choice = "auto"  # as OpenAI and vLLM default
     if choice == "auto" and not (auto_enabled and tool_call_parser in TOOL_PARSERS):
-        raise OpenAIError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
-                          param="tool_choice")
+        raise OpenAIError(
+            '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
+            param="tool_choice",
+        )
     try:
         schema = tool_choice_json_schema(choice, tools, request.parallel_tool_calls)
     except ValueError as e:
