@@ -163,6 +163,7 @@ class Config:
     speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     torch_profiler_dir: str | None = field(default_factory=lambda: os.environ.get("ATOM_TORCH_PROFILER_DIR"))
+    reasoning_parser: str | None = None  # structured output waits for the end of the reasoning
 
     def __post_init__(self):
         self._refuse_unbuilt()

@@ -10,11 +10,14 @@ writer of request state.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 
 from atom.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 # Stands for a sampled token that is still on the device (async scheduling): the step
 # after it reads the real id from the device, and the engine writes it in when it arrives.
@@ -54,6 +57,9 @@ class SchedulerOutput:
     starts: list[int]  # computed tokens of each request before this step
     samples: list[bool]
     num_decodes: int = 0  # leading rows with one new token
+    # structured output: int32 [rows that sample, ceil(vocab / 32)] on the host, one row per
+    # sampling row in order (a set bit allows the token); None when no row is constrained
+    grammar_bitmask: torch.Tensor | None = None
 
     @property
     def is_empty(self) -> bool:

@@ -21,6 +21,29 @@ MAX_LOGPROBS = 20  # top-N logprobs per position, as vLLM's default max_logprobs
 MIN_TEMPERATURE = 1e-2
 
 
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """What the output must match (vLLM's ``StructuredOutputsParams``): exactly one of a JSON
+    schema (a dict or its text), a regex, a list of choices, an EBNF grammar, or any JSON
+    object. The grammar engine (xgrammar) compiles it in the engine core."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False  # JSON without free whitespace between tokens
+
+    def __post_init__(self):
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(
+                "StructuredOutputsParams takes exactly one of json, regex, choice, grammar, json_object; "
+                f"got {', '.join(given) or 'none'}"
+            )
+
+
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -49,6 +72,8 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     # ``bad_words`` as token ids, set by the engine from its tokenizer (vLLM's update_from_tokenizer)
     bad_words_token_ids: list[list[int]] | None = None
+    # output constrained by a grammar (vLLM's field name)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -149,6 +174,11 @@ class SamplingParams:
                 "must be a list of non-empty strings",
             ),
             (
+                "structured_outputs",
+                self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+                "must be a StructuredOutputsParams",
+            ),
+            (
                 "allowed_token_ids",
                 self.allowed_token_ids is None
                 or (
@@ -169,7 +199,12 @@ class SamplingParams:
 
     @property
     def uses_history(self) -> bool:
-        """Whether the logits processing of a step depends on the tokens sampled so far."""
+        """Whether the logits processing of a step depends on the tokens sampled so far
+        (a grammar's mask depends on them too)."""
+        return self._penalizes_history or self.structured_outputs is not None
+
+    @property
+    def _penalizes_history(self) -> bool:
         return (
             self.presence_penalty != 0
             or self.frequency_penalty != 0
@@ -180,7 +215,8 @@ class SamplingParams:
 
     @property
     def processes_logits(self) -> bool:
-        return self.uses_history or bool(self.logit_bias) or self.allowed_token_ids is not None
+        """Whether penalties, logit_bias or token masks apply (the grammar's mask aside)."""
+        return self._penalizes_history or bool(self.logit_bias) or self.allowed_token_ids is not None
 
 
 def _int_key(k) -> bool:

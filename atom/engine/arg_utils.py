@@ -23,6 +23,7 @@ from atom.config import (
     SpeculativeConfig,
     resolve_dtype,
 )
+from atom.structured_output.reasoning import REASONING_TAGS
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,8 @@ class EngineArgs:
     device: str = "auto"
     kv_cache_memory_bytes: int | None = CacheConfig.kv_cache_memory_bytes
     num_gpu_blocks_override: int | None = CacheConfig.num_gpu_blocks_override
+    # structured output starts after the reasoning of a reasoning model (vLLM's --reasoning-parser)
+    reasoning_parser: str | None = None
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -102,6 +105,9 @@ class EngineArgs:
         a("--device", type=str, default=d.device, help="auto, cuda or cpu")
         a("--kv-cache-memory-bytes", type=int, default=None, help="KV cache size (CPU default 2 GiB)")
         a("--num-gpu-blocks-override", type=int, default=None)
+        a("--reasoning-parser", type=str, default=None, choices=sorted(REASONING_TAGS),
+          help="the model reasons in <think>...</think> first: the server returns it as reasoning_content and "
+               "structured output constrains only what follows")
         return parser
 
     @classmethod
@@ -145,6 +151,7 @@ class EngineArgs:
             speculative_config=self._section(SpeculativeConfig),
             device=device,
             torch_profiler_dir=self.torch_profiler_dir or os.environ.get("ATOM_TORCH_PROFILER_DIR"),
+            reasoning_parser=self.reasoning_parser,
         )
 
     def _section(self, cls, **overrides):
@@ -162,6 +169,17 @@ def load_hf_config(model: str, trust_remote_code: bool = False) -> PretrainedCon
     if not os.path.isdir(model):
         raise FileNotFoundError(f"model {model!r} is not a local directory or .gguf file (atom does not download)")
     return AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    from atom.model_loader.gguf import find_gguf_file, load_gguf_tokenizer
+
+    gguf_file = find_gguf_file(path)
+    if gguf_file is not None:
+        return load_gguf_tokenizer(gguf_file)
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
 def eos_token_ids(model: str, hf_config: PretrainedConfig, tokenizer) -> tuple[int, ...]:

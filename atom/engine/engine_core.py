@@ -14,6 +14,7 @@ import time
 from atom.config import Config
 from atom.core_types import RunnerOutput, SchedulerOutput
 from atom.engine.block_manager import BlockManager
+from atom.engine.constrained_requests import ConstrainedRequests
 from atom.engine.outputs import CoreInfo, EngineCoreOutput, EngineCoreRequest, EngineStats
 from atom.engine.scheduler import Scheduler
 from atom.engine.sequence import Sequence
@@ -40,6 +41,7 @@ class EngineCore:
         self.requests: dict[str, Sequence] = {}
         self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None  # async scheduling
         self.trace = StepTrace.from_env()  # ATOM_STEP_TRACE: a per-step timeline
+        self.constrained = ConstrainedRequests(config)  # structured output
 
     def info(self) -> CoreInfo:
         bm = self.block_manager
@@ -57,7 +59,11 @@ class EngineCore:
         req.sampling_params.check_token_ids(vocab)
         seq = Sequence(req.request_id, req.prompt_token_ids, req.sampling_params, req.eos_token_ids,
                        req.arrival_time)
-        self.scheduler.add(seq)  # raises ValueError if it can never fit
+        self.scheduler.check_fits(seq)  # raises ValueError if it can never fit
+        if self.constrained.wants(seq):
+            self.constrained.add(seq)  # scheduled once its grammar is compiled
+        else:
+            self.scheduler.add(seq)
         self.requests[req.request_id] = seq
         if self.trace:
             self.trace.arrive()
@@ -65,12 +71,16 @@ class EngineCore:
     def abort_requests(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             seq = self.requests.pop(rid, None)
-            if seq is not None and not seq.is_finished:
+            if seq is None:
+                continue
+            compiling = rid in self.constrained.compiling
+            self.constrained.remove(rid)
+            if not compiling and not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
                 self.runner.release(rid)
 
     def has_unfinished_requests(self) -> bool:
-        if self.scheduler.has_unfinished():
+        if self.scheduler.has_unfinished() or self.constrained.compiling:
             return True
         # a step in flight whose requests were all aborted has nothing left to deliver
         return self._in_flight is not None and any(s.request_id in self.requests for s in self._in_flight[0].requests)
@@ -81,23 +91,49 @@ class EngineCore:
         or of this one. A request whose logits processing reads its sampled tokens
         (penalties, min_tokens, bad_words) needs the step in flight collected before the
         next is scheduled: that step runs synchronously."""
-        outputs = []
+        outputs = self._admit_constrained()
         if self._in_flight is not None and any(s.sampling_params.uses_history for s in self._in_flight[0].requests):
-            outputs, self._in_flight = self._collect(*self._in_flight), None
+            outputs += self._collect(*self._in_flight)
+            self._in_flight = None
         trace = self.trace
         if trace:
             trace.mark("begin")
-        batch = self.scheduler.schedule()
+        batch = self.constrained.attach_bitmask(self.scheduler.schedule())
         if trace:
             trace.mark("scheduled")
             start = trace.device_begin()
         launched = (batch, self.runner.launch(batch)) if not batch.is_empty else None
         if trace and launched:
             trace.launched(batch, start, len(self.scheduler.waiting), len(self.scheduler.running))
+        if launched is None and self._in_flight is None and self.constrained.compiling:
+            self.constrained.wait()  # nothing else to run: do not spin while grammars compile
         if not self.config.scheduler_config.async_scheduling:
-            return self._collect(*launched) if launched else []
+            return outputs + (self._collect(*launched) if launched else [])
         previous, self._in_flight = self._in_flight, launched
         return outputs + (self._collect(*previous) if previous else [])
+
+    def _admit_constrained(self) -> list[EngineCoreOutput]:
+        """Schedule the requests whose grammar is compiled; fail those whose grammar failed."""
+        ready, failed = self.constrained.take_ready()
+        for seq in ready:
+            self.scheduler.add(seq)
+        for seq in failed:
+            self.requests.pop(seq.request_id, None)
+            seq.finish_reason = "error"
+        return [EngineCoreOutput(request_id=s.request_id, new_token_ids=[], finish_reason="error", error=s.error)
+                for s in failed]
+
+    def _advance_grammars(self, batch: SchedulerOutput, sampled: dict[int, int]) -> None:
+        """Feed each constrained request its sampled token; one that breaks its grammar
+        (which the mask should make impossible) finishes with an error."""
+        for i, token in list(sampled.items()):
+            seq = batch.requests[i]
+            if self.constrained.wants(seq) and not self.constrained.accept(seq, token):
+                seq.error = f"token {token} does not match the request's structured output grammar"
+                if not seq.is_finished:
+                    self.scheduler.finish(seq, "error")
+                else:
+                    seq.finish_reason = "error"
 
     def _collect(self, batch: SchedulerOutput, pending: PendingOutput) -> list[EngineCoreOutput]:
         if self.trace:
@@ -106,6 +142,7 @@ class EngineCore:
         if self.trace:
             self.trace.mark("ready")
         sampled = self.scheduler.collect(batch, result)
+        self._advance_grammars(batch, sampled)
         outputs = []
         for i, seq in enumerate(batch.requests):
             if self.requests.get(seq.request_id) is not seq:
@@ -127,6 +164,7 @@ class EngineCore:
             if seq.is_finished:
                 self.requests.pop(seq.request_id, None)
                 self.runner.release(seq.request_id)
+                self.constrained.remove(seq.request_id)
         if self.trace:
             m = self.trace.marks
             self.trace.collected((m["ready"] - m["wait"]) * 1000, (time.perf_counter() - m["ready"]) * 1000)

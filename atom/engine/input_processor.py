@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from atom.sampling_params import SamplingParams, is_encodable
+from atom.structured_output import GrammarSpec
 from atom.worker.penalty_inputs import bad_words_token_ids
 
 
@@ -85,12 +86,18 @@ class InputProcessor:
         return ProcessedPrompt(text, self._encode(text, add_special_tokens, "messages", check_length))
 
     def process_params(self, params: SamplingParams) -> None:
-        """Check the token-id fields against the vocabulary and tokenize ``bad_words`` once
-        (into ``params.bad_words_token_ids``), as vLLM does when a request arrives."""
+        """Check the token-id fields against the vocabulary and the structured-output grammar,
+        and tokenize ``bad_words`` once (into ``params.bad_words_token_ids``), as vLLM does
+        when a request arrives."""
         try:
             params.check_token_ids(self.vocab_size)
         except ValueError as e:
             raise InvalidInputError(str(e), str(e).split()[0].removeprefix("SamplingParams.")) from e
+        if params.structured_outputs is not None:
+            try:  # a grammar that cannot compile fails here, not in the engine core
+                GrammarSpec.from_params(params.structured_outputs).validate()
+            except ValueError as e:
+                raise InvalidInputError(str(e), "structured_outputs") from e
         if params.bad_words and params.bad_words_token_ids is None:
             if self.tokenizer is None:
                 raise InvalidInputError("bad_words need a tokenizer", "bad_words")

@@ -8,9 +8,8 @@ import logging
 from collections.abc import Callable, Sequence
 
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer
 
-from atom.engine.arg_utils import EngineArgs, eos_token_ids
+from atom.engine.arg_utils import EngineArgs, eos_token_ids, load_tokenizer  # noqa: F401 - re-exported
 from atom.engine.engine_core import EngineCore
 from atom.engine.input_processor import InputProcessor
 from atom.engine.output_processor import RequestOutput, RequestState
@@ -20,15 +19,6 @@ from atom.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 Prompt = str | list[int]
-
-
-def load_tokenizer(path: str, trust_remote_code: bool = False):
-    from atom.model_loader.gguf import find_gguf_file, load_gguf_tokenizer
-
-    gguf_file = find_gguf_file(path)
-    if gguf_file is not None:
-        return load_gguf_tokenizer(gguf_file)
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
 class LLMEngine:

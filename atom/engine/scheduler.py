@@ -45,13 +45,17 @@ class Scheduler:
         self._last_prompt_latency = 0.0
 
     def add(self, seq: Sequence) -> None:
+        self.check_fits(seq)
+        self.waiting.append(seq)
+
+    def check_fits(self, seq: Sequence) -> None:
+        """ValueError if the sequence can never fit."""
         if seq.num_tokens > self.max_seq_len:
             raise ValueError(
                 f"prompt has {seq.num_tokens} tokens but at most {self.max_seq_len} fit "
                 f"(max_model_len={self.max_model_len}, KV cache holds "
                 f"{self.block_manager.capacity} tokens)"
             )
-        self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

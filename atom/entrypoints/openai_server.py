@@ -46,6 +46,7 @@ from atom.entrypoints.openai.serving_chat import OpenAIServingChat
 from atom.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from atom.entrypoints.openai.serving_engine import OpenAIError, engine_dead_error
 from atom.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from atom.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger("atom.entrypoints.openai_server")
 
@@ -117,12 +118,15 @@ def _internal_error(request: Request, exc: Exception) -> JSONResponse:
 
 def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | None = None,
               max_request_body_size: int = DEFAULT_MAX_REQUEST_BODY_SIZE,
-              request_timeout: float | None = None) -> FastAPI:
+              request_timeout: float | None = None, enable_auto_tool_choice: bool = False,
+              tool_call_parser: str | None = None) -> FastAPI:
     """The FastAPI app; its lifespan shuts the engine down (``serve`` starts it before the
-    port opens)."""
+    port opens). The reasoning parser is the engine's (``--reasoning-parser``)."""
     metrics = ServerMetrics(served_model_names[0])
     engine.finished_callbacks.append(metrics.observe_finished)
-    chat = OpenAIServingChat(engine, served_model_names, request_timeout)
+    chat = OpenAIServingChat(engine, served_model_names, request_timeout,
+                             enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
+                             reasoning_parser=engine.config.reasoning_parser)
     completion = OpenAIServingCompletion(engine, served_model_names, request_timeout)
     tokenization = OpenAIServingTokenization(engine, served_model_names)
 
@@ -235,6 +239,10 @@ def make_arg_parser() -> argparse.ArgumentParser:
                              "with Retry-After")
     parser.add_argument("--request-timeout", type=float, default=None,
                         help="seconds a request may run before it is aborted (504); default: no limit")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='tool_choice "auto": parse tool calls out of the output (needs --tool-call-parser)')
+    parser.add_argument("--tool-call-parser", type=str, default=None, choices=sorted(TOOL_PARSERS),
+                        help="the format the model writes tool calls in (hermes: Qwen2.5/Qwen3, SmolLM2, Hermes)")
     return parser
 
 
@@ -245,6 +253,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.model is not None and args.model != args.model_tag:
             parser.error(f"two models given: {args.model_tag} and --model {args.model}")
         args.model = args.model_tag
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        parser.error("--enable-auto-tool-choice needs --tool-call-parser (e.g. --tool-call-parser hermes)")
     if args.skip_tokenizer_init:
         parser.error("--skip-tokenizer-init: the server needs the tokenizer (chat templates, text in and out)")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -266,7 +276,8 @@ def serve(args: argparse.Namespace) -> None:
         raise StartupError(f"{e}; give a local model directory or .gguf file as MODEL (or --model)") from e
     engine = AsyncLLM(config, max_queued_requests=args.max_queued_requests)
     names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
-    app = build_app(engine, names, args.api_key, args.max_request_body_size, args.request_timeout)
+    app = build_app(engine, names, args.api_key, args.max_request_body_size, args.request_timeout,
+                    args.enable_auto_tool_choice, args.tool_call_parser)
     uv_config = uvicorn.Config(app, host=args.host, port=args.http_port, log_level=args.uvicorn_log_level,
                                access_log=not args.disable_uvicorn_access_log,
                                timeout_graceful_shutdown=args.shutdown_timeout)

@@ -22,6 +22,9 @@ from atom.structured_output.spec import GrammarSpec
 # them escaped). Its unbounded strings already exclude them.
 _BOUNDED_STRING_CHAR = r"[^\"\\\r\n]"
 _JSON_STRING_CHAR = r"[^\0-\x1f\"\\\r\n]"
+# whitespace characters allowed between two JSON tokens: enough for pretty-printed nesting, and
+# a model cannot spend its whole max_tokens on whitespace (the output still parses)
+MAX_JSON_WHITESPACE = 20
 
 
 def json_strings_without_control_chars(grammar: xgr.Grammar) -> xgr.Grammar:
@@ -81,7 +84,10 @@ class GrammarCompiler:
         try:
             if spec.kind in ("json", "json_object"):
                 schema = spec.spec if spec.kind == "json" else json.dumps({"type": "object"})
-                grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=self._any_whitespace)
+                grammar = xgr.Grammar.from_json_schema(
+                    schema, any_whitespace=self._any_whitespace and spec.any_whitespace,
+                    max_whitespace_cnt=MAX_JSON_WHITESPACE,
+                )
                 return self._compiler.compile_grammar(json_strings_without_control_chars(grammar))
             if spec.kind == "regex":
                 return self._compiler.compile_regex(spec.spec)

@@ -21,6 +21,7 @@ Kind = Literal["json", "json_object", "regex", "choice", "grammar"]
 class GrammarSpec:
     kind: Kind
     spec: str  # JSON schema text, regex, JSON list of choices, or EBNF; "" for json_object
+    any_whitespace: bool = True  # JSON: free whitespace between tokens (vLLM's disable_any_whitespace=False)
 
     @classmethod
     def from_options(
@@ -30,6 +31,7 @@ class GrammarSpec:
         choice: Sequence[str] | None = None,
         grammar: str | None = None,
         json_object: bool = False,
+        any_whitespace: bool = True,
     ) -> GrammarSpec | None:
         """The one constraint given (None when none is); several at once are an error, as in vLLM."""
         given = [
@@ -43,7 +45,7 @@ class GrammarSpec:
             return None
         if json_schema is not None:
             text = json_schema if isinstance(json_schema, str) else json.dumps(json_schema, sort_keys=True)
-            return cls("json", text)
+            return cls("json", text, any_whitespace)
         if regex is not None:
             return cls("regex", regex)
         if choice is not None:
@@ -52,7 +54,19 @@ class GrammarSpec:
             return cls("choice", json.dumps(list(choice)))
         if grammar is not None:
             return cls("grammar", grammar)
-        return cls("json_object", "")
+        return cls("json_object", "", any_whitespace)
+
+    @classmethod
+    def from_params(cls, params) -> GrammarSpec:
+        """From ``SamplingParams.structured_outputs`` (a ``StructuredOutputsParams``)."""
+        return cls.from_options(
+            json_schema=params.json,
+            regex=params.regex,
+            choice=params.choice,
+            grammar=params.grammar,
+            json_object=bool(params.json_object),
+            any_whitespace=not params.disable_any_whitespace,
+        )
 
     @classmethod
     def from_response_format(cls, response_format: Mapping[str, Any] | None) -> GrammarSpec | None:

@@ -35,14 +35,16 @@ def apply_logits_processors(
     return ops.apply_penalties(logits, *penalties.args())  # Triton on CUDA, the reference elsewhere
 
 
-def process_logits(logits: torch.Tensor, seqs: list[ScheduledRequest]) -> torch.Tensor:
-    """Penalties, logit_bias and the token masks of the batch (``logits`` itself when no
-    request asks for any). The counts come from the token lists, which hold every sampled
+def process_logits(
+    logits: torch.Tensor, seqs: list[ScheduledRequest], grammar_bitmask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Penalties, logit_bias, the token masks and the grammar bitmask of the batch (``logits``
+    itself when no request asks for any). The counts and grammar states follow every sampled
     token: the engine runs such requests without async scheduling."""
-    if not any(s.sampling_params.processes_logits for s in seqs):
-        return logits
-    inputs = build_penalty_inputs([_penalties(s) for s in seqs], logits.shape[1], logits.device)
-    return apply_logits_processors(logits, inputs, None)
+    inputs = None
+    if any(s.sampling_params.processes_logits for s in seqs):
+        inputs = build_penalty_inputs([_penalties(s) for s in seqs], logits.shape[1], logits.device)
+    return apply_logits_processors(logits, inputs, grammar_bitmask)
 
 
 def _penalties(seq: ScheduledRequest) -> RequestPenalties:

@@ -316,7 +316,7 @@ class ModelRunner:
                 gens[j] = self._generator(seq)
         logits = self.model.compute_logits(hidden[self._tensor(cu[1:][rows] - 1, torch.int64)])
         raw = logits  # logprobs come from the raw logits (vLLM's default)
-        logits = process_logits(logits, seqs)
+        logits = process_logits(logits, seqs, batch.grammar_bitmask)
         tokens = sample(logits, self.sampling_tensors(seqs, gens))
         self._last_sampled = tokens
         self._last_sampled_rows = {seq.request_id: j for j, seq in enumerate(seqs)}

@@ -40,7 +40,8 @@ def snapshot(batch: SchedulerOutput) -> SchedulerOutput:
     like vLLM's ``CachedRequestState`` would send only the new tokens)."""
     reqs = [RequestState(r.request_id, list(r.token_ids), list(r.block_table), r.num_prompt_tokens,
                          r.sampling_params, r.eos_token_ids) for r in batch.requests]
-    return SchedulerOutput(reqs, batch.num_new_tokens, batch.starts, batch.samples, batch.num_decodes)
+    return SchedulerOutput(reqs, batch.num_new_tokens, batch.starts, batch.samples, batch.num_decodes,
+                           batch.grammar_bitmask)
 
 
 class RankWorker:

@@ -52,3 +52,26 @@ def test_parsers_off_and_partial_tags_flushed():
     assert got["content"] == "The tag is <tool_" and not parser.tools_called
     with pytest.raises(ValueError, match="unknown parser 'mistral'"):
         ChatResponseParser(tool_parser="mistral")
+
+
+def test_the_server_and_the_engine_know_the_same_reasoning_parsers():
+    from atom.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
+    from atom.structured_output.reasoning import REASONING_TAGS
+
+    assert set(REASONING_PARSERS) == set(REASONING_TAGS)
+
+
+def test_deepseek_r1_reasons_until_the_end_tag_its_prompt_opened():
+    parser = ChatResponseParser("deepseek_r1", None, enable_thinking=False)  # R1 has no switch
+    parsed = parser.parse("First, Paris.</think>Paris.")
+    assert (parsed.reasoning_content, parsed.content) == ("First, Paris.", "Paris.")
+
+
+def test_prompt_closing_the_reasoning_constrains_from_the_start():
+    from atom.structured_output.reasoning import prompt_ends_reasoning
+
+    start, end = 7, 8
+    assert prompt_ends_reasoning([1, 2, start, 3, end, 4], (start, end))  # Qwen3, thinking off
+    assert not prompt_ends_reasoning([1, 2, start, 3], (start, end))  # DeepSeek-R1 opens it
+    assert not prompt_ends_reasoning([1, 2, 3], (start, end))  # Qwen3, thinking on
+    assert not prompt_ends_reasoning([start, end, 5, start], (start, end))  # an earlier turn's

@@ -71,6 +71,24 @@ class StreamOptions(OpenAIRequest):
     include_usage: bool = False
 
 
+class StructuredOutputsRequest(OpenAIBaseModel):
+    """vLLM's ``structured_outputs`` field: exactly one constraint. Unknown keys are a 400
+    (a constraint the server cannot see would be silently ignored)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    json_: str | dict[str, Any] | None = Field(None, alias="json")
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+
+# OpenAI request fields atom does not implement: refused (400) rather than ignored
+UNSUPPORTED_FIELDS = ("functions", "function_call", "audio", "prediction", "web_search_options",
+                      "guided_whitespace_pattern", "structural_tag")
+
+
 class SamplingRequest(OpenAIRequest):
     """The fields both endpoints share, with the ranges the engine can represent."""
 
@@ -96,6 +114,15 @@ class SamplingRequest(OpenAIRequest):
     bad_words: list[Text] | None = None
     allowed_token_ids: list[TokenId] | None = None
     best_of: int | None = None
+    # structured output (OpenAI's response_format; vLLM's structured_outputs and guided_*)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
+    guided_decoding_backend: Text | None = None
+    modalities: list[Text] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -105,10 +132,23 @@ class SamplingRequest(OpenAIRequest):
             raise ValueError("stop strings must not be empty")
         return v
 
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported_fields(cls, data):
+        if isinstance(data, dict):
+            given = [k for k in UNSUPPORTED_FIELDS if data.get(k) is not None]
+            if given:
+                raise ValueError(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} not supported by atom")
+        return data
+
     @model_validator(mode="after")
     def _unsupported(self):
         if self.best_of not in (None, 1, self.n):
             raise ValueError("best_of is not supported by atom (only best_of == n)")
+        if self.guided_decoding_backend not in (None, "auto", "xgrammar"):
+            raise ValueError("guided_decoding_backend: atom's structured output uses xgrammar only")
+        if self.modalities not in (None, ["text"]):
+            raise ValueError("modalities: atom generates text only")
         return self
 
     @property
@@ -125,6 +165,9 @@ class ChatMessage(OpenAIRequest):
     role: Text
     content: Text | list[TextContentPart] | None = None
     name: Text | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
+    tool_call_id: Text | None = None  # a tool turn: the call it answers
+    reasoning_content: Text | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -141,6 +184,9 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
     def _messages(self):
@@ -245,6 +291,8 @@ class ChatCompletionLogProbs(OpenAIBaseModel):
 class ChatResponseMessage(OpenAIBaseModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
 
 
 class ChatCompletionResponseChoice(OpenAIBaseModel):
@@ -267,6 +315,8 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatCompletionStreamChoice(OpenAIBaseModel):

@@ -81,4 +81,13 @@ class Qwen3ReasoningParser:
         return text[:end].replace(THINK_START, ""), content.replace(THINK_END, "")
 
 
-REASONING_PARSERS = {"qwen3": Qwen3ReasoningParser}
+class DeepSeekR1ReasoningParser(Qwen3ReasoningParser):
+    """vLLM's ``deepseek_r1``: the chat template opens ``<think>`` in the prompt and the model
+    closes it; there is no switch to turn thinking off."""
+
+    def __init__(self, enable_thinking: bool = True) -> None:
+        super().__init__(enable_thinking=True)
+
+
+# the names match the engine's (atom.structured_output.reasoning.REASONING_TAGS)
+REASONING_PARSERS = {"qwen3": Qwen3ReasoningParser, "deepseek_r1": DeepSeekR1ReasoningParser}

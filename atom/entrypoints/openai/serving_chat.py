@@ -1,8 +1,10 @@
 """``POST /v1/chat/completions``: the messages go through the model's chat template; ``n``
-samples, ``logprobs``/``top_logprobs``, streaming with a role chunk per choice first."""
+samples, ``logprobs``/``top_logprobs``, streaming with a role chunk per choice first; tools,
+structured output and reasoning as vLLM serves them (``chat_output``)."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator
 
@@ -10,6 +12,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from atom.engine.output_processor import RequestOutput
 from atom.engine.outputs import TokenLogprobs
+from atom.entrypoints.openai.chat_output import ChoiceOutput
+from atom.entrypoints.openai.parsed_output import DeltaMessage as ParsedDelta
 from atom.entrypoints.openai.protocol import (
     ChatCompletionLogProbs,
     ChatCompletionRequest,
@@ -24,9 +28,17 @@ from atom.entrypoints.openai.protocol import (
     random_id,
 )
 from atom.entrypoints.openai.serving_engine import OpenAIError, OpenAIServing, Prompt, prepend, sse
+from atom.entrypoints.openai.structured_request import ToolPlan, structured_outputs, tool_plan
 
 
 class OpenAIServingChat(OpenAIServing):
+    def __init__(self, *args, enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
+                 reasoning_parser: str | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.enable_auto_tool_choice = enable_auto_tool_choice
+        self.tool_call_parser = tool_call_parser
+        self.reasoning_parser = reasoning_parser
+
     async def create_chat_completion(self, request: ChatCompletionRequest):
         request_id = random_id("chatcmpl")
         return await self.serve(request_id, self._create(request, request_id))
@@ -36,36 +48,50 @@ class OpenAIServingChat(OpenAIServing):
         self.check_alive()
         if not request.messages:
             raise OpenAIError("messages must be a non-empty list", param="messages")
+        plan = tool_plan(request, self.tool_call_parser, self.enable_auto_tool_choice)
+        structured = structured_outputs(request)
+        if plan.forced and structured is not None:
+            raise OpenAIError(f"tool_choice {plan.choice!r} constrains the output already: drop the structured "
+                              "output fields (response_format, structured_outputs, guided_*)", param="tool_choice")
+        template_kwargs = dict(request.chat_template_kwargs or {})
+        if plan.tools and plan.choice != "none":
+            template_kwargs["tools"] = plan.tools
         prompt = await self.engine.apply_chat_template(
-            [{"role": m.role, "content": m.text()} for m in request.messages],
+            [_template_message(m) for m in request.messages],
             add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message,
-            chat_template_kwargs=request.chat_template_kwargs)
+            chat_template_kwargs=template_kwargs)
         max_tokens = self.max_tokens(request.requested_max_tokens, len(prompt.token_ids), "messages")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        params = self.sampling_params(request, max_tokens, logprobs=logprobs)
+        params = self.sampling_params(request, max_tokens, logprobs=logprobs, structured=plan.constraint or structured)
         outputs = self.generate(request_id, [prompt], [params], request.n)
         if request.stream:
             first = await self.first_output(outputs)
-            chunks = self._stream(request, request_id, prompt, first, outputs)
+            chunks = self._stream(request, request_id, prompt, plan, first, outputs)
             return StreamingResponse(self.stream_errors(request_id, chunks, outputs), media_type="text/event-stream")
         finals = await self.collect(outputs, request.n)
-        choices = [
-            ChatCompletionResponseChoice(
-                index=i, message=ChatResponseMessage(content=out.text),
+        choices = []
+        for i, out in enumerate(finals):
+            fields, finish_reason = self._choice_output(request, plan).message(out.text, out.finish_reason)
+            choices.append(ChatCompletionResponseChoice(
+                index=i, message=ChatResponseMessage(**fields),
                 logprobs=self.logprobs(out.token_ids, out.logprobs) if request.logprobs else None,
-                finish_reason=out.finish_reason, stop_reason=out.stop_reason,
-            )
-            for i, out in enumerate(finals)
-        ]
+                finish_reason=finish_reason, stop_reason=out.stop_reason,
+            ))
         usage = self.usage([len(prompt.token_ids)], finals)
         response = ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage)
         return JSONResponse(response.model_dump())
 
-    async def _stream(self, request: ChatCompletionRequest, request_id: str, prompt: Prompt,
+    def _choice_output(self, request: ChatCompletionRequest, plan: ToolPlan) -> ChoiceOutput:
+        thinking = (request.chat_template_kwargs or {}).get("enable_thinking", True)
+        return ChoiceOutput(plan, self.reasoning_parser, self.tool_call_parser, enable_thinking=bool(thinking))
+
+    async def _stream(self, request: ChatCompletionRequest, request_id: str, prompt: Prompt, plan: ToolPlan,
                       first: tuple[int, RequestOutput], rest: AsyncIterator[tuple[int, RequestOutput]]):
         created = int(time.time())
         finals: list[RequestOutput | None] = [None] * request.n
+        parsers = [self._choice_output(request, plan) for _ in range(request.n)]
+        plain = not plan.forced and not plan.parse_output and self.reasoning_parser is None
 
         def chunk(choices, usage=None) -> str:
             return sse(ChatCompletionStreamResponse(id=request_id, created=created, model=self.model_name,
@@ -79,11 +105,23 @@ class OpenAIServingChat(OpenAIServing):
             if not out.new_token_ids and not out.finished:
                 continue
             logprobs = self.logprobs(out.new_token_ids, out.new_logprobs) if request.logprobs else None
-            yield chunk([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(content=out.delta_text),
-                                                    logprobs=logprobs, finish_reason=out.finish_reason,
-                                                    stop_reason=out.stop_reason)])
+            if plain:  # no parser: every step's text as it comes (maybe empty: a held-back stop string)
+                yield chunk([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(content=out.delta_text),
+                                                        logprobs=logprobs, finish_reason=out.finish_reason,
+                                                        stop_reason=out.stop_reason)])
+                finals[i] = out if out.finished else finals[i]
+                continue
+            delta = parsers[i].delta(out.delta_text) if out.delta_text else None
+            finish_reason = out.finish_reason
             if out.finished:
                 finals[i] = out
+                tail, finish_reason = parsers[i].finish(out.finish_reason)
+                delta = _merge_deltas(delta, tail)
+            if delta is None and logprobs is None and not out.finished:
+                continue  # a partial tag held back: nothing to send yet
+            fields = delta.to_dict() if delta is not None else {}
+            yield chunk([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(**fields), logprobs=logprobs,
+                                                    finish_reason=finish_reason, stop_reason=out.stop_reason)])
         if request.include_usage_in_stream:
             yield chunk([], usage=self.usage([len(prompt.token_ids)], finals))
 
@@ -97,3 +135,32 @@ class OpenAIServingChat(OpenAIServing):
     def _entry(self, token_id: int, logprob: float) -> ChatLogProb:
         token = self.token_str(token_id)
         return ChatLogProb(token=token, logprob=logprob, bytes=list(token.encode("utf-8")))
+
+
+def _template_message(message) -> dict:
+    """A request message as chat templates read it: a tool call's arguments as a mapping
+    (OpenAI sends them as JSON text; the templates serialise them), as vLLM passes them."""
+    out = {"role": message.role, "content": message.text()}
+    for key in ("name", "tool_call_id", "reasoning_content"):
+        if getattr(message, key) is not None:
+            out[key] = getattr(message, key)
+    if message.tool_calls:
+        calls = []
+        for call in message.tool_calls:
+            function = dict(call.get("function") or {})
+            if isinstance(function.get("arguments"), str):
+                try:
+                    function["arguments"] = json.loads(function["arguments"])
+                except json.JSONDecodeError as e:
+                    raise OpenAIError(f"messages: a tool call's arguments are not JSON ({e})", param="messages") from e
+            calls.append({**call, "function": function})
+        out["tool_calls"] = calls
+    return out
+
+
+def _merge_deltas(a, b):
+    if a is None or b is None:
+        return a or b
+    return ParsedDelta(content=((a.content or "") + (b.content or "")) or None,
+                       reasoning_content=((a.reasoning_content or "") + (b.reasoning_content or "")) or None,
+                       tool_calls=a.tool_calls + b.tool_calls)

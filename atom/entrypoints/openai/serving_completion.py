@@ -20,6 +20,7 @@ from atom.entrypoints.openai.protocol import (
     random_id,
 )
 from atom.entrypoints.openai.serving_engine import OpenAIServing, Prompt, prepend, sse
+from atom.entrypoints.openai.structured_request import structured_outputs
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -35,10 +36,12 @@ class OpenAIServingCompletion(OpenAIServing):
         echoed = [p.text if p.text is not None or not request.echo else await self.engine.detokenize(p.token_ids)
                   for p in prompts]
         want_prompt_logprobs = request.echo and request.logprobs is not None
+        structured = structured_outputs(request)
         params = [
             self.sampling_params(request, self.max_tokens(request.max_tokens, len(p.token_ids), "prompt"),
                                  logprobs=request.logprobs,
-                                 prompt_logprobs=request.logprobs if want_prompt_logprobs else None)
+                                 prompt_logprobs=request.logprobs if want_prompt_logprobs else None,
+                                 structured=structured)
             for p in prompts
         ]
         outputs = self.generate(request_id, prompts, params, request.n)

@@ -19,7 +19,7 @@ from atom.engine.core_client import EngineDeadError
 from atom.engine.input_processor import InvalidInputError, ProcessedPrompt
 from atom.engine.output_processor import RequestOutput
 from atom.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, SamplingRequest, UsageInfo
-from atom.sampling_params import INT64_MAX, SamplingParams
+from atom.sampling_params import INT64_MAX, SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +127,8 @@ class OpenAIServing:
         return requested
 
     def sampling_params(self, request: SamplingRequest, max_tokens: int, logprobs: int | None = None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+                        prompt_logprobs: int | None = None,
+                        structured: StructuredOutputsParams | None = None) -> SamplingParams:
         if request.seed is not None and request.seed + request.n - 1 > INT64_MAX:
             raise OpenAIError(f"seed + n - 1 must be at most {INT64_MAX} (sample i gets seed + i)", param="seed")
         try:
@@ -150,6 +151,7 @@ class OpenAIServing:
                 min_tokens=request.min_tokens,
                 bad_words=request.bad_words or None,
                 allowed_token_ids=request.allowed_token_ids,
+                structured_outputs=structured,
             )
         except ValueError as e:
             raise to_openai_error(e, "") from e
