@@ -14,6 +14,7 @@ import torch
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
 from atom.config import (
+    KV_CACHE_DTYPES,
     CacheConfig,
     CompilationConfig,
     Config,
@@ -77,7 +78,8 @@ class EngineArgs:
         a("--enforce-eager", action="store_true", help="disable CUDA graphs; run eagerly")
         a("--enable_prefix_caching", "--enable-prefix-caching", action="store_true")
         a("--port", type=int, default=d.port, help="internal engine communication port")
-        a("--kv_cache_dtype", "--kv-cache-dtype", type=str, default=d.kv_cache_dtype, choices=["bf16", "auto", "fp8"])
+        a("--kv_cache_dtype", "--kv-cache-dtype", type=str, default=d.kv_cache_dtype, choices=list(KV_CACHE_DTYPES),
+      help="fp8 (alias fp8_e4m3): e4m3 KV cache with the checkpoint's k_scale/v_scale, else 1.0")
         a("--block-size", type=int, default=d.block_size)
         a("--max-model-len", type=int, default=None, help="maximum context length (default: from the HF config)")
         a("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)

@@ -3,12 +3,11 @@ the attention kernels over an fp8 cache match the reference that dequantises it.
 
 import pytest
 import torch
+from test_attention import CASES, make_batch
 
 from atom.ops import reference
 from atom.ops.triton import paged_attention
 from atom.ops.triton.rope_cache import qk_norm_rope_store, store_kv_cache
-
-from test_attention import CASES, make_batch
 
 FP8 = torch.float8_e4m3fn
 

@@ -94,7 +94,8 @@ def _attend_tile(q, k, v, t, m_i, l_i, acc, qk_scale, q_pos, kv_end, BLOCK_N: tl
 @triton.jit
 def _prefill_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, k_desc, v_desc, cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
-    k_scale_ptr, v_scale_ptr, qk_scale, num_seqs, stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ch, stride_ct, stride_bt,
+    k_scale_ptr, v_scale_ptr, qk_scale, num_seqs, stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ch,
+    stride_ct, stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, PACKED_KV: tl.constexpr,
     HAS_SCALE: tl.constexpr,
