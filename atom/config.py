@@ -57,6 +57,7 @@ class ModelConfig:
     trust_remote_code: bool = False
     load_dummy: bool = False
     seed: int = 0
+    quantization: str | None = None  # "fp8": quantise a high-precision checkpoint on load
 
     def __post_init__(self):
         limit = getattr(self.hf_config, "max_position_embeddings", None)

@@ -61,6 +61,7 @@ class EngineArgs:
     # beyond the guide's table: what vLLM users expect
     dtype: str = "auto"
     seed: int = ModelConfig.seed
+    quantization: str | None = ModelConfig.quantization
     device: str = "auto"
     kv_cache_memory_bytes: int | None = CacheConfig.kv_cache_memory_bytes
     num_gpu_blocks_override: int | None = CacheConfig.num_gpu_blocks_override
@@ -99,6 +100,8 @@ class EngineArgs:
         a("--num-speculative-tokens", type=int, default=d.num_speculative_tokens)
         a("--dtype", type=str, default=d.dtype, choices=["auto", "bfloat16", "float16", "float32"])
         a("--seed", type=int, default=d.seed)
+        a("--quantization", "-q", type=str, default=None, choices=["fp8"],
+          help="fp8: quantise a bf16 checkpoint's weights on load (FP8 checkpoints need no flag)")
         a("--device", type=str, default=d.device, help="auto, cuda or cpu")
         a("--kv-cache-memory-bytes", type=int, default=None, help="KV cache size (CPU default 2 GiB)")
         a("--num-gpu-blocks-override", type=int, default=None)
@@ -134,6 +137,7 @@ class EngineArgs:
             trust_remote_code=self.trust_remote_code,
             load_dummy=self.load_dummy,
             seed=self.seed,
+            quantization=self.quantization,
         )
         return Config(
             model_config=model_config,
