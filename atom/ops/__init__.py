@@ -26,6 +26,7 @@ from atom.ops import penalties, reference, reference_fp8
 __all__ = [
     "apply_penalties",
     "fused_moe",
+    "fused_moe_fp8",
     "moe_topk",
     "paged_attention",
     "per_token_group_quant_fp8",
@@ -219,3 +220,6 @@ w8a8_matmul = register_op(
         (a.shape[0], w.shape[0]), dtype=out_dtype
     ),
 )(reference_fp8.w8a8_matmul)
+fused_moe_fp8 = register_op(
+    "fused_moe_fp8", triton=f"{_T}.moe_fp8:fused_moe_fp8", fake=lambda x, *args: _empty_like(x)
+)(reference_fp8.fused_moe_fp8)
