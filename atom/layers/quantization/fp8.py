@@ -104,7 +104,9 @@ class Fp8LinearMethod:
         x2 = x.reshape(-1, x.shape[-1])
         scale = getattr(layer, self.config.scale_name)
         a, a_scale = ops.per_token_group_quant_fp8(x2, self.group_k)
-        if x.is_cuda and self.scaled_mm:
+        # rowwise-scaled _scaled_mm: bf16 output, dims multiples of 16
+        if x.is_cuda and self.scaled_mm and x.dtype == torch.bfloat16 and not (layer.weight.shape[0] % 16
+                                                                              or layer.weight.shape[1] % 16):
             out = torch._scaled_mm(a, layer.weight.t(), scale_a=a_scale, scale_b=scale.t(), out_dtype=x.dtype)
             out = out if bias is None else out + bias
         else:
