@@ -1,15 +1,36 @@
-"""atom's vLLM attention backend with ``--kv-cache-dtype fp8``: vLLM hands a byte cache and the
-layer's ``_k_scale``/``_v_scale``; the backend writes e4m3 keys/values divided by the scales and
-its attention equals the reference over the dequantised cache. Runs where vLLM is importable
-(the plugin's environment)."""
+"""FP8 through the vLLM plugin. The attention backend with ``--kv-cache-dtype fp8``: vLLM hands a
+byte cache and the layer's ``_k_scale``/``_v_scale``; the backend writes e4m3 keys/values divided
+by the scales and its attention equals the reference over the dequantised cache. And an FP8
+(block-scaled) checkpoint served by ``vllm.LLM`` through atom's layers with an fp8 KV cache gives
+atom's ``LLMEngine`` tokens. Runs where vLLM and atom's entry points are installed (the plugin's
+environment)."""
 
-import importlib.util
+import json
+import subprocess
+import sys
+import textwrap
 from types import SimpleNamespace
 
 import pytest
 import torch
+from test_vllm_plugin import _env, needs_vllm
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not importable here")
+pytestmark = needs_vllm
+PROMPTS = ["The quick brown fox", "def add(a, b):"]
+# vLLM's FP8 methods take bf16/fp16 models only
+OFFLINE = textwrap.dedent("""
+    import json, sys
+    from vllm import LLM, SamplingParams
+
+    def main():
+        llm = LLM(model=sys.argv[1], dtype="bfloat16", enforce_eager=True, max_model_len=256, max_num_seqs=4,
+                  kv_cache_memory_bytes=1 << 26, gpu_memory_utilization=0.15, kv_cache_dtype="fp8")
+        outs = llm.generate(json.loads(sys.argv[2]), SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+        print("RESULT" + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
+
+    if __name__ == "__main__":
+        main()
+""")
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e4m3"])
@@ -43,3 +64,22 @@ def test_fp8_kv_cache_through_the_backend(kv_cache_dtype):
     ref = reference.paged_attention(q, k_deq, v_deq, meta.query_start_loc, meta.seq_lens, block_table,
                                     head_size**-0.5)
     assert torch.allclose(out.view(6, heads, head_size), ref, atol=1e-5)
+
+
+def test_fp8_checkpoint_and_kv_cache_in_vllm(tmp_path):
+    from atom import LLMEngine, SamplingParams
+    from atom.testing.fp8_checkpoint import write
+    from atom.testing.tiny_checkpoint import build
+
+    path = write(build(str(tmp_path / "bf16"), "qwen3", head_dim=32), str(tmp_path / "fp8"), "block", block=32)
+    script = tmp_path / "offline.py"
+    script.write_text(OFFLINE)
+    out = subprocess.run([sys.executable, str(script), path, json.dumps(PROMPTS)], env=_env(), capture_output=True,
+                         text=True, timeout=600)
+    line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT")]
+    assert out.returncode == 0 and line, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "atom model ATOMQwen3ForCausalLM" in out.stderr and "ATOMAttentionBackend" in out.stderr
+    engine = LLMEngine(path, dtype="bfloat16", kv_cache_dtype="fp8", max_model_len=256)
+    ours = [o["token_ids"] for o in engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12),
+                                                    use_tqdm=False)]
+    assert json.loads(line[0][len("RESULT"):]) == ours
