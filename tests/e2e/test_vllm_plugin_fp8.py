@@ -78,7 +78,8 @@ def test_fp8_checkpoint_and_kv_cache_in_vllm(tmp_path):
                          text=True, timeout=600)
     line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT")]
     assert out.returncode == 0 and line, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "atom model ATOMQwen3ForCausalLM" in out.stderr and "ATOMAttentionBackend" in out.stderr
+    log = out.stdout + out.stderr  # vLLM's log lines: atom's model and attention backend ran
+    assert "atom model ATOMQwen3ForCausalLM" in log and "ATOMAttentionBackend" in log
     engine = LLMEngine(path, dtype="bfloat16", kv_cache_dtype="fp8", max_model_len=256)
     ours = [o["token_ids"] for o in engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12),
                                                     use_tqdm=False)]
