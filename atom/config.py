@@ -25,6 +25,8 @@ _DTYPES = {
     "half": torch.float16,
     "fp16": torch.float16,
 }
+# "auto"/"bf16": the model dtype; "fp8" (vLLM's alias "fp8_e4m3"): e4m3 with per-layer scales
+KV_CACHE_DTYPES = ("auto", "bf16", "fp8", "fp8_e4m3")
 DEFAULT_CUDAGRAPH_SIZES = [1, 2, 4, 8] + list(range(16, 257, 16))
 
 
@@ -55,6 +57,7 @@ class ModelConfig:
     trust_remote_code: bool = False
     load_dummy: bool = False
     seed: int = 0
+    quantization: str | None = None  # "fp8": quantise a high-precision checkpoint on load
 
     def __post_init__(self):
         limit = getattr(self.hf_config, "max_position_embeddings", None)
@@ -84,8 +87,8 @@ class CacheConfig:
     def __post_init__(self):
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
-        if self.kv_cache_dtype not in ("bf16", "auto", "fp8"):
-            raise ValueError(f"kv_cache_dtype must be 'bf16' (alias 'auto') or 'fp8', got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
@@ -173,7 +176,6 @@ class Config:
         """Arguments whose feature is not built yet fail loudly rather than being ignored."""
         unbuilt = {
             "enable_dp_attention": self.parallel_config.enable_dp_attention,
-            "kv_cache_dtype='fp8'": self.cache_config.kv_cache_dtype == "fp8",
             "method='mtp' (speculative decoding)": self.speculative_config.method is not None,
         }
         missing = [name for name, used in unbuilt.items() if used]

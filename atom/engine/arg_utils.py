@@ -14,6 +14,7 @@ import torch
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
 from atom.config import (
+    KV_CACHE_DTYPES,
     CacheConfig,
     CompilationConfig,
     Config,
@@ -62,6 +63,7 @@ class EngineArgs:
     # beyond the guide's table: what vLLM users expect
     dtype: str = "auto"
     seed: int = ModelConfig.seed
+    quantization: str | None = ModelConfig.quantization
     device: str = "auto"
     kv_cache_memory_bytes: int | None = CacheConfig.kv_cache_memory_bytes
     num_gpu_blocks_override: int | None = CacheConfig.num_gpu_blocks_override
@@ -81,7 +83,8 @@ class EngineArgs:
         a("--enforce-eager", action="store_true", help="disable CUDA graphs; run eagerly")
         a("--enable_prefix_caching", "--enable-prefix-caching", action="store_true")
         a("--port", type=int, default=d.port, help="internal engine communication port")
-        a("--kv_cache_dtype", "--kv-cache-dtype", type=str, default=d.kv_cache_dtype, choices=["bf16", "auto", "fp8"])
+        a("--kv_cache_dtype", "--kv-cache-dtype", type=str, default=d.kv_cache_dtype, choices=list(KV_CACHE_DTYPES),
+      help="fp8 (alias fp8_e4m3): e4m3 KV cache with the checkpoint's k_scale/v_scale, else 1.0")
         a("--block-size", type=int, default=d.block_size)
         a("--max-model-len", type=int, default=None, help="maximum context length (default: from the HF config)")
         a("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
@@ -102,6 +105,8 @@ class EngineArgs:
         a("--num-speculative-tokens", type=int, default=d.num_speculative_tokens)
         a("--dtype", type=str, default=d.dtype, choices=["auto", "bfloat16", "float16", "float32"])
         a("--seed", type=int, default=d.seed)
+        a("--quantization", "-q", type=str, default=None, choices=["fp8"],
+          help="fp8: quantise a bf16 checkpoint's weights on load (FP8 checkpoints need no flag)")
         a("--device", type=str, default=d.device, help="auto, cuda or cpu")
         a("--kv-cache-memory-bytes", type=int, default=None, help="KV cache size (CPU default 2 GiB)")
         a("--num-gpu-blocks-override", type=int, default=None)
@@ -140,6 +145,7 @@ class EngineArgs:
             trust_remote_code=self.trust_remote_code,
             load_dummy=self.load_dummy,
             seed=self.seed,
+            quantization=self.quantization,
         )
         return Config(
             model_config=model_config,

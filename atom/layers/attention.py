@@ -30,6 +30,9 @@ class Attention(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
         self.host_attention: nn.Module | None = None
+        # an fp8 cache's per-tensor scales (the checkpoint's k_scale/v_scale, else 1.0)
+        self.register_buffer("k_scale", torch.ones(1, dtype=torch.float32), persistent=False)
+        self.register_buffer("v_scale", torch.ones(1, dtype=torch.float32), persistent=False)
 
     def attach_host_attention(self, layer: nn.Module) -> None:
         self.host_attention = layer
@@ -61,13 +64,13 @@ class Attention(nn.Module):
         meta = get_forward_context().attn_metadata
         q, k, v = self._heads(q, self.num_heads), self._heads(k), self._heads(v)
         q, k = ops.qk_norm_rope_store(q, k, v, q_norm_weight, k_norm_weight, eps, positions, cos_sin_cache,
-                                      self.k_cache, self.v_cache, meta.slot_mapping)
+                                      self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         if self.k_cache is None:  # memory-profiling run: prompts only, no cache yet
             o = _prompt_attention(q, k, v, meta.cu_seqlens_q, self.scale)
         else:
             o = ops.paged_attention(q, self.k_cache, self.v_cache, meta.cu_seqlens_q, meta.seq_lens,
                                     meta.block_tables, self.scale, meta.max_seqlen_q, meta.max_seqlen_k,
-                                    meta.num_decode_tokens, k, v)
+                                    meta.num_decode_tokens, k, v, self.k_scale, self.v_scale)
         return o.flatten(1)
 
 

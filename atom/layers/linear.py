@@ -28,6 +28,8 @@ def _param(*shape: int, loader) -> nn.Parameter:
 
 
 class LinearBase(nn.Module):
+    quant_method = None  # set by atom.layers.quantization for quantised weights
+
     def __init__(self, input_size: int, output_size: int, bias: bool, tp: TPInfo, shard_dim: int | None):
         super().__init__()
         self.tp = tp
@@ -47,6 +49,8 @@ class LinearBase(nn.Module):
         default_weight_loader(param, self._shard(param, loaded))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -111,5 +115,6 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # bias added once, after the reduction
-        y = F.linear(x, self.weight, self.bias if self.tp.rank == 0 else None)
+        bias = self.bias if self.tp.rank == 0 else None
+        y = F.linear(x, self.weight, bias) if self.quant_method is None else self.quant_method.apply(self, x, bias)
         return self.tp.all_reduce(y)

@@ -15,6 +15,8 @@ class FusedMoE(nn.Module):
     Tensor parallelism shards the intermediate dim of every expert; expert parallelism
     (``tp.expert_parallel``) instead keeps whole experts, E / size of them per rank."""
 
+    quant_method = None  # set by atom.layers.quantization for FP8 experts
+
     def __init__(
         self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
         renormalize: bool, tp: TPInfo = SINGLE,
@@ -62,6 +64,8 @@ class FusedMoE(nn.Module):
         weights, ids = ops.moe_topk(router_logits, self.top_k, self.renormalize)
         if len(self.local_experts) < self.num_experts:
             weights, ids = self._local_routes(weights, ids)
+        if self.quant_method is not None:
+            return self.tp.all_reduce(self.quant_method.apply(self, x, weights, ids))
         return self.tp.all_reduce(ops.fused_moe(x, self.w13_weight, self.w2_weight, weights, ids))
 
     def _local_routes(self, weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 
 from atom.config import ModelConfig
 from atom.distributed.parallel_state import SINGLE, TPInfo
+from atom.layers.quantization import filter_weights, get_fp8_config, process_weights_after_loading, quantize_layers
 from atom.model_loader.checkpoint_slice import CheckpointSlice
 from atom.models.registry import get_model_class
 
@@ -60,7 +61,7 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
     """Random weights of a sane scale (norm weights stay 1), for benchmarks on real shapes."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     for name, param in model.named_parameters():
-        if "norm" in name:
+        if "norm" in name or "scale" in name:  # norms, and FP8 weight scales
             param.data.fill_(1.0)
             continue
         cpu = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, 0.02, generator=gen) \
@@ -81,8 +82,12 @@ def load_model(model_config: ModelConfig, device: torch.device, tp: TPInfo = SIN
             model = cls(model_config.hf_config, tp)
     finally:
         torch.set_default_dtype(prev_dtype)
+    quant = get_fp8_config(model_config.hf_config, model_config.quantization)
+    if quant is not None:
+        quantize_layers(model, quant)
     if model_config.load_dummy:
         init_dummy_weights(model, model_config.seed)
     else:
-        model.load_weights(iter_weights(model_config))
+        model.load_weights(filter_weights(iter_weights(model_config)))
+    process_weights_after_loading(model)
     return model.eval()

@@ -9,6 +9,8 @@ import torch
 from torch import nn
 
 from atom.layers.linear import default_weight_loader
+from atom.layers.quantization.kv_cache import kv_scale_target, load_kv_scale
+from atom.model_loader.checkpoint_slice import materialize
 
 _SKIPPED = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
@@ -29,6 +31,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
     every unexpected, missing or mis-shaped tensor, so a bad checkpoint never runs silently
     with random weights."""
     params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
     packed = getattr(model, "packed_modules_mapping", {})
     experts = model.expert_mapping() if hasattr(model, "expert_mapping") else []
     tied = getattr(model.config, "tie_word_embeddings", False)
@@ -36,6 +39,13 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
     unexpected, errors = [], []
     for name, tensor in weights:
         if any(s in name for s in _SKIPPED) or (tied and name == "lm_head.weight"):
+            continue
+        scale_buffer = buffers.get(kv_scale_target(name) or "")
+        if scale_buffer is not None:  # an FP8 KV cache scale
+            try:
+                load_kv_scale(scale_buffer, materialize(tensor), name)
+            except ValueError as e:
+                errors.append(str(e))
             continue
         param_name, extra = _route(name, packed, experts)
         param = params.get(param_name)

@@ -21,19 +21,22 @@ from dataclasses import dataclass
 
 import torch
 
-from atom.ops import penalties, reference
+from atom.ops import penalties, reference, reference_fp8
 
 __all__ = [
     "apply_penalties",
     "fused_moe",
+    "fused_moe_fp8",
     "moe_topk",
     "paged_attention",
+    "per_token_group_quant_fp8",
     "qk_norm_rope_store",
     "rms_norm",
     "rotary_embedding",
     "silu_and_mul",
     "store_kv_cache",
     "top_k_top_p_min_p",
+    "w8a8_matmul",
     "init_device_ops",
     "register_op",
     "use_triton",
@@ -217,3 +220,21 @@ apply_penalties = register_op(
     triton=f"{_T}.penalties:apply_penalties",
     fake=lambda logits, *args: logits.new_empty(logits.shape, dtype=torch.float32),
 )(penalties.apply_penalties)
+per_token_group_quant_fp8 = register_op(
+    "per_token_group_quant_fp8",
+    triton=f"{_T}.fp8_gemm:per_token_group_quant_fp8",
+    fake=lambda x, group_k: (
+        x.new_empty(x.shape, dtype=torch.float8_e4m3fn),
+        x.new_empty((x.shape[0], -(-x.shape[1] // (group_k or x.shape[1]))), dtype=torch.float32),
+    ),
+)(reference_fp8.per_token_group_quant_fp8)
+w8a8_matmul = register_op(
+    "w8a8_matmul",
+    triton=f"{_T}.fp8_gemm:w8a8_matmul",
+    fake=lambda a, a_scale, w, w_scale, group_k, out_dtype, bias=None: a.new_empty(
+        (a.shape[0], w.shape[0]), dtype=out_dtype
+    ),
+)(reference_fp8.w8a8_matmul)
+fused_moe_fp8 = register_op(
+    "fused_moe_fp8", triton=f"{_T}.moe_fp8:fused_moe_fp8", fake=lambda x, *args: _empty_like(x)
+)(reference_fp8.fused_moe_fp8)

@@ -7,6 +7,10 @@ KV-cache layout (per layer): ``k_cache`` and ``v_cache`` are
 ``[num_blocks, num_kv_heads, block_size, head_dim]`` ("HND"). A token's slot is
 ``block_id * block_size + offset``. One (block, kv-head) tile is contiguous, which is
 what the paged-attention kernels load.
+
+FP8 KV cache: a cache of dtype ``float8_e4m3fn`` holds ``clamp(x / scale)`` rounded to e4m3,
+with one float32 scale per layer for K and one for V (``k_scale``/``v_scale``, 1-element
+tensors); attention reads ``cache * scale``. Other cache dtypes ignore the scales.
 """
 
 from __future__ import annotations
@@ -53,8 +57,27 @@ def rotary_embedding(
     return _rotate_neox(q, cos, sin), _rotate_neox(k, cos, sin)
 
 
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def to_cache_dtype(x: torch.Tensor, cache_dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
+    """``x`` as the cache stores it: divided by ``scale`` (float32) and saturated for fp8."""
+    if cache_dtype != torch.float8_e4m3fn:
+        return x.to(cache_dtype)
+    x = x.float() if scale is None else x.float() / scale
+    return x.clamp(-FP8_MAX, FP8_MAX).to(cache_dtype)
+
+
+def from_cache(cache: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
+    """Cache values back in ``dtype`` (fp8 times its scale, in float32 first)."""
+    if cache.dtype != torch.float8_e4m3fn:
+        return cache.to(dtype)
+    return (cache.float() if scale is None else cache.float() * scale).to(dtype)
+
+
 def store_kv_cache(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> None:
     """Write new keys/values ``[T, Hk, D]`` into the paged cache at ``slot_mapping`` ([T];
     a negative slot means "do not store", used for padded rows)."""
@@ -62,8 +85,8 @@ def store_kv_cache(
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, :, offsets] = k[keep].to(k_cache.dtype)
-    v_cache[blocks, :, offsets] = v[keep].to(v_cache.dtype)
+    k_cache[blocks, :, offsets] = to_cache_dtype(k[keep], k_cache.dtype, k_scale)
+    v_cache[blocks, :, offsets] = to_cache_dtype(v[keep], v_cache.dtype, v_scale)
 
 
 def qk_norm_rope_store(
@@ -78,6 +101,8 @@ def qk_norm_rope_store(
     k_cache: torch.Tensor | None,
     v_cache: torch.Tensor | None,
     slot_mapping: torch.Tensor | None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-head RMSNorm of q and k (Qwen3; skipped when the weights are None), RoPE, and
     the KV-cache write, as one op so a GPU kernel can fuse all four. Returns (q, k)."""
@@ -86,7 +111,7 @@ def qk_norm_rope_store(
         k = rms_norm(k, k_norm_weight, eps)
     q, k = rotary_embedding(positions, q, k, cos_sin_cache)
     if k_cache is not None and k_cache.numel() > 0:
-        store_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+        store_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return q, k
 
 
@@ -103,6 +128,8 @@ def paged_attention(
     num_decode_tokens: int = 0,
     k: torch.Tensor | None = None,
     v: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of a mixed batch over the paged cache (new K/V already stored).
 
@@ -113,7 +140,7 @@ def paged_attention(
     a kernel launch them separately; the reference ignores it).
     ``k``/``v``: optionally the batch's new keys and values [T, Hk, D], the values the cache
     already holds for them (a kernel may read them packed instead of through the block
-    table; the reference ignores them).
+    table; the reference ignores them). ``k_scale``/``v_scale``: an fp8 cache's scales.
     """
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
     group = q.shape[1] // num_kv_heads
@@ -130,8 +157,8 @@ def paged_attention(
         # [n_blocks, Hk, bs, D] -> [Hk, n_blocks * bs, D] -> first seq_len tokens
         k = k_cache[blocks].transpose(0, 1).reshape(num_kv_heads, -1, k_cache.shape[3])[:, :seq_len]
         v = v_cache[blocks].transpose(0, 1).reshape(num_kv_heads, -1, v_cache.shape[3])[:, :seq_len]
-        k = k.repeat_interleave(group, dim=0).to(q.dtype)
-        v = v.repeat_interleave(group, dim=0).to(q.dtype)
+        k = from_cache(k, q.dtype, k_scale).repeat_interleave(group, dim=0)
+        v = from_cache(v, q.dtype, v_scale).repeat_interleave(group, dim=0)
         qi = q[start:end].transpose(0, 1)  # [Hq, q_len, D]
         # query row j sits at absolute position seq_len - q_len + j
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)

@@ -26,6 +26,7 @@ from atom.core_types import PLACEHOLDER, RunnerOutput, ScheduledRequest, Schedul
 from atom.distributed.parallel_state import SINGLE, TPInfo
 from atom.forward_context import AttentionMetadata, set_forward_context
 from atom.layers.attention import Attention
+from atom.layers.quantization.kv_cache import kv_cache_torch_dtype
 from atom.model_loader.loader import load_model
 from atom.worker.logits_processors import process_logits
 from atom.worker.logprobs import prompt_logprobs, token_logprobs, top_logprobs
@@ -47,6 +48,7 @@ class ModelRunner:
         self.device = torch.device("cuda", tp.rank) if config.device.type == "cuda" and tp.size > 1 else config.device
         mc = config.model_config
         self.block_size = config.cache_config.block_size
+        self.kv_cache_dtype = kv_cache_torch_dtype(config.cache_config.kv_cache_dtype, mc.dtype)
         # the same seed on every rank: all ranks sample the same tokens from the same logits
         torch.manual_seed(mc.seed)
         ops.init_device_ops(self.device)
@@ -81,7 +83,7 @@ class ModelRunner:
     # KV cache
     def block_bytes(self) -> int:
         layer = self.attn_layers[0]
-        elem = torch.empty((), dtype=self.config.model_config.dtype).element_size()
+        elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         return 2 * len(self.attn_layers) * layer.num_kv_heads * self.block_size * layer.head_dim * elem
 
     def determine_num_blocks(self) -> int:
@@ -145,12 +147,12 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         layer = self.attn_layers[0]
         shape = (len(self.attn_layers), 2, num_blocks, layer.num_kv_heads, self.block_size, layer.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.config.model_config.dtype, device=self.device)
+        self.kv_cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
         for i, attn in enumerate(self.attn_layers):
             attn.k_cache, attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
         gib = self.kv_cache.numel() * self.kv_cache.element_size() / (1 << 30)
         logger.info("KV cache: %d blocks, %d tokens, %.2f GiB (%s)", num_blocks, num_blocks * self.block_size,
-                    gib, self.config.model_config.dtype)
+                    gib, self.kv_cache_dtype)
 
     # one step
     def _tensor(self, data, dtype) -> torch.Tensor:

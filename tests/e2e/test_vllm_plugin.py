@@ -346,7 +346,8 @@ def test_platform_resolution_and_backend_selection(ckpts):
     assert r["base"].startswith("vllm.platforms.")
     atom_backend = "atom.plugin.vllm.attention.ATOMAttentionBackend"
     assert r["choices"]["default"] == atom_backend
-    for need in ("sliding_window", "fp8_kv", "encoder", "switched_off"):  # the parent platform's choice
+    assert r["choices"]["fp8_kv"] == atom_backend  # --kv-cache-dtype fp8 runs atom's attention too
+    for need in ("sliding_window", "encoder", "switched_off"):  # the parent platform's choice
         assert r["choices"][need].startswith("vllm.v1.attention.backends."), (need, r["choices"][need])
     assert r["entries"] == {a: f"atom.plugin.vllm.model_wrapper:ATOM{a}"
                             for a in ("Qwen3ForCausalLM", "LlamaForCausalLM", "Qwen3MoeForCausalLM")}

@@ -41,8 +41,27 @@ def _cast_impl_rtne(self, src, dst_type):
     return _cast_impl(self, src, dst_type)
 
 
+_create_fp_to_fp = InterpreterBuilder.create_fp_to_fp
+_TORCH_FLOAT = {tl.float32: torch.float32, tl.bfloat16: torch.bfloat16, tl.float16: torch.float16}
+
+
+def _create_fp_to_fp_e4m3(self, src, dst_type, rounding_mode):
+    # The interpreter's narrowing to float8e4nv drops the mantissa carry into the exponent
+    # and flushes subnormals; the GPU (cvt.rn.satfinite) and torch round to nearest even.
+    if dst_type.scalar == tl.float8e4nv and src.dtype.scalar in _TORCH_FLOAT:
+        raw = np.asarray(src.data)
+        if src.dtype.scalar == tl.bfloat16:
+            x = torch.from_numpy(raw.view(np.int16).copy()).view(torch.bfloat16)
+        else:
+            x = torch.from_numpy(raw.copy())
+        bits = x.float().clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
+        return TensorHandle(bits.numpy(), tl.float8e4nv)
+    return _create_fp_to_fp(self, src, dst_type, rounding_mode)
+
+
 InterpreterBuilder.create_dot = _create_dot_bf16
 InterpreterBuilder.cast_impl = _cast_impl_rtne
+InterpreterBuilder.create_fp_to_fp = _create_fp_to_fp_e4m3
 
 # Max abs error allowed against a reference on the same (rounded) inputs, per unit of the
 # output's largest magnitude (at least 1): a few ulps of the output dtype.

@@ -144,7 +144,7 @@ def test_unsupported_architecture_lists_supported(tiny_model, tmp_path):
 
 def test_unbuilt_features_raise_not_implemented(tiny_model):
     path = tiny_model("qwen3")
-    for kwargs in (dict(enable_dp_attention=True), dict(method="mtp"), dict(kv_cache_dtype="fp8")):
+    for kwargs in (dict(enable_dp_attention=True), dict(method="mtp")):
         with pytest.raises(NotImplementedError):
             LLMEngine(path, **kwargs)
 

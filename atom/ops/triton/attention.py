@@ -17,6 +17,9 @@ Launches whose chunks fill 128-row tiles go to the prefill kernel of
 Split-K (flash decoding): with few sequences there are too few programs to fill the GPU,
 so the key range of each tile is cut into ``num_splits`` segments handled by separate
 programs that write unnormalised partial results; a second kernel merges them.
+
+An fp8 cache (``float8_e4m3fn``) is read as is and multiplied by its per-layer scales:
+the K scale folds into the softmax scale and the V scale into the output.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ def _paged_attention_kernel(
     cu_seqlens_q_ptr,
     seq_lens_ptr,
     block_tables_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     qk_scale,
     num_seqs,
     num_splits,
@@ -64,6 +69,7 @@ def _paged_attention_kernel(
     PAGE_SIZE: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     tile = tl.program_id(0)
@@ -81,6 +87,10 @@ def _paged_attention_kernel(
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     context_len = seq_len - q_len
+    v_scale = 1.0
+    if HAS_SCALE:
+        qk_scale *= tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
 
     # Row m is query token first_q + m // GROUP_PAD, query head kv_head * GROUP + m % GROUP_PAD.
     offs_m = tl.arange(0, BLOCK_M)
@@ -131,9 +141,9 @@ def _paged_attention_kernel(
         row = (tok * tl.num_programs(1) * GROUP + head) * num_splits + split
         tl.store(part_max_ptr + row, m_i, mask=row_ok)
         tl.store(part_sum_ptr + row, l_i, mask=row_ok)
-        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None])
+        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc * v_scale, mask=row_ok[:, None])
     else:
-        out = acc / l_i[:, None]
+        out = acc * v_scale / l_i[:, None]
         tl.store(
             out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
             out.to(out_ptr.dtype.element_ty),
@@ -200,7 +210,7 @@ def _config(head_dim: int, group_pad: int, max_seqlen_q: int, elem_bytes: int) -
 
 def _attend(
     q, out, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, max_seqlen_q, max_seqlen_k, num_splits,
-    k=None, v=None,
+    k=None, v=None, kv_scales=(None, None),
 ):  # fmt: skip
     """One launch over a contiguous slice of the batch (q, out and the metadata sliced alike)."""
     num_tokens, num_q_heads, head_dim = q.shape
@@ -215,7 +225,8 @@ def _attend(
     group_pad = triton.next_power_of_2(group)
     log2e = 1.4426950408889634
     if num_splits == 1 and max_seqlen_q * group_pad >= 128:
-        prefill_attention(q, out, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale * log2e, k=k, v=v)
+        prefill_attention(q, out, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale * log2e, k=k, v=v,
+                          kv_scales=kv_scales)  # fmt: skip
         return
     cfg = _config(head_dim, group_pad, max_seqlen_q, q.element_size())
     block_q = cfg["block_m"] // group_pad
@@ -238,6 +249,8 @@ def _attend(
         cu_seqlens_q,
         seq_lens,
         block_tables,
+        kv_scales[0] if kv_scales[0] is not None else q,
+        kv_scales[1] if kv_scales[1] is not None else q,
         scale * log2e,
         num_seqs,
         num_splits,
@@ -257,6 +270,7 @@ def _attend(
         PAGE_SIZE=page_size,
         SPLIT=split,
         DOT_PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32",
+        HAS_SCALE=kv_scales[0] is not None,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
@@ -289,6 +303,8 @@ def paged_attention(
     num_decode_tokens: int = 0,
     k: torch.Tensor | None = None,
     v: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     num_splits: int | None = None,
 ) -> torch.Tensor:
     """See ``atom.ops.reference.paged_attention``.
@@ -301,7 +317,9 @@ def paged_attention(
     overrides the split-K heuristic (1 = no split). ``k``/``v`` (optional; the attention layer
     passes them): the batch's new keys and values, [tokens, kv_heads, head_dim], the same
     values the cache holds for them; prefill tiles then read the chunk's own keys through
-    tensor descriptors (bulk tensor copies) instead of gathering them from the cache.
+    tensor descriptors (bulk tensor copies) instead of gathering them from the cache; not
+    with an fp8 cache, whose values differ from the unquantised ``k``/``v``.
+    ``k_scale``/``v_scale``: an fp8 cache's scales (float32, one element each).
     """
     out = torch.empty_like(q)
     if q.shape[0] == 0:
@@ -310,14 +328,18 @@ def paged_attention(
     if max_seqlen_q is None:
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     n = num_decode_tokens
-    kv = (k, v) if k is not None and v is not None and descriptor_ready(k, v) else (None, None)
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    kv = (k, v) if k is not None and v is not None and not fp8 and descriptor_ready(k, v) else (None, None)
+    scales = (k_scale, v_scale) if fp8 and k_scale is not None else (None, None)
     if max_seqlen_q > 1 and 0 < n < seq_lens.shape[0]:
         decode = (cu_seqlens_q[: n + 1], seq_lens[:n], block_tables[:n])
         prefill = (cu_seqlens_q[n:], seq_lens[n:], block_tables[n:])
-        _attend(q[:n], out[:n], k_cache, v_cache, *decode, scale, 1, max_seqlen_k, num_splits)
+        _attend(q[:n], out[:n], k_cache, v_cache, *decode, scale, 1, max_seqlen_k, num_splits, kv_scales=scales)
         kv = tuple(t if t is None else t[n:] for t in kv)
-        _attend(q[n:], out[n:], k_cache, v_cache, *prefill, scale, max_seqlen_q, max_seqlen_k, num_splits, *kv)
+        _attend(q[n:], out[n:], k_cache, v_cache, *prefill, scale, max_seqlen_q, max_seqlen_k, num_splits, *kv,
+                kv_scales=scales)  # fmt: skip
     else:
         metadata = (cu_seqlens_q, seq_lens, block_tables)
-        _attend(q, out, k_cache, v_cache, *metadata, scale, max_seqlen_q, max_seqlen_k, num_splits, *kv)
+        _attend(q, out, k_cache, v_cache, *metadata, scale, max_seqlen_q, max_seqlen_k, num_splits, *kv,
+                kv_scales=scales)  # fmt: skip
     return out

@@ -99,9 +99,11 @@ def _attend_tile(q, k, v, t, m_i, l_i, acc, qk_scale, q_pos, kv_end, BLOCK_N: tl
 )
 def _prefill_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, k_desc, v_desc, cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
-    qk_scale, num_seqs, stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ch, stride_ct, stride_bt,
+    k_scale_ptr, v_scale_ptr, qk_scale, num_seqs, stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ch,
+    stride_ct, stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, PACKED_KV: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
 ):  # fmt: skip
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     kv_head = tl.program_id(0)
@@ -116,6 +118,10 @@ def _prefill_attention_kernel(
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     context_len = seq_len - q_len
+    v_scale = 1.0
+    if HAS_SCALE:  # fp8 cache: the K scale folds into the softmax scale, the V scale into the output
+        qk_scale *= tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
 
     offs_m = tl.arange(0, BLOCK_M)
     q_idx = first_q + offs_m // GROUP_PAD
@@ -158,7 +164,7 @@ def _prefill_attention_kernel(
                         stride_cb, stride_ct, BLOCK_N, HEAD_DIM, PAGE_SIZE, True, False)  # fmt: skip
         m_i, l_i, acc = _attend_tile(q, k, v, t, m_i, l_i, acc, qk_scale, q_pos, kv_end, BLOCK_N, True,
                                      DOT_PRECISION)  # fmt: skip
-    out = acc / l_i[:, None]
+    out = acc * v_scale / l_i[:, None]
     tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])  # fmt: skip
 
@@ -196,11 +202,12 @@ def _num_sms(device_index: int) -> int:
 
 
 def prefill_attention(q, out, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, config=None,
-                      k=None, v=None):  # fmt: skip
+                      k=None, v=None, kv_scales=(None, None)):  # fmt: skip
     """Launch over a contiguous slice of the batch (q, out and the metadata sliced alike);
     ``scale`` already includes log2(e). ``k``/``v``: optionally the slice's own new keys and
     values, packed [tokens, kv_heads, head_dim] (last dim contiguous, rows 16-byte aligned),
-    the same values the cache holds for them. Returns the compiled kernel (for its
+    the same values the cache holds for them. ``kv_scales``: an fp8 cache's (k_scale, v_scale)
+    tensors. Returns the compiled kernel (for its
     resource report)."""
     num_tokens, num_q_heads, head_dim = q.shape
     _, num_kv_heads, page_size, _ = k_cache.shape
@@ -217,11 +224,13 @@ def prefill_attention(q, out, k_cache, v_cache, cu_seqlens_q, seq_lens, block_ta
         k_desc, v_desc = (TensorDescriptor(t, [num_tokens, num_kv_heads * head_dim], [t.stride(0), 1], block)
                           for t in (k, v))  # fmt: skip
     return _prefill_attention_kernel[grid](
-        out, q, k_cache, v_cache, k_desc, v_desc, cu_seqlens_q, seq_lens, block_tables, scale, num_seqs,
+        out, q, k_cache, v_cache, k_desc, v_desc, cu_seqlens_q, seq_lens, block_tables,
+        q if kv_scales[0] is None else kv_scales[0], q if kv_scales[1] is None else kv_scales[1], scale, num_seqs,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=cfg["block_n"], HEAD_DIM=head_dim,
         PAGE_SIZE=page_size, DOT_PRECISION="tf32x3" if q.element_size() == 4 else "tf32", PACKED_KV=k is not None,
+        HAS_SCALE=kv_scales[0] is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         maxnreg=cfg.get("maxnreg"),
     )  # fmt: skip

@@ -3,7 +3,8 @@ write that every attention layer runs before paged attention.
 
 Cache layout is ``[num_blocks, num_kv_heads, block_size, head_dim]`` (see
 ``atom.ops.reference``); a token's slot is ``block_id * block_size + offset`` and a negative
-slot means "do not store".
+slot means "do not store". An fp8 cache stores ``clamp(x / scale)`` (see
+``atom.ops.reference.to_cache_dtype``); the scale is read from a device pointer.
 """
 
 from __future__ import annotations
@@ -25,11 +26,15 @@ def _store_heads(
     stride_ch,
     stride_ct,
     BLOCK_SIZE: tl.constexpr,
+    scale=1.0,
 ):
-    """Write ``val`` ([heads, d]) to the cache slot ``slot``."""
+    """Write ``val`` ([heads, d]) to the cache slot ``slot`` (an fp8 cache: ``val / scale``,
+    saturated)."""
     block = slot // BLOCK_SIZE
     offset = slot % BLOCK_SIZE
     ptrs = cache_ptr + block * stride_cb + offset * stride_ct + heads[:, None] * stride_ch + offs_d[None, :]
+    if cache_ptr.dtype.element_ty == tl.float8e4nv:
+        val = tl.clamp(val.to(tl.float32) / scale, -448.0, 448.0)
     tl.store(ptrs, val.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
@@ -92,6 +97,8 @@ def _qk_norm_rope_store_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     num_q_heads,
     num_kv_heads,
     stride_qt,
@@ -111,6 +118,7 @@ def _qk_norm_rope_store_kernel(
     eps,
     HAS_NORM: tl.constexpr,
     HAS_CACHE: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -147,18 +155,21 @@ def _qk_norm_rope_store_kernel(
         if HAS_CACHE:
             slot = tl.load(slot_ptr + tok).to(tl.int64)
             if slot >= 0:
+                k_scale, v_scale = 1.0, 1.0
+                if HAS_SCALE:
+                    k_scale, v_scale = tl.load(k_scale_ptr), tl.load(v_scale_ptr)
                 mask = (heads[:, None] < num_kv_heads) & (offs[None, :] < HALF)
-                _store_heads(k_cache_ptr, slot, heads, offs, mask, k1, stride_cb, stride_ch, stride_ct, BLOCK_SIZE)
-                _store_heads(
-                    k_cache_ptr + HALF, slot, heads, offs, mask, k2, stride_cb, stride_ch, stride_ct, BLOCK_SIZE
-                )
+                _store_heads(k_cache_ptr, slot, heads, offs, mask, k1, stride_cb, stride_ch, stride_ct, BLOCK_SIZE,
+                             k_scale)  # fmt: skip
+                _store_heads(k_cache_ptr + HALF, slot, heads, offs, mask, k2, stride_cb, stride_ch, stride_ct,
+                             BLOCK_SIZE, k_scale)  # fmt: skip
                 v_ptrs = v_ptr + tok * stride_vt + heads[:, None] * stride_vh + offs[None, :]
                 v1 = tl.load(v_ptrs, mask=mask, other=0.0)
                 v2 = tl.load(v_ptrs + HALF, mask=mask, other=0.0)
-                _store_heads(v_cache_ptr, slot, heads, offs, mask, v1, stride_cb, stride_ch, stride_ct, BLOCK_SIZE)
-                _store_heads(
-                    v_cache_ptr + HALF, slot, heads, offs, mask, v2, stride_cb, stride_ch, stride_ct, BLOCK_SIZE
-                )
+                _store_heads(v_cache_ptr, slot, heads, offs, mask, v1, stride_cb, stride_ch, stride_ct, BLOCK_SIZE,
+                             v_scale)  # fmt: skip
+                _store_heads(v_cache_ptr + HALF, slot, heads, offs, mask, v2, stride_cb, stride_ch, stride_ct,
+                             BLOCK_SIZE, v_scale)  # fmt: skip
 
 
 def _heads_view(t: torch.Tensor) -> torch.Tensor:
@@ -178,6 +189,8 @@ def qk_norm_rope_store(
     k_cache: torch.Tensor | None,
     v_cache: torch.Tensor | None,
     slot_mapping: torch.Tensor | None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     has_norm = q_norm_weight is not None
     has_cache = k_cache is not None and k_cache.numel() > 0
@@ -210,6 +223,8 @@ def qk_norm_rope_store(
         k_cache,
         v_cache,
         slot_mapping,
+        k_scale if k_scale is not None else q,
+        v_scale if v_scale is not None else q,
         num_q_heads,
         num_kv_heads,
         q.stride(0),
@@ -229,6 +244,7 @@ def qk_norm_rope_store(
         eps,
         HAS_NORM=has_norm,
         HAS_CACHE=has_cache,
+        HAS_SCALE=k_scale is not None,
         HALF=half,
         BLOCK_HALF=triton.next_power_of_2(half),
         BLOCK_H=block_h,
@@ -251,6 +267,8 @@ def _store_kv_cache_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     num_kv_heads,
     stride_kt,
     stride_kh,
@@ -263,6 +281,7 @@ def _store_kv_cache_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -272,12 +291,16 @@ def _store_kv_cache_kernel(
     if slot >= 0:
         k = tl.load(k_ptr + tok * stride_kt + heads[:, None] * stride_kh + offs_d[None, :], mask=mask)
         v = tl.load(v_ptr + tok * stride_vt + heads[:, None] * stride_vh + offs_d[None, :], mask=mask)
-        _store_heads(k_cache_ptr, slot, heads, offs_d, mask, k, stride_cb, stride_ch, stride_ct, BLOCK_SIZE)
-        _store_heads(v_cache_ptr, slot, heads, offs_d, mask, v, stride_cb, stride_ch, stride_ct, BLOCK_SIZE)
+        k_scale, v_scale = 1.0, 1.0
+        if HAS_SCALE:
+            k_scale, v_scale = tl.load(k_scale_ptr), tl.load(v_scale_ptr)
+        _store_heads(k_cache_ptr, slot, heads, offs_d, mask, k, stride_cb, stride_ch, stride_ct, BLOCK_SIZE, k_scale)
+        _store_heads(v_cache_ptr, slot, heads, offs_d, mask, v, stride_cb, stride_ch, stride_ct, BLOCK_SIZE, v_scale)
 
 
 def store_kv_cache(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> None:
     k, v = _heads_view(k), _heads_view(v)
     num_tokens, num_kv_heads, head_dim = k.shape
@@ -290,6 +313,8 @@ def store_kv_cache(
         k_cache,
         v_cache,
         slot_mapping,
+        k_scale if k_scale is not None else k,
+        v_scale if v_scale is not None else k,
         num_kv_heads,
         k.stride(0),
         k.stride(1),
@@ -302,5 +327,6 @@ def store_kv_cache(
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_H=block_h,
         BLOCK_SIZE=k_cache.shape[2],
+        HAS_SCALE=k_scale is not None,
         num_warps=4 if block_h * head_dim >= 1024 else 1,
     )

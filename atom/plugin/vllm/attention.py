@@ -9,6 +9,10 @@ last dim (as for vLLM's own backends). ``kv[..., :D]`` and ``kv[..., D:]`` are a
 of ``2 * D``; atom's ops index caches by their strides, so any physical order vLLM picks works.
 Head-major ("HND", vLLM 0.32's ``LBHNC``) is asked for first: atom's own layout, in which the
 keys of one (block, KV head) are one strided tile.
+
+``--kv-cache-dtype fp8`` (or ``fp8_e4m3``): vLLM allocates the cache as bytes; atom reads it as
+e4m3 and quantises/dequantises with the layer's ``_k_scale``/``_v_scale`` (vLLM's per-tensor
+scales: the checkpoint's, else 1.0).
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ def split_kv_cache(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor
 class ATOMAttentionBackend(AttentionBackend):
     forward_includes_kv_cache_update: bool = False
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
-    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "float16", "bfloat16"]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "float16", "bfloat16", "fp8", "fp8_e4m3"]
 
     @staticmethod
     def get_name() -> str:
@@ -152,11 +156,19 @@ class ATOMAttentionImpl(AttentionImpl[ATOMAttentionMetadata]):
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
 
+    def _caches(self, layer, kv_cache: torch.Tensor):
+        """(k_cache, v_cache, k_scale, v_scale); an fp8 cache comes as bytes and is read as e4m3."""
+        if not self.kv_cache_dtype.startswith("fp8"):
+            return (*split_kv_cache(kv_cache, self.head_size), None, None)
+        if kv_cache.dtype != torch.float8_e4m3fn:
+            kv_cache = kv_cache.view(torch.float8_e4m3fn)
+        return (*split_kv_cache(kv_cache, self.head_size), layer._k_scale, layer._v_scale)
+
     def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                            slot_mapping: torch.Tensor) -> None:
-        k_cache, v_cache = split_kv_cache(kv_cache, self.head_size)
+        k_cache, v_cache, k_scale, v_scale = self._caches(layer, kv_cache)
         n = slot_mapping.shape[0]
-        ops.store_kv_cache(key[:n], value[:n], k_cache, v_cache, slot_mapping)
+        ops.store_kv_cache(key[:n], value[:n], k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
     def forward(
         self,
@@ -177,10 +189,10 @@ class ATOMAttentionImpl(AttentionImpl[ATOMAttentionMetadata]):
             return output
         m = attn_metadata
         n = m.num_actual_tokens
-        k_cache, v_cache = split_kv_cache(kv_cache, self.head_size)
-        hint = {"num_decode_tokens": m.num_decode_tokens} if m.num_decode_tokens else {}
+        k_cache, v_cache, k_scale, v_scale = self._caches(layer, kv_cache)
         out = ops.paged_attention(query[:n], k_cache, v_cache, m.query_start_loc, m.seq_lens, m.block_table,
-                                  self.scale, m.max_query_len, m.max_seq_len, **hint)
+                                  self.scale, m.max_query_len, m.max_seq_len, m.num_decode_tokens, None, None,
+                                  k_scale, v_scale)
         output[:n].copy_(out.view_as(output[:n]))
         return output
 

@@ -18,6 +18,7 @@ from torch import nn
 from atom import ops
 from atom.distributed.parallel_state import SINGLE, TPInfo
 from atom.layers.attention import Attention as AtomAttention
+from atom.layers.quantization import filter_weights, get_fp8_config, process_weights_after_loading, quantize_layers
 from atom.models.registry import get_model_class, supported_architectures
 from atom.plugin.vllm import logger
 
@@ -56,7 +57,7 @@ def check_supported(vllm_config, arch: str) -> None:
     unsupported = [name for name, present in (
         ("pipeline parallelism", parallel.pipeline_parallel_size > 1),
         (f"quantization ({getattr(vllm_config.quant_config, 'get_name', lambda: '?')()})",
-         vllm_config.quant_config is not None),
+         vllm_config.quant_config is not None and atom_fp8_config(vllm_config) is None),
         ("LoRA", vllm_config.lora_config is not None),
         ("sliding-window attention", getattr(hf_config, "use_sliding_window", False)
          and getattr(hf_config, "sliding_window", None) is not None),
@@ -69,6 +70,19 @@ def check_supported(vllm_config, arch: str) -> None:
     if getattr(parallel, "enable_expert_parallel", False):
         logger.warning("atom's MoE layers shard every expert over the tensor-parallel group; "
                        "--enable-expert-parallel does not change how atom's %s places experts", arch)
+
+
+def atom_fp8_config(vllm_config):
+    """atom's FP8 scheme for vLLM's quantisation settings: the checkpoint's FP8 config, or
+    ``--quantization fp8`` on an unquantised checkpoint; None if atom cannot run them."""
+    if vllm_config.quant_config is None:
+        return None
+    hf_config = vllm_config.model_config.hf_config
+    online = "fp8" if vllm_config.model_config.quantization == "fp8" else None
+    try:
+        return get_fp8_config(hf_config, None if getattr(hf_config, "quantization_config", None) else online)
+    except ValueError:
+        return None
 
 
 def attach_vllm_attention(model: nn.Module, vllm_config, prefix: str = "") -> int:
@@ -99,6 +113,9 @@ class VllmModelAdapter:
         # inside Dynamo's trace
         ops.init_device_ops(vllm_config.device_config.device_type)
         super().__init__(vllm_config.model_config.hf_config, vllm_tp())
+        fp8 = atom_fp8_config(vllm_config)
+        if fp8 is not None:  # FP8 weights through atom's layers (docs/fp8.md)
+            quantize_layers(self, fp8)
         n = attach_vllm_attention(self, vllm_config, prefix)
         logger.info("atom model %s (%s) built for vLLM; its %d attention layers run through vLLM's Attention",
                     type(self).__name__, type(self).atom_class.__module__, n)
@@ -109,6 +126,12 @@ class VllmModelAdapter:
 
     def compute_logits(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         return super().compute_logits(hidden_states)
+
+    def load_weights(self, weights) -> set[str]:
+        # vLLM finishes only its own quantisation methods after loading; atom's are finished here
+        loaded = super().load_weights(filter_weights(weights))
+        process_weights_after_loading(self)
+        return loaded
 
 
 # batch (token) dimension of each forward input, for vLLM's torch.compile (the annotations are

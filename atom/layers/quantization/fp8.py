@@ -1,0 +1,178 @@
+"""FP8 linear layers and fused MoE: e4m3 weights with float32 scales stored one row per
+output row (``atom.ops.reference_fp8`` explains why), activations quantised per token (or
+per 128-column group with block weights) on the fly.
+
+A method object is attached to each layer (``layer.quant_method``) after the model is built;
+it swaps the weight parameters for e4m3 ones with scale parameters beside them (or, for
+``--quantization fp8``, quantises the loaded high-precision weights once loading is done).
+Linear GEMMs run ``ops.w8a8_matmul`` (Triton on a GPU, the reference on the CPU); on a GPU,
+per-channel weights use ``torch._scaled_mm`` unless ``ATOM_FP8_SCALED_MM=0``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from atom import ops
+from atom.layers.linear import ColumnParallelLinear, LinearBase, MergedColumnParallelLinear, QKVParallelLinear
+from atom.layers.moe import FusedMoE
+from atom.layers.quantization.fp8_config import Fp8Config
+from atom.model_loader.checkpoint_slice import materialize
+from atom.ops import reference_fp8
+
+FP8 = torch.float8_e4m3fn
+
+
+def _param(data: torch.Tensor, loader) -> nn.Parameter:
+    p = nn.Parameter(data, requires_grad=False)
+    p.weight_loader = loader
+    return p
+
+
+def _expand_rows(scale: torch.Tensor, rows: int, cols: int, block_rows: int | None) -> torch.Tensor:
+    """A checkpoint's scale (per tensor, per channel or per block) as one row of ``cols``
+    scales per weight row."""
+    scale = scale.float()
+    if scale.numel() == 1:
+        return scale.reshape(1, 1).expand(rows, cols)
+    if block_rows is None:
+        return scale.reshape(rows, 1).expand(rows, cols)
+    return scale.repeat_interleave(block_rows, dim=0)[:rows]
+
+
+def _checkpoint_rows(layer: LinearBase, shard_id) -> int:
+    """Rows of the checkpoint tensor a linear layer's shard comes from (before the split)."""
+    tp = layer.tp.size
+    if isinstance(layer, QKVParallelLinear):
+        if shard_id == "q":
+            return layer.num_heads * layer.head_size * tp
+        return layer.num_kv_heads * tp // layer.kv_replicas * layer.head_size
+    if isinstance(layer, MergedColumnParallelLinear):
+        return layer.output_sizes[shard_id]
+    if isinstance(layer, ColumnParallelLinear):
+        return layer.output_size * tp
+    return layer.output_size
+
+
+class Fp8LinearMethod:
+    def __init__(self, config: Fp8Config):
+        self.config = config
+        self.group_k = config.group_k
+        self.scaled_mm = config.block is None and os.environ.get("ATOM_FP8_SCALED_MM", "1") == "1"
+
+    def create_weights(self, layer: LinearBase) -> None:
+        layer.quant_method = self
+        if not self.config.serialized:
+            return  # loaded in the model dtype, quantised in process_weights_after_loading
+        n, k = layer.weight.shape
+        device = layer.weight.device
+        layer.weight = _param(torch.empty(n, k, dtype=FP8, device=device), layer.weight_loader)
+        cols = -(-k // self.group_k) if self.group_k else 1
+        scale = _param(torch.empty(n, cols, dtype=torch.float32, device=device), None)
+        scale.weight_loader = lambda param, loaded, shard_id=None: self._load_scale(layer, param, loaded, shard_id)
+        layer.register_parameter(self.config.scale_name, scale)
+
+    def _load_scale(self, layer: LinearBase, param: nn.Parameter, loaded, shard_id) -> None:
+        block_rows = self.config.block[0] if self.config.block else None
+        full_cols = -(-layer.input_size * (layer.tp.size if layer.shard_dim == 1 else 1) // self.group_k) \
+            if self.group_k else 1
+        scale = _expand_rows(materialize(loaded), _checkpoint_rows(layer, shard_id), full_cols, block_rows)
+        if layer.shard_dim == 0:  # column parallel: split and placed by the layer's own loader
+            args = () if shard_id is None else (shard_id,)
+            return layer.weight_loader(param, scale.contiguous(), *args)
+        cols = param.shape[1]
+        if layer.tp.size > 1 and self.group_k:
+            if layer.input_size % self.group_k:
+                raise ValueError(f"input size {layer.input_size} per rank is not a whole number of "
+                                 f"{self.group_k}-column scale blocks")
+            scale = scale.narrow(1, layer.tp.rank * cols, cols)
+        if tuple(scale.shape) != tuple(param.shape):
+            raise ValueError(f"scale shape {tuple(scale.shape)}, expected {tuple(param.shape)}")
+        param.data.copy_(scale)
+
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        if not self.config.serialized:
+            q, s = reference_fp8.quantize_weight(layer.weight.data)
+            layer.weight = _param(q, layer.weight_loader)
+            layer.register_parameter(self.config.scale_name, _param(s, None))
+        self.scale = getattr(layer, self.config.scale_name)
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        scale = getattr(layer, self.config.scale_name)
+        a, a_scale = ops.per_token_group_quant_fp8(x2, self.group_k)
+        # rowwise-scaled _scaled_mm: bf16 output, dims multiples of 16
+        if x.is_cuda and self.scaled_mm and x.dtype == torch.bfloat16 and not (layer.weight.shape[0] % 16
+                                                                              or layer.weight.shape[1] % 16):
+            out = torch._scaled_mm(a, layer.weight.t(), scale_a=a_scale, scale_b=scale.t(), out_dtype=x.dtype)
+            out = out if bias is None else out + bias
+        else:
+            out = ops.w8a8_matmul(a, a_scale, layer.weight, scale, self.group_k, x.dtype, bias)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+class Fp8MoEMethod:
+    """Experts' e4m3 weights [E, N, K] with row-expanded scales [E, N, groups]; the GEMMs run
+    through ``ops.fused_moe_fp8`` (Triton on a GPU, the reference on the CPU)."""
+
+    def __init__(self, config: Fp8Config):
+        self.config = config
+        self.group_k = config.group_k
+
+    def _names(self) -> tuple[str, str]:
+        return f"w13_{self.config.scale_name}", f"w2_{self.config.scale_name}"
+
+    def create_weights(self, moe: FusedMoE) -> None:
+        moe.quant_method = self
+        if not self.config.serialized:
+            return
+        for name, scale_name in zip(("w13_weight", "w2_weight"), self._names()):
+            old = getattr(moe, name)
+            e, n, k = old.shape
+            setattr(moe, name, _param(torch.empty(e, n, k, dtype=FP8, device=old.device), moe.weight_loader))
+            cols = -(-k // self.group_k) if self.group_k else 1
+            scale = _param(torch.empty(e, n, cols, dtype=torch.float32, device=old.device), None)
+            scale.weight_loader = lambda p, loaded, shard_id, expert_id: self._load_scale(moe, p, loaded, shard_id,
+                                                                                          expert_id)
+            moe.register_parameter(scale_name, scale)
+
+    def _load_scale(self, moe: FusedMoE, param: nn.Parameter, loaded, shard_id: str, expert_id: int) -> None:
+        if expert_id not in moe.local_experts:
+            return
+        index, size = expert_id - moe.local_experts.start, moe.intermediate
+        slices = moe.tp.size if not moe.tp.expert_parallel else 1
+        block_rows = self.config.block[0] if self.config.block else None
+        cols = param.shape[2]
+        if shard_id == "w2":
+            full_cols = -(-size * slices // self.group_k) if self.group_k else 1
+            scale = _expand_rows(materialize(loaded), param.shape[1], full_cols, block_rows)
+            if slices > 1 and self.group_k:
+                if size % self.group_k:
+                    raise ValueError(f"moe intermediate size {size} per rank is not a whole number of "
+                                     f"{self.group_k}-column scale blocks")
+                scale = scale.narrow(1, moe.slice_rank * cols, cols)
+            target = param.data[index]
+        else:
+            scale = _expand_rows(materialize(loaded), size * slices, cols, block_rows)
+            scale = scale.narrow(0, moe.slice_rank * size, size)
+            target = param.data[index].narrow(0, 0 if shard_id == "w1" else size, size)
+        if target.shape != scale.shape:
+            raise ValueError(f"expert {expert_id} {shard_id} scale: shape {tuple(scale.shape)}, "
+                             f"expected {tuple(target.shape)}")
+        target.copy_(scale)
+
+    def process_weights_after_loading(self, moe: FusedMoE) -> None:
+        if self.config.serialized:
+            return
+        for name, scale_name in zip(("w13_weight", "w2_weight"), self._names()):
+            w = getattr(moe, name).data
+            pairs = [reference_fp8.quantize_weight(w[e]) for e in range(w.shape[0])]
+            setattr(moe, name, _param(torch.stack([q for q, _ in pairs]), moe.weight_loader))
+            moe.register_parameter(scale_name, _param(torch.stack([s for _, s in pairs]), None))
+
+    def apply(self, moe: FusedMoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        s13, s2 = (getattr(moe, n) for n in self._names())
+        return ops.fused_moe_fp8(x, moe.w13_weight, s13, moe.w2_weight, s2, weights, ids, self.group_k)

@@ -1,0 +1,113 @@
+"""FP8 (e4m3) GEMM: per-token-group activation quantisation and a scaled matmul whose
+weight scales are per (output row, group of ``group_k`` input columns), see
+``atom.ops.reference_fp8`` for the semantics.
+
+With block scales (``group_k`` > 0) the key loop steps one scale group at a time and
+rescales each partial product in float32 (DeepSeek-V3's scheme); with per-channel scales
+(``group_k`` = 0) the whole K loop accumulates raw products and the scales apply once at
+the end. Tile sizes are a plain default, not yet swept on Hopper (tests/gpu/fp8_bench.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _group_quant_kernel(x_ptr, q_ptr, s_ptr, k, stride_x, stride_q, stride_s, group_k, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    group = tl.program_id(1)
+    offs = group * group_k + tl.arange(0, BLOCK)
+    mask = (offs < k) & (tl.arange(0, BLOCK) < group_k)
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0) / 448.0, 1e-12)
+    q = tl.clamp(x / scale, -448.0, 448.0)
+    tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row * stride_s + group, scale)
+
+
+def per_token_group_quant_fp8(x: torch.Tensor, group_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    m, k = x.shape
+    group = group_k or k
+    groups = triton.cdiv(k, group)
+    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty((m, groups), dtype=torch.float32, device=x.device)
+    if m:
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        _group_quant_kernel[(m, groups)](x, q, s, k, x.stride(0), q.stride(0), s.stride(0), group,
+                                         BLOCK=triton.next_power_of_2(group), num_warps=4)  # fmt: skip
+    return q, s
+
+
+@triton.jit
+def _w8a8_kernel(
+    a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, m, n, k,
+    stride_am, stride_asm, stride_wn, stride_wsn, stride_om,
+    PER_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    # grouped launch order: GROUP_M row tiles share their weight tiles in L2
+    pid = tl.program_id(0)
+    tiles_m, tiles_n = tl.cdiv(m, BLOCK_M), tl.cdiv(n, BLOCK_N)
+    width = GROUP_M * tiles_n
+    first_m = (pid // width) * GROUP_M
+    rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % rows
+    pid_n = (pid % width) // rows
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok, n_ok = offs_m < m, offs_n < n
+    a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
+    w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kt in range(tl.cdiv(k, BLOCK_K)):
+        k_ok = offs_k < k - kt * BLOCK_K
+        a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if PER_GROUP:
+            a_s = tl.load(as_ptr + offs_m * stride_asm + kt, mask=m_ok, other=0.0)
+            w_s = tl.load(ws_ptr + offs_n * stride_wsn + kt, mask=n_ok, other=0.0)
+            acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
+        else:
+            acc = tl.dot(a, w, acc)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if not PER_GROUP:
+        a_s = tl.load(as_ptr + offs_m * stride_asm, mask=m_ok, other=0.0)
+        w_s = tl.load(ws_ptr + offs_n * stride_wsn, mask=n_ok, other=0.0)
+        acc = acc * a_s[:, None] * w_s[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _tiles(m: int, group_k: int) -> dict:
+    block_m = 16 if m <= 16 else (64 if m <= 64 else 128)
+    return dict(BLOCK_M=block_m, BLOCK_N=128 if block_m == 128 else 64, BLOCK_K=group_k or 128, GROUP_M=8,
+                num_warps=8 if block_m == 128 else 4, num_stages=3)
+
+
+def w8a8_matmul(
+    a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, group_k: int,
+    out_dtype: torch.dtype, bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    m, k = a.shape
+    n = w.shape[0]
+    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    if m == 0:
+        return out
+    if group_k and (group_k < 16 or group_k & (group_k - 1)):
+        raise ValueError(f"block-scaled FP8 GEMM needs a power-of-two group of at least 16 columns, got {group_k}")
+    cfg = _tiles(m, group_k)
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+    _w8a8_kernel[grid](
+        a, a_scale, w, w_scale, bias if bias is not None else out, out, m, n, k,
+        a.stride(0), a_scale.stride(0), w.stride(0), w_scale.stride(0), out.stride(0),
+        PER_GROUP=group_k > 0, HAS_BIAS=bias is not None, **cfg,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,50 @@
+"""FP8 GEMM kernels under the interpreter against ``atom.ops.reference_fp8``: activation
+quantisation bit for bit, the scaled matmul to float32 rounding (both sum the same e4m3
+products times the same scales, in a different order)."""
+
+import pytest
+import torch
+
+from atom.ops import reference_fp8 as ref
+from atom.ops.triton.fp8_gemm import per_token_group_quant_fp8, w8a8_matmul
+
+
+@pytest.mark.parametrize("m, k, group_k", [(1, 128, 128), (5, 200, 32), (33, 72, 0), (7, 256, 128)])
+def test_per_token_group_quant(m, k, group_k, dtype):
+    x = (torch.randn(m, k) * torch.exp(torch.randn(m, 1) * 2)).to(dtype)
+    x[0, :] = 0  # an all-zero row keeps a finite scale
+    q, s = per_token_group_quant_fp8(x, group_k)
+    q_ref, s_ref = ref.per_token_group_quant_fp8(x, group_k)
+    assert torch.equal(s, s_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    # the quantisation itself is close: e4m3 keeps 3 mantissa bits
+    err = (ref.dequantize(q, s, group_k) - x.float()).abs()
+    assert (err <= x.float().abs() / 16 + s.max() * 2**-9).all()
+
+
+# (m, n, k, group_k, block_n): block-scaled (128x128 like DeepSeek-V3, and small blocks with
+# partial edge blocks) and per-channel (group_k 0)
+CASES = [(1, 256, 256, 128, 128), (17, 96, 200, 32, 32), (64, 144, 72, 32, 32), (3, 136, 72, 0, 1),
+         (130, 80, 160, 0, 1)]
+
+
+@pytest.mark.parametrize("m, n, k, group_k, block_n", CASES)
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_w8a8_matmul(m, n, k, group_k, block_n, out_dtype, bias, assert_close):
+    x = torch.randn(m, k)
+    w_q, w_s = ref.quantize_weight(torch.randn(n, k) * 0.1, group_k, block_n)
+    a_q, a_s = ref.per_token_group_quant_fp8(x, group_k)
+    b = torch.randn(n) if bias else None
+    out = w8a8_matmul(a_q, a_s, w_q, w_s, group_k, out_dtype, b)
+    expected = ref.w8a8_matmul(a_q, a_s, w_q, w_s, group_k, torch.float32, b)
+    assert out.dtype == out_dtype
+    assert_close(out, expected, out_dtype)
+
+
+def test_quantize_weight_block_layout():
+    # 128x128 blocks: the row-expanded scales repeat each block's scale over its 128 rows
+    w = torch.randn(300, 260)
+    q, s = ref.quantize_weight(w, 128, 128)
+    assert s.shape == (300, 3) and torch.equal(s[:128], s[:1].expand(128, 3)) and not torch.equal(s[0], s[128])
+    assert ((ref.dequantize(q, s, 128) - w).abs() <= w.abs() / 16 + s.max() * 2**-9).all()
