@@ -21,11 +21,13 @@ from dataclasses import dataclass
 
 import torch
 
-from atom.ops import penalties, reference
+from atom.ops import mla, penalties, reference
 
 __all__ = [
     "apply_penalties",
     "fused_moe",
+    "mla_decode",
+    "mla_rope_store",
     "moe_topk",
     "paged_attention",
     "qk_norm_rope_store",
@@ -202,3 +204,16 @@ apply_penalties = register_op(
     triton=f"{_T}.penalties:apply_penalties",
     fake=lambda logits, *args: logits.new_empty(logits.shape, dtype=torch.float32),
 )(penalties.apply_penalties)
+mla_rope_store = register_op(
+    "mla_rope_store",
+    triton=f"{_T}.mla:mla_rope_store",
+    fake=lambda q, kv_c, k_pe, *args: (_empty_like(q), _empty_like(k_pe)),
+    mutates=("kv_cache",),
+)(mla.mla_rope_store)
+mla_decode = register_op(
+    "mla_decode",
+    triton=f"{_T}.mla:mla_decode",
+    fake=lambda q, kv_cache, seq_lens, block_tables, scale, kv_lora_rank: q.new_empty(
+        (q.shape[0], q.shape[1], kv_lora_rank)
+    ),
+)(mla.mla_decode)
