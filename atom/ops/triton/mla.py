@@ -56,8 +56,7 @@ def _mla_rope_store_kernel(
         nope_mask = hmask & (offs_n[None, :] < NOPE)
         tl.store(dst + offs_n[None, :], tl.load(src + offs_n[None, :], mask=nope_mask), mask=nope_mask)
         rmask = hmask & (offs[None, :] < HALF)
-        o1, o2 = _rope_pair(src + NOPE, offs[None, :], rmask, cos[None, :], sin[None, :],
-                            HALF, INTERLEAVED)
+        o1, o2 = _rope_pair(src + NOPE, offs[None, :], rmask, cos[None, :], sin[None, :], HALF, INTERLEAVED)
         tl.store(dst + NOPE + offs[None, :], o1.to(dtype), mask=rmask)
         tl.store(dst + NOPE + HALF + offs[None, :], o2.to(dtype), mask=rmask)
     else:
