@@ -31,6 +31,13 @@ class Attention(nn.Module):
         self.v_cache: torch.Tensor | None = None
         self.host_attention: nn.Module | None = None
 
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """This layer's slice of the KV cache; the model runner allocates ``[layers, *shape]``."""
+        return (2, num_blocks, self.num_kv_heads, block_size, self.head_dim)
+
+    def bind_kv_cache(self, cache: torch.Tensor) -> None:
+        self.k_cache, self.v_cache = cache[0], cache[1]
+
     def attach_host_attention(self, layer: nn.Module) -> None:
         self.host_attention = layer
 

@@ -7,6 +7,8 @@ import importlib
 from torch import nn
 
 _MODELS = {
+    "DeepseekV2ForCausalLM": ("atom.models.deepseek_v2", "DeepseekV2ForCausalLM"),
+    "DeepseekV3ForCausalLM": ("atom.models.deepseek_v2", "DeepseekV3ForCausalLM"),
     "LlamaForCausalLM": ("atom.models.llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("atom.models.qwen3", "Qwen3ForCausalLM"),
     "Qwen3MoeForCausalLM": ("atom.models.qwen3_moe", "Qwen3MoeForCausalLM"),
