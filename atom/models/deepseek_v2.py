@@ -140,6 +140,14 @@ def is_moe_layer(config: PretrainedConfig, layer_idx: int) -> bool:
     )
 
 
+def deepseek_mlp(config: PretrainedConfig, tp: TPInfo, layer_idx: int, default_topk_method: str) -> nn.Module:
+    """The layer's MoE block, or a dense MLP in the first ``first_k_dense_replace`` layers;
+    ``topk_method`` comes from the config when it names one (real checkpoints do)."""
+    if is_moe_layer(config, layer_idx):
+        return DeepseekMoE(config, tp, getattr(config, "topk_method", None) or default_topk_method)
+    return LlamaMLP(config.hidden_size, config.intermediate_size, tp)
+
+
 def mtp_layer_index(name: str, config: PretrainedConfig) -> int | None:
     """The MTP layer (0, 1, ...) a checkpoint tensor belongs to, or None for the model's own."""
     m = re.match(r"model\.layers\.(\d+)\.", name)
@@ -154,9 +162,7 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
     make_attn = DeepseekAttention
 
     def make_mlp(self, config: PretrainedConfig, tp: TPInfo, layer_idx: int) -> nn.Module:
-        if is_moe_layer(config, layer_idx):
-            return DeepseekMoE(config, tp, getattr(config, "topk_method", None) or self.default_topk_method)
-        return LlamaMLP(config.hidden_size, config.intermediate_size, tp)
+        return deepseek_mlp(config, tp, layer_idx, self.default_topk_method)
 
     def expert_mapping(self) -> list[tuple[str, str, int, str]]:
         return FusedMoE.expert_mapping(self.config.n_routed_experts) if self.config.n_routed_experts else []

@@ -15,6 +15,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, PreTrainedTokenizerFast
 
+from atom.testing.tiny_mtp import write_mtp_layers
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -55,7 +57,7 @@ ARCHS = {
         rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512,
                          "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1,
                          "rope_theta": 10000.0},
-        num_nextn_predict_layers=0,
+        num_nextn_predict_layers=1,  # an MTP layer in mtp.safetensors (atom.testing.tiny_mtp)
     ),
     # no q_lora, plain rope, softmax routing over groups (group_limited_greedy), 2 shared experts
     "deepseek_v2": dict(
@@ -118,6 +120,7 @@ def build(out_dir: str, arch: str = "qwen3", seed: int = 0, num_layers: int = 3,
         if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing bias: zero at init
             buf.normal_(0.0, 0.3)
     model.save_pretrained(out_dir)
+    write_mtp_layers(config, out_dir, seed, dtype)
     tokenizer.save_pretrained(out_dir)
     GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                      bos_token_id=None).save_pretrained(out_dir)
