@@ -3,7 +3,8 @@
 Each token's cache entry is one row ``cat(c_kv, k_pe)`` of ``kv_lora_rank + rope_dim``
 values shared by all heads (see ``atom.ops.mla``), paged with the same block tables as
 ordinary attention; the model runner sizes the cache from ``kv_cache_shape``, so MLA fits
-``2 * heads * head_dim / (kv_lora_rank + rope_dim)`` times more tokens than per-head K/V.
+``heads * (qk_head_dim + v_head_dim) / (kv_lora_rank + rope_dim)`` times more tokens than
+per-head K/V (about 71x for DeepSeek-V3).
 
 - Prompt rows (prefill, chunked prefill, a cached prefix) expand their sequence's latents to
   per-head keys and values through ``kv_b_proj`` and attend as usual.
