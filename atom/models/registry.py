@@ -15,8 +15,18 @@ _MODELS = {
 }
 
 
+# architectures whose attention has no plugin-mode path yet (multi-head latent attention):
+# the vLLM/SGLang plugins leave them to the host framework's own implementation
+_ENGINE_ONLY = frozenset({"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"})
+
+
 def supported_architectures() -> list[str]:
     return sorted(_MODELS)
+
+
+def plugin_architectures() -> list[str]:
+    """The architectures the vLLM and SGLang plugins replace with atom's classes."""
+    return sorted(set(_MODELS) - _ENGINE_ONLY)
 
 
 def get_model_class(architecture: str) -> type[nn.Module]:

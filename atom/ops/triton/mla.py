@@ -114,7 +114,7 @@ def _mla_decode_kernel(
     q_ptr, cache_ptr, seq_lens_ptr, tables_ptr, out_ptr, scale, num_heads,
     stride_qb, stride_qh, stride_cb, stride_cs, stride_tb, stride_ob, stride_oh,
     RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_RANK: tl.constexpr, BLOCK_ROPE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     # Program (sequence, head block): online softmax over the sequence's latent rows, which
     # are loaded once for all the block's heads (the point of absorption).
@@ -137,13 +137,14 @@ def _mla_decode_kernel(
         rows = cache_ptr + block[:, None] * stride_cb + (offs_n % BLOCK_SIZE)[:, None] * stride_cs
         lat = tl.load(rows + offs_r[None, :], mask=nmask[:, None] & (offs_r[None, :] < RANK), other=0.0)
         k_pe = tl.load(rows + RANK + offs_p[None, :], mask=nmask[:, None] & (offs_p[None, :] < ROPE), other=0.0)
-        s = tl.dot(q_lat, tl.trans(lat)) + tl.dot(q_pe, tl.trans(k_pe))
+        s = tl.dot(q_lat, tl.trans(lat), input_precision=DOT_PRECISION)
+        s += tl.dot(q_pe, tl.trans(k_pe), input_precision=DOT_PRECISION)
         s = tl.where(nmask[None, :], s * scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
         denom = denom * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(lat.dtype), lat)
+        acc = acc * alpha[:, None] + tl.dot(p.to(lat.dtype), lat, input_precision=DOT_PRECISION)
         m = m_new
     out = acc / denom[:, None]
     o_ptrs = out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_r[None, :]
@@ -172,5 +173,6 @@ def mla_decode(
         out.stride(0), out.stride(1),
         RANK=kv_lora_rank, ROPE=dim - kv_lora_rank, BLOCK_RANK=block_rank, BLOCK_ROPE=_pow2(dim - kv_lora_rank),
         BLOCK_H=block_h, BLOCK_N=32 if block_rank >= 256 else 64, BLOCK_SIZE=kv_cache.shape[1],
+        DOT_PRECISION="tf32x3" if kv_cache.dtype == torch.float32 else "tf32",
     )  # fmt: skip
     return out

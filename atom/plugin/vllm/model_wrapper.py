@@ -16,7 +16,7 @@ from torch import nn
 
 from atom.distributed.parallel_state import SINGLE, TPInfo
 from atom.layers.attention import Attention as AtomAttention
-from atom.models.registry import get_model_class, supported_architectures
+from atom.models.registry import get_model_class, plugin_architectures
 from atom.plugin.vllm import logger
 
 
@@ -118,6 +118,6 @@ def _make_wrapper(arch: str) -> type[nn.Module]:
     })
 
 
-for _arch in supported_architectures():
+for _arch in plugin_architectures():
     globals()[wrapper_name(_arch)] = _make_wrapper(_arch)
 del _arch
