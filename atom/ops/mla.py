@@ -97,8 +97,8 @@ def mla_prefill(
     ``i`` owns query rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]``, the last of its
     ``seq_lens[i]`` tokens; earlier tokens (a cached prefix, previous chunks) come from the
     paged cache. ``q``: [T, H, nope + rope] (rotated); ``new_latents``: [T, r + rope], this
-    step's rows (used when there is no cache yet: the memory-profiling run); ``kv_b_weight``:
-    [H * (nope + v), r]. Returns [T, H, v]."""
+    step's rows (a whole prompt, or the memory-profiling run without a cache, reads only
+    these); ``kv_b_weight``: [H * (nope + v), r]. Returns [T, H, v]."""
     num_heads, rope_dim = q.shape[1], new_latents.shape[-1] - kv_b_weight.shape[1]
     rank, nope = kv_b_weight.shape[1], q.shape[-1] - rope_dim
     out = q.new_empty(q.shape[0], num_heads, v_head_dim)
@@ -107,7 +107,7 @@ def mla_prefill(
         start, end = cu[i], cu[i + 1]
         if end == start:
             continue
-        if kv_cache is None:
+        if kv_cache is None or seq_len == end - start:  # nothing earlier: no need to read the cache
             lat = new_latents[start:end]
         else:
             lat = _latents(kv_cache, block_tables[i], seq_len).to(q.dtype)
