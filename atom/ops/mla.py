@@ -72,13 +72,16 @@ def mla_decode(
     token of sequence ``i`` (its key is already in the cache). ``q``: [B, H, r + rope], the
     query with ``W_UK`` absorbed into its nope part; returns [B, H, r], the attention-weighted
     latents, which ``W_UV`` turns into values. Every head reads the same latent rows."""
-    out = q.new_empty(q.shape[0], q.shape[1], kv_lora_rank)
-    for i, seq_len in enumerate(seq_lens.tolist()):
-        lat = _latents(kv_cache, block_tables[i], seq_len).to(q.dtype)
-        scores = (q[i].float() @ lat.float().t()) * scale  # [H, S]
-        probs = scores.softmax(dim=-1)
-        out[i] = (probs @ lat[:, :kv_lora_rank].float()).to(q.dtype)
-    return out
+    if q.shape[0] == 0:
+        return q.new_empty(0, q.shape[1], kv_lora_rank)
+    # all rows at once, padded to the longest sequence
+    block_size, max_len = kv_cache.shape[1], int(seq_lens.max())
+    blocks = block_tables[:, : -(-max_len // block_size)].long()
+    lat = kv_cache[blocks].flatten(1, 2)[:, :max_len].float()  # [B, S, r + rope]
+    scores = torch.bmm(q.float(), lat.transpose(1, 2)) * scale  # [B, H, S]
+    valid = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None]
+    probs = scores.masked_fill(~valid[:, None, :], float("-inf")).softmax(dim=-1)
+    return torch.bmm(probs, lat[..., :kv_lora_rank]).to(q.dtype)
 
 
 def mla_prefill(
