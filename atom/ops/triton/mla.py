@@ -111,15 +111,18 @@ def mla_rope_store(
 
 @triton.jit
 def _mla_decode_kernel(
-    q_ptr, cache_ptr, seq_lens_ptr, tables_ptr, out_ptr, scale, num_heads,
+    q_ptr, cache_ptr, seq_lens_ptr, tables_ptr, out_ptr, part_out_ptr, part_ml_ptr, scale, num_heads, num_splits,
     stride_qb, stride_qh, stride_cb, stride_cs, stride_tb, stride_ob, stride_oh,
     RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_RANK: tl.constexpr, BLOCK_ROPE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):  # fmt: skip
-    # Program (sequence, head block): online softmax over the sequence's latent rows, which
-    # are loaded once for all the block's heads (the point of absorption).
+    # Program (sequence, head block, split): online softmax over the split's latent rows,
+    # loaded once for all the block's heads (the point of absorption). With SPLIT the
+    # partial results go to part_* for _mla_merge_kernel.
     seq = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    split = tl.program_id(2)
     hmask = heads < num_heads
     offs_r = tl.arange(0, BLOCK_RANK)
     offs_p = tl.arange(0, BLOCK_ROPE)
@@ -127,12 +130,15 @@ def _mla_decode_kernel(
     q_lat = tl.load(q_rows + offs_r[None, :], mask=hmask[:, None] & (offs_r[None, :] < RANK), other=0.0)
     q_pe = tl.load(q_rows + RANK + offs_p[None, :], mask=hmask[:, None] & (offs_p[None, :] < ROPE), other=0.0)
     seq_len = tl.load(seq_lens_ptr + seq)
+    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, seq_len)
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_RANK], tl.float32)
-    for start in range(0, seq_len, BLOCK_N):
+    for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
-        nmask = offs_n < seq_len
+        nmask = offs_n < hi
         block = tl.load(tables_ptr + seq * stride_tb + offs_n // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
         rows = cache_ptr + block[:, None] * stride_cb + (offs_n % BLOCK_SIZE)[:, None] * stride_cs
         lat = tl.load(rows + offs_r[None, :], mask=nmask[:, None] & (offs_r[None, :] < RANK), other=0.0)
@@ -146,9 +152,48 @@ def _mla_decode_kernel(
         denom = denom * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(lat.dtype), lat, input_precision=DOT_PRECISION)
         m = m_new
-    out = acc / denom[:, None]
-    o_ptrs = out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_r[None, :]
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=hmask[:, None] & (offs_r[None, :] < RANK))
+    omask = hmask[:, None] & (offs_r[None, :] < RANK)
+    if SPLIT:
+        row = (seq * num_heads + heads) * num_splits + split  # [BLOCK_H]
+        tl.store(part_out_ptr + row[:, None] * BLOCK_RANK + offs_r[None, :], acc, mask=omask)
+        tl.store(part_ml_ptr + 2 * row, m, mask=hmask)
+        tl.store(part_ml_ptr + 2 * row + 1, denom, mask=hmask)
+    else:
+        o_ptrs = out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_r[None, :]
+        tl.store(o_ptrs, (acc / denom[:, None]).to(out_ptr.dtype.element_ty), mask=omask)
+
+
+@triton.jit
+def _mla_merge_kernel(
+    out_ptr, part_out_ptr, part_ml_ptr, num_heads, num_splits, stride_ob, stride_oh,
+    RANK: tl.constexpr, BLOCK_RANK: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_r = tl.arange(0, BLOCK_RANK)
+    s_ok = offs_s < num_splits
+    row = (seq * num_heads + head) * num_splits + offs_s
+    m = tl.load(part_ml_ptr + 2 * row, mask=s_ok, other=float("-inf"))
+    denom = tl.load(part_ml_ptr + 2 * row + 1, mask=s_ok, other=0.0)
+    acc = tl.load(part_out_ptr + row[:, None] * BLOCK_RANK + offs_r[None, :], mask=s_ok[:, None], other=0.0)
+    # splits that saw no row have m = -inf and denom = 0: weight 0 (split 0 always has one)
+    w = tl.exp(m - tl.max(m, axis=0))
+    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(denom * w, axis=0)
+    o_ptrs = out_ptr + seq * stride_ob + head * stride_oh + offs_r
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=offs_r < RANK)
+
+
+def _num_splits(device: torch.device, num_programs: int) -> int:
+    """Context splits when the (sequence, head block) programs would not fill the GPU: the
+    largest power of two keeping them within four per SM, at most 32 (batch-1 decode of a
+    16-head model gets 32 programs per row instead of one)."""
+    if device.type != "cuda":
+        return 1
+    from atom.ops.triton.prefill_attention import _num_sms
+
+    fill = min(4 * _num_sms(device.index or 0) // num_programs, 32)
+    return 1 if fill < 2 else 1 << (fill.bit_length() - 1)
 
 
 def mla_decode(
@@ -158,7 +203,10 @@ def mla_decode(
     block_tables: torch.Tensor,
     scale: float,
     kv_lora_rank: int,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
+    """``num_splits``: context segments handled by separate programs and merged (chosen from
+    the device's SM count when None; one on the CPU)."""
     num_seqs, num_heads, dim = q.shape
     out = torch.empty(num_seqs, num_heads, kv_lora_rank, dtype=q.dtype, device=q.device)
     if num_seqs == 0:
@@ -166,13 +214,23 @@ def mla_decode(
     q = q.to(kv_cache.dtype)
     block_h = 16
     block_rank = _pow2(kv_lora_rank)
-    grid = (num_seqs, triton.cdiv(num_heads, block_h))
-    _mla_decode_kernel[grid](
-        q, kv_cache, seq_lens, block_tables, out, scale, num_heads,
+    head_blocks = triton.cdiv(num_heads, block_h)
+    splits = num_splits or _num_splits(q.device, num_seqs * head_blocks)
+    part_out = part_ml = out
+    if splits > 1:
+        part_out = torch.empty(num_seqs, num_heads, splits, block_rank, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(num_seqs, num_heads, splits, 2, dtype=torch.float32, device=q.device)
+    _mla_decode_kernel[(num_seqs, head_blocks, splits)](
+        q, kv_cache, seq_lens, block_tables, out, part_out, part_ml, scale, num_heads, splits,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1),
         RANK=kv_lora_rank, ROPE=dim - kv_lora_rank, BLOCK_RANK=block_rank, BLOCK_ROPE=_pow2(dim - kv_lora_rank),
         BLOCK_H=block_h, BLOCK_N=32 if block_rank >= 256 else 64, BLOCK_SIZE=kv_cache.shape[1],
-        DOT_PRECISION="tf32x3" if kv_cache.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="tf32x3" if kv_cache.dtype == torch.float32 else "tf32", SPLIT=splits > 1,
     )  # fmt: skip
+    if splits > 1:
+        _mla_merge_kernel[(num_seqs, num_heads)](
+            out, part_out, part_ml, num_heads, splits, out.stride(0), out.stride(1),
+            RANK=kv_lora_rank, BLOCK_RANK=block_rank, BLOCK_S=triton.next_power_of_2(splits),
+        )  # fmt: skip
     return out
