@@ -63,8 +63,6 @@ def test_latent_cache_holds_one_row_per_token(tiny_model):
     assert len(layers) == hf.num_hidden_layers == len(runner.attn_layers)  # the MTP layer is not the model's
     latent = hf.kv_lora_rank + hf.qk_rope_head_dim
     assert runner.block_bytes() == hf.num_hidden_layers * runner.block_size * latent * 4
-    per_head_kv = hf.num_attention_heads * (hf.qk_nope_head_dim + hf.qk_rope_head_dim + hf.v_head_dim)
-    assert per_head_kv > 6 * latent  # what a per-head K/V cache would have cost per token
     runner.allocate_kv_cache(3)
     assert layers[0].kv_cache.shape == (3, runner.block_size, latent)
 
