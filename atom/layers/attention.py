@@ -34,6 +34,13 @@ class Attention(nn.Module):
         self.register_buffer("k_scale", torch.ones(1, dtype=torch.float32), persistent=False)
         self.register_buffer("v_scale", torch.ones(1, dtype=torch.float32), persistent=False)
 
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """This layer's slice of the KV cache; the model runner allocates ``[layers, *shape]``."""
+        return (2, num_blocks, self.num_kv_heads, block_size, self.head_dim)
+
+    def bind_kv_cache(self, cache: torch.Tensor) -> None:
+        self.k_cache, self.v_cache = cache[0], cache[1]
+
     def attach_host_attention(self, layer: nn.Module) -> None:
         self.host_attention = layer
 

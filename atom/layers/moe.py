@@ -62,6 +62,11 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = ops.moe_topk(router_logits, self.top_k, self.renormalize)
+        return self.forward_routed(x, weights, ids)
+
+    def forward_routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The experts for routes chosen elsewhere (e.g. DeepSeek's grouped top-k):
+        ``weights`` float32 [T, k], ``ids`` int64 [T, k] (global expert ids)."""
         if len(self.local_experts) < self.num_experts:
             weights, ids = self._local_routes(weights, ids)
         if self.quant_method is not None:

@@ -52,6 +52,8 @@ class LlamaMLP(nn.Module):
 
 
 MlpFactory = Callable[[PretrainedConfig, TPInfo, int], nn.Module]
+# (config, tp, prefix, qk_norm) -> the self-attention module
+AttnFactory = Callable[[PretrainedConfig, TPInfo, str, bool], nn.Module]
 
 
 def dense_mlp(config: PretrainedConfig, tp: TPInfo, layer_idx: int) -> nn.Module:
@@ -59,9 +61,10 @@ def dense_mlp(config: PretrainedConfig, tp: TPInfo, layer_idx: int) -> nn.Module
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, tp: TPInfo, layer_idx: int, qk_norm: bool, make_mlp: MlpFactory):
+    def __init__(self, config: PretrainedConfig, tp: TPInfo, layer_idx: int, qk_norm: bool, make_mlp: MlpFactory,
+                 make_attn: AttnFactory = LlamaAttention):
         super().__init__()
-        self.self_attn = LlamaAttention(config, tp, f"model.layers.{layer_idx}.self_attn", qk_norm)
+        self.self_attn = make_attn(config, tp, f"model.layers.{layer_idx}.self_attn", qk_norm)
         self.mlp = make_mlp(config, tp, layer_idx)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -78,11 +81,12 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: PretrainedConfig, tp: TPInfo, qk_norm: bool, make_mlp: MlpFactory):
+    def __init__(self, config: PretrainedConfig, tp: TPInfo, qk_norm: bool, make_mlp: MlpFactory,
+                 make_attn: AttnFactory = LlamaAttention):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, tp, i, qk_norm, make_mlp) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, tp, i, qk_norm, make_mlp, make_attn) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -109,12 +113,13 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: PretrainedConfig, tp: TPInfo = SINGLE):
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, tp, self.qk_norm, self.make_mlp)
+        self.model = DecoderModel(config, tp, self.qk_norm, self.make_mlp, self.make_attn)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     make_mlp = staticmethod(dense_mlp)
+    make_attn = LlamaAttention
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)

@@ -21,12 +21,14 @@ from dataclasses import dataclass
 
 import torch
 
-from atom.ops import penalties, reference, reference_fp8
+from atom.ops import mla, penalties, reference, reference_fp8
 
 __all__ = [
     "apply_penalties",
     "fused_moe",
     "fused_moe_fp8",
+    "mla_decode",
+    "mla_rope_store",
     "moe_topk",
     "paged_attention",
     "per_token_group_quant_fp8",
@@ -238,3 +240,16 @@ w8a8_matmul = register_op(
 fused_moe_fp8 = register_op(
     "fused_moe_fp8", triton=f"{_T}.moe_fp8:fused_moe_fp8", fake=lambda x, *args: _empty_like(x)
 )(reference_fp8.fused_moe_fp8)
+mla_rope_store = register_op(
+    "mla_rope_store",
+    triton=f"{_T}.mla:mla_rope_store",
+    fake=lambda q, kv_c, k_pe, *args: (_empty_like(q), _empty_like(k_pe)),
+    mutates=("kv_cache",),
+)(mla.mla_rope_store)
+mla_decode = register_op(
+    "mla_decode",
+    triton=f"{_T}.mla:mla_decode",
+    fake=lambda q, kv_cache, seq_lens, block_tables, scale, kv_lora_rank: q.new_empty(
+        (q.shape[0], q.shape[1], kv_lora_rank)
+    ),
+)(mla.mla_decode)

@@ -15,6 +15,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, PreTrainedTokenizerFast
 
+from atom.testing.tiny_mtp import write_mtp_layers
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -44,6 +46,26 @@ ARCHS = {
         model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], head_dim=16, num_experts=6,
         num_experts_per_tok=2, moe_intermediate_size=40, decoder_sparse_step=1, norm_topk_prob=True,
         mlp_only_layers=[1],
+    ),
+    # multi-head latent attention with q_lora, yarn (mscale), interleaved rope, one dense layer
+    # first, then sigmoid routing with the noaux_tc bias in 2 of 3 groups and a shared expert
+    "deepseek_v3": dict(
+        model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], num_key_value_heads=6,
+        q_lora_rank=40, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+        n_routed_experts=6, num_experts_per_tok=2, n_group=3, topk_group=2, n_shared_experts=1,
+        moe_intermediate_size=40, first_k_dense_replace=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512,
+                         "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1,
+                         "rope_theta": 10000.0},
+        num_nextn_predict_layers=1,  # an MTP layer in mtp.safetensors (atom.testing.tiny_mtp)
+    ),
+    # no q_lora, plain rope, softmax routing over groups (group_limited_greedy), 2 shared experts
+    "deepseek_v2": dict(
+        model_type="deepseek_v2", architectures=["DeepseekV2ForCausalLM"], num_key_value_heads=6,
+        q_lora_rank=None, kv_lora_rank=24, qk_nope_head_dim=12, qk_rope_head_dim=16, v_head_dim=20,
+        n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2, topk_method="group_limited_greedy",
+        n_shared_experts=2, moe_intermediate_size=24, first_k_dense_replace=1, norm_topk_prob=False,
+        routed_scaling_factor=1.5,
     ),
 }
 
@@ -82,7 +104,7 @@ def build(out_dir: str, arch: str = "qwen3", seed: int = 0, num_layers: int = 3,
         intermediate_size=136,
         num_hidden_layers=num_layers,
         num_attention_heads=6,
-        num_key_value_heads=num_kv_heads,
+        num_key_value_heads=spec.pop("num_key_value_heads", num_kv_heads),
         max_position_embeddings=max_position_embeddings,
         rms_norm_eps=1e-6,
         # a wide init gives peaked logits, so greedy choices are well separated
@@ -94,7 +116,11 @@ def build(out_dir: str, arch: str = "qwen3", seed: int = 0, num_layers: int = 3,
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    for name, buf in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing bias: zero at init
+            buf.normal_(0.0, 0.3)
     model.save_pretrained(out_dir)
+    write_mtp_layers(config, out_dir, seed, dtype)
     tokenizer.save_pretrained(out_dir)
     GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                      bos_token_id=None).save_pretrained(out_dir)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -82,9 +83,10 @@ class ModelRunner:
 
     # KV cache
     def block_bytes(self) -> int:
-        layer = self.attn_layers[0]
+        """Bytes of one block over all layers, from each layer's per-token cache shape (MLA
+        keeps one latent per token, so it fits many more tokens than per-head K/V)."""
         elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
-        return 2 * len(self.attn_layers) * layer.num_kv_heads * self.block_size * layer.head_dim * elem
+        return sum(math.prod(a.kv_cache_shape(1, self.block_size)) for a in self.attn_layers) * elem
 
     def determine_num_blocks(self) -> int:
         """Blocks of this rank's memory; with several ranks, the smallest count over all of
@@ -145,11 +147,10 @@ class ModelRunner:
         return int(total * self.config.cache_config.gpu_memory_utilization - used - peak + current)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        layer = self.attn_layers[0]
-        shape = (len(self.attn_layers), 2, num_blocks, layer.num_kv_heads, self.block_size, layer.head_dim)
+        shape = (len(self.attn_layers), *self.attn_layers[0].kv_cache_shape(num_blocks, self.block_size))
         self.kv_cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
         for i, attn in enumerate(self.attn_layers):
-            attn.k_cache, attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+            attn.bind_kv_cache(self.kv_cache[i])
         gib = self.kv_cache.numel() * self.kv_cache.element_size() / (1 << 30)
         logger.info("KV cache: %d blocks, %d tokens, %.2f GiB (%s)", num_blocks, num_blocks * self.block_size,
                     gib, self.kv_cache_dtype)

@@ -1,7 +1,7 @@
 """LLMEngine with tensor_parallel_size=2 (two rank processes, gloo on the CPU): greedy
-output token-identical to one rank in float32 on the tiny Qwen3, Llama and Qwen3-MoE
-checkpoints, with expert parallelism too; a killed rank raises a clear error and leaves
-no rank behind."""
+output token-identical to one rank in float32 on the tiny Qwen3, Llama, Qwen3-MoE and
+DeepSeek-V2/V3 (latent attention) checkpoints, with expert parallelism too; a killed rank
+raises a clear error and leaves no rank behind."""
 
 import os
 import signal
@@ -52,6 +52,8 @@ def one_rank(tiny_model):
     ("llama", dict(max_num_batched_tokens=32)),
     ("qwen3_moe", {}),
     ("qwen3_moe", dict(enable_expert_parallel=True)),
+    ("deepseek_v3", {}),
+    ("deepseek_v2", dict(enable_expert_parallel=True)),
 ])
 def test_tp2_greedy_matches_one_rank(one_rank, arch, kwargs):
     path, ref = one_rank(arch)

@@ -3,6 +3,7 @@
 
 from atom.ops.triton.activation import silu_and_mul
 from atom.ops.triton.attention import paged_attention
+from atom.ops.triton.mla import mla_decode, mla_rope_store
 from atom.ops.triton.moe import fused_moe, moe_topk
 from atom.ops.triton.norm import rms_norm
 from atom.ops.triton.rope_cache import qk_norm_rope_store, rotary_embedding, store_kv_cache
@@ -10,6 +11,8 @@ from atom.ops.triton.sampling import top_k_top_p_min_p
 
 __all__ = [
     "fused_moe",
+    "mla_decode",
+    "mla_rope_store",
     "moe_topk",
     "paged_attention",
     "qk_norm_rope_store",

@@ -19,7 +19,7 @@ from atom import ops
 from atom.distributed.parallel_state import SINGLE, TPInfo
 from atom.layers.attention import Attention as AtomAttention
 from atom.layers.quantization import filter_weights, get_fp8_config, process_weights_after_loading, quantize_layers
-from atom.models.registry import get_model_class, supported_architectures
+from atom.models.registry import get_model_class, plugin_architectures
 from atom.plugin.vllm import logger
 
 
@@ -153,6 +153,6 @@ def _make_wrapper(arch: str) -> type[nn.Module]:
     }))
 
 
-for _arch in supported_architectures():
+for _arch in plugin_architectures():
     globals()[wrapper_name(_arch)] = _make_wrapper(_arch)
 del _arch

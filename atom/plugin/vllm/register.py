@@ -43,11 +43,11 @@ def register_model() -> None:
         return
     from vllm import ModelRegistry
 
-    from atom.models.registry import supported_architectures
+    from atom.models.registry import plugin_architectures
     from atom.plugin.vllm.model_wrapper import wrapper_name
 
     registered = []
-    for arch in supported_architectures():
+    for arch in plugin_architectures():
         target = f"{WRAPPER_MODULE}:{wrapper_name(arch)}"
         current = ModelRegistry.models.get(arch)
         if f"{getattr(current, 'module_name', '')}:{getattr(current, 'class_name', '')}" == target:

@@ -18,7 +18,7 @@ from torch import nn
 
 from atom.distributed.parallel_state import SINGLE, TPInfo
 from atom.layers.attention import Attention as AtomAttention
-from atom.models.registry import get_model_class, supported_architectures
+from atom.models.registry import get_model_class, plugin_architectures
 
 _forward_batch: contextvars.ContextVar = contextvars.ContextVar("atom_sglang_forward_batch", default=None)
 
@@ -116,5 +116,5 @@ def _make_wrapper(arch: str) -> type[nn.Module]:
     })
 
 
-WRAPPERS = {arch: _make_wrapper(arch) for arch in supported_architectures()}
+WRAPPERS = {arch: _make_wrapper(arch) for arch in plugin_architectures()}
 globals().update(WRAPPERS)

@@ -1,0 +1,103 @@
+"""Multi-head latent attention (DeepSeek-V2/V3) over a paged latent cache.
+
+Each token's cache entry is one row ``cat(c_kv, k_pe)`` of ``kv_lora_rank + rope_dim``
+values shared by all heads (see ``atom.ops.mla``), paged with the same block tables as
+ordinary attention; the model runner sizes the cache from ``kv_cache_shape``, so MLA fits
+``heads * (qk_head_dim + v_head_dim) / (kv_lora_rank + rope_dim)`` times more tokens than
+per-head K/V (about 71x for DeepSeek-V3).
+
+- Prompt rows (prefill, chunked prefill, a cached prefix) expand their sequence's latents to
+  per-head keys and values through ``kv_b_proj`` and attend as usual.
+- Decode rows absorb ``W_UK`` (the key half of ``kv_b_proj``) into the query and ``W_UV``
+  (the value half) into the output, so the kernel reads only the latent rows
+  (``ops.mla_decode``).
+
+As with ``Attention``, the whole layer is one opaque custom op (``atom::mla_attention``) for
+torch.compile, and the batch's metadata comes from the forward context.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from atom import ops
+from atom.forward_context import get_forward_context
+from atom.layers.attention import Attention
+from atom.layers.rotary_embedding import RotaryEmbedding
+from atom.ops.mla import mla_prefill
+
+
+class MLAAttention(Attention):
+    def __init__(
+        self, num_heads: int, qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, kv_lora_rank: int,
+        scale: float, interleaved: bool, prefix: str = "",
+    ):  # fmt: skip
+        # one "KV head" of the latent width: the runner's cache accounting sees one row per token
+        super().__init__(num_heads, kv_lora_rank + qk_rope_head_dim, scale, 1, prefix)
+        self.nope, self.rope, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+        self.kv_lora_rank, self.interleaved = kv_lora_rank, interleaved
+        self.kv_cache: torch.Tensor | None = None  # [num_blocks, block_size, kv_lora_rank + rope]
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (num_blocks, block_size, self.head_dim)
+
+    def bind_kv_cache(self, cache: torch.Tensor) -> None:
+        if cache.element_size() == 1:
+            raise NotImplementedError("an fp8 KV cache is not built for MLA (DeepSeek) models yet; "
+                                      "use --kv_cache_dtype auto")
+        self.kv_cache = cache
+
+    def attach_host_attention(self, layer: nn.Module) -> None:
+        raise NotImplementedError("multi-head latent attention (DeepSeek) is not supported in plugin mode yet")
+
+    def forward(  # type: ignore[override]
+        self, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, positions: torch.Tensor,
+        rotary_emb: RotaryEmbedding, kv_b_weight: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """``q`` [T, heads * (nope + rope)], ``kv_c`` [T, kv_lora_rank] (normed), ``k_pe``
+        [T, rope] (not rotated yet), ``kv_b_weight`` [heads * (nope + v), kv_lora_rank].
+        Returns [T, heads * v_head_dim], the input of ``o_proj``."""
+        q = q.view(q.shape[0], self.num_heads, self.nope + self.rope)
+        return torch.ops.atom.mla_attention(q, kv_c, k_pe, positions, rotary_emb.cos_sin_cache, kv_b_weight,
+                                            self.prefix)  # fmt: skip
+
+    def run_mla(self, q, kv_c, k_pe, positions, cos_sin_cache, kv_b_weight) -> torch.Tensor:
+        meta = get_forward_context().attn_metadata
+        slots = meta.slot_mapping if self.kv_cache is not None else None
+        q, k_pe = ops.mla_rope_store(q, kv_c, k_pe, positions, cos_sin_cache, self.kv_cache, slots,
+                                     self.interleaved)  # fmt: skip
+        num_tokens, num_heads = q.shape[:2]
+        # the memory-profiling run has no cache: every row is a prompt row there
+        num_decodes = meta.num_decode_tokens if self.kv_cache is not None else 0
+        w = kv_b_weight.view(num_heads, self.nope + self.v_head_dim, self.kv_lora_rank)
+        out = q.new_empty(num_tokens, num_heads, self.v_head_dim)
+        if num_decodes:
+            d = slice(0, num_decodes)
+            q_lat = torch.bmm(q[d, :, : self.nope].transpose(0, 1), w[:, : self.nope]).transpose(0, 1)
+            o_lat = ops.mla_decode(torch.cat((q_lat, q[d, :, self.nope :]), dim=-1), self.kv_cache,
+                                   meta.seq_lens[d], meta.block_tables[d], self.scale, self.kv_lora_rank)  # fmt: skip
+            out[d] = torch.bmm(o_lat.transpose(0, 1), w[:, self.nope :].transpose(1, 2)).transpose(0, 1)
+        if num_decodes < num_tokens:
+            p = slice(num_decodes, None)
+            cu = meta.cu_seqlens_q[num_decodes:] - num_decodes
+            out[p] = mla_prefill(q[p], self.kv_cache, torch.cat((kv_c, k_pe), dim=-1)[p], cu, meta.seq_lens[p],
+                                 meta.block_tables[p], kv_b_weight, self.scale, self.v_head_dim)  # fmt: skip
+        return out.flatten(1)
+
+
+@torch.library.custom_op("atom::mla_attention", mutates_args=())
+def mla_attention(
+    q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+    kv_b_weight: torch.Tensor, layer_name: str,
+) -> torch.Tensor:  # fmt: skip
+    """Writes the layer's latent cache (found by name in the forward context) as a side effect."""
+    layer = get_forward_context().attn_layers[layer_name]
+    return layer.run_mla(q, kv_c, k_pe, positions, cos_sin_cache, kv_b_weight)
+
+
+@mla_attention.register_fake
+def _(q, kv_c, k_pe, positions, cos_sin_cache, kv_b_weight, layer_name):
+    num_heads = q.shape[1]
+    v_head_dim = kv_b_weight.shape[0] // num_heads - (q.shape[2] - k_pe.shape[1])
+    return q.new_empty(q.shape[0], num_heads * v_head_dim)

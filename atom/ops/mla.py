@@ -1,0 +1,126 @@
+"""Plain PyTorch definitions of the multi-head latent attention (MLA) ops.
+
+MLA's KV cache (per layer) is ``kv_cache [num_blocks, block_size, kv_lora_rank + rope_dim]``:
+one "head" per token holding the normalised latent ``c_kv`` followed by the rotated shared
+rope key ``k_pe``. It is paged with the same block tables as every other cache (slot
+``block_id * block_size + offset``). The Triton kernels of ``atom.ops.triton.mla`` are tested
+against the functions of the same name here.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from atom.ops.reference import rotary_embedding
+
+
+def deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """``(x0, x1), (x2, x3), ...`` pairs -> ``(x0, x2, ..., x1, x3, ...)``: DeepSeek's
+    interleaved rope dims in the neox layout. Queries and keys get the same permutation, so
+    their dot products (and attention) are unchanged."""
+    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+
+
+def mla_rope_store(
+    q: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    kv_cache: torch.Tensor | None,
+    slot_mapping: torch.Tensor | None,
+    interleaved: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE on the last ``rope_dim`` dims of each query head and on the shared ``k_pe``, then
+    the cache write of ``cat(kv_c, k_pe)``. ``q``: [T, H, nope + rope]; ``kv_c``: [T, r]
+    (already normed); ``k_pe``: [T, rope]. ``interleaved``: the rope dims come in pairs
+    (DeepSeek's layout) and leave in the neox layout. Returns (q, k_pe) rotated; a
+    negative slot stores nothing."""
+    rope_dim = k_pe.shape[-1]
+    q_nope, q_pe = q[..., :-rope_dim], q[..., -rope_dim:]
+    k_pe = k_pe.unsqueeze(1)
+    if interleaved:
+        q_pe, k_pe = deinterleave(q_pe), deinterleave(k_pe)
+    q_pe, k_pe = rotary_embedding(positions, q_pe, k_pe, cos_sin_cache)
+    k_pe = k_pe.squeeze(1)
+    if kv_cache is not None and kv_cache.numel() > 0:
+        block_size = kv_cache.shape[1]
+        keep = slot_mapping >= 0
+        slots = slot_mapping[keep].long()
+        entry = torch.cat((kv_c[keep], k_pe[keep]), dim=-1).to(kv_cache.dtype)
+        kv_cache[slots // block_size, slots % block_size] = entry
+    return torch.cat((q_nope, q_pe), dim=-1), k_pe
+
+
+def _latents(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first ``seq_len`` latent rows [seq_len, r + rope] of one sequence."""
+    block_size = kv_cache.shape[1]
+    blocks = block_table[: -(-seq_len // block_size)].long()
+    return kv_cache[blocks].reshape(-1, kv_cache.shape[-1])[:seq_len]
+
+
+def mla_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    kv_lora_rank: int,
+) -> torch.Tensor:
+    """Decode attention in the latent space ("weight absorption"). Row ``i`` is the one new
+    token of sequence ``i`` (its key is already in the cache). ``q``: [B, H, r + rope], the
+    query with ``W_UK`` absorbed into its nope part; returns [B, H, r], the attention-weighted
+    latents, which ``W_UV`` turns into values. Every head reads the same latent rows."""
+    if q.shape[0] == 0:
+        return q.new_empty(0, q.shape[1], kv_lora_rank)
+    # all rows at once, padded to the longest sequence
+    block_size, max_len = kv_cache.shape[1], int(seq_lens.max())
+    blocks = block_tables[:, : -(-max_len // block_size)].long()
+    lat = kv_cache[blocks].flatten(1, 2)[:, :max_len].float()  # [B, S, r + rope]
+    scores = torch.bmm(q.float(), lat.transpose(1, 2)) * scale  # [B, H, S]
+    valid = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None]
+    probs = scores.masked_fill(~valid[:, None, :], float("-inf")).softmax(dim=-1)
+    return torch.bmm(probs, lat[..., :kv_lora_rank]).to(q.dtype)
+
+
+def mla_prefill(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor | None,
+    new_latents: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    kv_b_weight: torch.Tensor,
+    scale: float,
+    v_head_dim: int,
+) -> torch.Tensor:
+    """Prompt attention, the latents expanded to per-head keys and values through
+    ``kv_b_proj`` (cheaper than absorption when many queries share the keys). Sequence
+    ``i`` owns query rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]``, the last of its
+    ``seq_lens[i]`` tokens; earlier tokens (a cached prefix, previous chunks) come from the
+    paged cache. ``q``: [T, H, nope + rope] (rotated); ``new_latents``: [T, r + rope], this
+    step's rows (a whole prompt, or the memory-profiling run without a cache, reads only
+    these); ``kv_b_weight``: [H * (nope + v), r]. Returns [T, H, v]."""
+    num_heads, rope_dim = q.shape[1], new_latents.shape[-1] - kv_b_weight.shape[1]
+    rank, nope = kv_b_weight.shape[1], q.shape[-1] - rope_dim
+    out = q.new_empty(q.shape[0], num_heads, v_head_dim)
+    cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    for i, seq_len in enumerate(lens):
+        start, end = cu[i], cu[i + 1]
+        if end == start:
+            continue
+        if kv_cache is None or seq_len == end - start:  # nothing earlier: no need to read the cache
+            lat = new_latents[start:end]
+        else:
+            lat = _latents(kv_cache, block_tables[i], seq_len).to(q.dtype)
+        kv = F.linear(lat[:, :rank], kv_b_weight).view(seq_len, num_heads, nope + v_head_dim)
+        k_pe = lat[:, rank:].unsqueeze(1).expand(-1, num_heads, -1)
+        k = torch.cat((kv[..., :nope], k_pe), dim=-1).transpose(0, 1)  # [H, S, nope + rope]
+        v = kv[..., nope:].transpose(0, 1)
+        q_len = end - start
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+        o = F.scaled_dot_product_attention(q[start:end].transpose(0, 1), k, v, attn_mask=mask, scale=scale)
+        out[start:end] = o.transpose(0, 1)
+    return out

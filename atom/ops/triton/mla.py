@@ -1,0 +1,236 @@
+"""Multi-head latent attention kernels: the RoPE + latent cache write, and decode attention
+over the paged latent cache (weight absorption: every head reads the same latent rows).
+
+Cache layout: ``kv_cache [num_blocks, block_size, kv_lora_rank + rope_dim]`` (see
+``atom.ops.mla``, whose functions of the same names are the references).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def _pow2(n: int, least: int = 16) -> int:
+    return max(least, triton.next_power_of_2(n))
+
+
+@triton.jit
+def _rope_pair(x_ptr, offs, mask, cos, sin, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """The two halves of the rotated rope dims at ``x_ptr`` (pairs when ``INTERLEAVED``)."""
+    if INTERLEAVED:
+        x1 = tl.load(x_ptr + 2 * offs, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x_ptr + 2 * offs + 1, mask=mask, other=0.0).to(tl.float32)
+    else:
+        x1 = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x_ptr + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+@triton.jit
+def _mla_rope_store_kernel(
+    q_ptr, kv_c_ptr, k_pe_ptr, pos_ptr, cos_sin_ptr, cache_ptr, slot_ptr, q_out_ptr, k_out_ptr,
+    num_heads, stride_qt, stride_qh, stride_qot, stride_qoh, stride_ct, stride_kt, stride_kot,
+    stride_cos_sin, stride_cb, stride_cs,
+    NOPE: tl.constexpr, RANK: tl.constexpr, HALF: tl.constexpr, BLOCK_NOPE: tl.constexpr,
+    BLOCK_RANK: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    INTERLEAVED: tl.constexpr, HAS_CACHE: tl.constexpr,
+):  # fmt: skip
+    # Program (token, head block); the extra last head block handles the shared key.
+    tok = tl.program_id(0).to(tl.int64)
+    head_block = tl.program_id(1)
+    offs = tl.arange(0, BLOCK_HALF)
+    pos = tl.load(pos_ptr + tok)
+    cs = cos_sin_ptr + pos * stride_cos_sin + offs
+    dtype = q_out_ptr.dtype.element_ty
+    # the reference casts cos/sin to the activation dtype before rotating
+    cos = tl.load(cs, mask=offs < HALF, other=0.0).to(dtype).to(tl.float32)
+    sin = tl.load(cs + HALF, mask=offs < HALF, other=0.0).to(dtype).to(tl.float32)
+    if head_block < tl.cdiv(num_heads, BLOCK_H):
+        heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+        hmask = heads[:, None] < num_heads
+        offs_n = tl.arange(0, BLOCK_NOPE)
+        src = q_ptr + tok * stride_qt + heads[:, None] * stride_qh
+        dst = q_out_ptr + tok * stride_qot + heads[:, None] * stride_qoh
+        nope_mask = hmask & (offs_n[None, :] < NOPE)
+        tl.store(dst + offs_n[None, :], tl.load(src + offs_n[None, :], mask=nope_mask), mask=nope_mask)
+        rmask = hmask & (offs[None, :] < HALF)
+        o1, o2 = _rope_pair(src + NOPE, offs[None, :], rmask, cos[None, :], sin[None, :], HALF, INTERLEAVED)
+        tl.store(dst + NOPE + offs[None, :], o1.to(dtype), mask=rmask)
+        tl.store(dst + NOPE + HALF + offs[None, :], o2.to(dtype), mask=rmask)
+    else:
+        kmask = offs < HALF
+        k1, k2 = _rope_pair(k_pe_ptr + tok * stride_kt, offs, kmask, cos, sin, HALF, INTERLEAVED)
+        k1, k2 = k1.to(dtype), k2.to(dtype)
+        tl.store(k_out_ptr + tok * stride_kot + offs, k1, mask=kmask)
+        tl.store(k_out_ptr + tok * stride_kot + HALF + offs, k2, mask=kmask)
+        if HAS_CACHE:
+            slot = tl.load(slot_ptr + tok)
+            if slot >= 0:
+                entry = cache_ptr + (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
+                offs_r = tl.arange(0, BLOCK_RANK)
+                c = tl.load(kv_c_ptr + tok * stride_ct + offs_r, mask=offs_r < RANK)
+                el = cache_ptr.dtype.element_ty
+                tl.store(entry + offs_r, c.to(el), mask=offs_r < RANK)
+                tl.store(entry + RANK + offs, k1.to(el), mask=kmask)
+                tl.store(entry + RANK + HALF + offs, k2.to(el), mask=kmask)
+
+
+def mla_rope_store(
+    q: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    kv_cache: torch.Tensor | None,
+    slot_mapping: torch.Tensor | None,
+    interleaved: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    num_tokens, num_heads, head_dim = q.shape
+    rope_dim, rank = k_pe.shape[-1], kv_c.shape[-1]
+    q_out = torch.empty_like(q)
+    k_out = torch.empty(k_pe.shape, dtype=k_pe.dtype, device=k_pe.device)
+    if num_tokens == 0:
+        return q_out, k_out
+    has_cache = kv_cache is not None and kv_cache.numel() > 0
+    cache = kv_cache if has_cache else k_out
+    block_size = kv_cache.shape[1] if has_cache else 1
+    block_h = min(16, triton.next_power_of_2(num_heads))
+    grid = (num_tokens, triton.cdiv(num_heads, block_h) + 1)
+    _mla_rope_store_kernel[grid](
+        q, kv_c, k_pe, positions, cos_sin_cache, cache, slot_mapping if has_cache else positions, q_out, k_out,
+        num_heads, q.stride(0), q.stride(1), q_out.stride(0), q_out.stride(1), kv_c.stride(0), k_pe.stride(0),
+        k_out.stride(0), cos_sin_cache.stride(0), cache.stride(0), cache.stride(1) if has_cache else 0,
+        NOPE=head_dim - rope_dim, RANK=rank, HALF=rope_dim // 2, BLOCK_NOPE=_pow2(head_dim - rope_dim, 1),
+        BLOCK_RANK=_pow2(rank, 1), BLOCK_HALF=_pow2(rope_dim // 2, 1), BLOCK_H=block_h, BLOCK_SIZE=block_size,
+        INTERLEAVED=interleaved, HAS_CACHE=has_cache,
+    )  # fmt: skip
+    return q_out, k_out
+
+
+@triton.jit
+def _mla_decode_kernel(
+    q_ptr, cache_ptr, seq_lens_ptr, tables_ptr, out_ptr, part_out_ptr, part_ml_ptr, scale, num_heads, num_splits,
+    stride_qb, stride_qh, stride_cb, stride_cs, stride_tb, stride_ob, stride_oh,
+    RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_RANK: tl.constexpr, BLOCK_ROPE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr,
+):  # fmt: skip
+    # Program (sequence, head block, split): online softmax over the split's latent rows,
+    # loaded once for all the block's heads (the point of absorption). With SPLIT the
+    # partial results go to part_* for _mla_merge_kernel.
+    seq = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    split = tl.program_id(2)
+    hmask = heads < num_heads
+    offs_r = tl.arange(0, BLOCK_RANK)
+    offs_p = tl.arange(0, BLOCK_ROPE)
+    q_rows = q_ptr + seq * stride_qb + heads[:, None] * stride_qh
+    q_lat = tl.load(q_rows + offs_r[None, :], mask=hmask[:, None] & (offs_r[None, :] < RANK), other=0.0)
+    q_pe = tl.load(q_rows + RANK + offs_p[None, :], mask=hmask[:, None] & (offs_p[None, :] < ROPE), other=0.0)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, seq_len)
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    denom = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_RANK], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        nmask = offs_n < hi
+        block = tl.load(tables_ptr + seq * stride_tb + offs_n // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
+        rows = cache_ptr + block[:, None] * stride_cb + (offs_n % BLOCK_SIZE)[:, None] * stride_cs
+        lat = tl.load(rows + offs_r[None, :], mask=nmask[:, None] & (offs_r[None, :] < RANK), other=0.0)
+        k_pe = tl.load(rows + RANK + offs_p[None, :], mask=nmask[:, None] & (offs_p[None, :] < ROPE), other=0.0)
+        s = tl.dot(q_lat, tl.trans(lat), input_precision=DOT_PRECISION)
+        s += tl.dot(q_pe, tl.trans(k_pe), input_precision=DOT_PRECISION)
+        s = tl.where(nmask[None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        denom = denom * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(lat.dtype), lat, input_precision=DOT_PRECISION)
+        m = m_new
+    omask = hmask[:, None] & (offs_r[None, :] < RANK)
+    if SPLIT:
+        row = (seq * num_heads + heads) * num_splits + split  # [BLOCK_H]
+        tl.store(part_out_ptr + row[:, None] * BLOCK_RANK + offs_r[None, :], acc, mask=omask)
+        tl.store(part_ml_ptr + 2 * row, m, mask=hmask)
+        tl.store(part_ml_ptr + 2 * row + 1, denom, mask=hmask)
+    else:
+        o_ptrs = out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_r[None, :]
+        tl.store(o_ptrs, (acc / denom[:, None]).to(out_ptr.dtype.element_ty), mask=omask)
+
+
+@triton.jit
+def _mla_merge_kernel(
+    out_ptr, part_out_ptr, part_ml_ptr, num_heads, num_splits, stride_ob, stride_oh,
+    RANK: tl.constexpr, BLOCK_RANK: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_r = tl.arange(0, BLOCK_RANK)
+    s_ok = offs_s < num_splits
+    row = (seq * num_heads + head) * num_splits + offs_s
+    m = tl.load(part_ml_ptr + 2 * row, mask=s_ok, other=float("-inf"))
+    denom = tl.load(part_ml_ptr + 2 * row + 1, mask=s_ok, other=0.0)
+    acc = tl.load(part_out_ptr + row[:, None] * BLOCK_RANK + offs_r[None, :], mask=s_ok[:, None], other=0.0)
+    # splits that saw no row have m = -inf and denom = 0: weight 0 (split 0 always has one)
+    w = tl.exp(m - tl.max(m, axis=0))
+    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(denom * w, axis=0)
+    o_ptrs = out_ptr + seq * stride_ob + head * stride_oh + offs_r
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=offs_r < RANK)
+
+
+def _num_splits(device: torch.device, num_programs: int) -> int:
+    """Context splits when the (sequence, head block) programs would not fill the GPU: the
+    largest power of two keeping them within four per SM, at most 32 (batch-1 decode of a
+    16-head model gets 32 programs per row instead of one)."""
+    if device.type != "cuda":
+        return 1
+    from atom.ops.triton.prefill_attention import _num_sms
+
+    fill = min(4 * _num_sms(device.index or 0) // num_programs, 32)
+    return 1 if fill < 2 else 1 << (fill.bit_length() - 1)
+
+
+def mla_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    kv_lora_rank: int,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """``num_splits``: context segments handled by separate programs and merged (chosen from
+    the device's SM count when None; one on the CPU)."""
+    num_seqs, num_heads, dim = q.shape
+    out = torch.empty(num_seqs, num_heads, kv_lora_rank, dtype=q.dtype, device=q.device)
+    if num_seqs == 0:
+        return out
+    q = q.to(kv_cache.dtype)
+    block_h = 16
+    block_rank = _pow2(kv_lora_rank)
+    head_blocks = triton.cdiv(num_heads, block_h)
+    splits = num_splits or _num_splits(q.device, num_seqs * head_blocks)
+    part_out = part_ml = out
+    if splits > 1:
+        part_out = torch.empty(num_seqs, num_heads, splits, block_rank, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(num_seqs, num_heads, splits, 2, dtype=torch.float32, device=q.device)
+    _mla_decode_kernel[(num_seqs, head_blocks, splits)](
+        q, kv_cache, seq_lens, block_tables, out, part_out, part_ml, scale, num_heads, splits,
+        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        RANK=kv_lora_rank, ROPE=dim - kv_lora_rank, BLOCK_RANK=block_rank, BLOCK_ROPE=_pow2(dim - kv_lora_rank),
+        BLOCK_H=block_h, BLOCK_N=32 if block_rank >= 256 else 64, BLOCK_SIZE=kv_cache.shape[1],
+        DOT_PRECISION="tf32x3" if kv_cache.dtype == torch.float32 else "tf32", SPLIT=splits > 1,
+    )  # fmt: skip
+    if splits > 1:
+        _mla_merge_kernel[(num_seqs, num_heads)](
+            out, part_out, part_ml, num_heads, splits, out.stride(0), out.stride(1),
+            RANK=kv_lora_rank, BLOCK_RANK=block_rank, BLOCK_S=triton.next_power_of_2(splits),
+        )  # fmt: skip
+    return out

@@ -1,0 +1,144 @@
+"""DeepSeek pieces beyond the end-to-end HF parity of test_hf_equivalence: routing against
+transformers' routers, the latent cache's size, and the MTP draft layers against the
+formula computed with transformers' own decoder layer."""
+
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig, DeepseekV2Config, DeepseekV3Config
+from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+    DeepseekV3DecoderLayer,
+    DeepseekV3RotaryEmbedding,
+    DeepseekV3TopkRouter,
+)
+
+from atom.config import Config, ModelConfig
+from atom.forward_context import AttentionMetadata, set_forward_context
+from atom.layers.mla import MLAAttention
+from atom.layers.moe_routing import grouped_topk
+from atom.models.deepseek_mtp import DeepseekMTP, load_mtp
+from atom.worker.model_runner import ModelRunner
+
+
+def _sorted(weights, ids):
+    order = ids.argsort(dim=-1)
+    return weights.gather(1, order), ids.gather(1, order)
+
+
+def test_v3_routing_matches_transformers():
+    torch.manual_seed(0)
+    cfg = DeepseekV3Config(hidden_size=16, n_routed_experts=12, num_experts_per_tok=3, n_group=4, topk_group=2,
+                           norm_topk_prob=True, routed_scaling_factor=2.5)
+    router = DeepseekV3TopkRouter(cfg)
+    router.weight.data.normal_()
+    router.e_score_correction_bias.normal_(0, 0.5)
+    x = torch.randn(50, 16)
+    _, ref_w, ref_ids = router(x)
+    w, ids = grouped_topk(router(x)[0], 3, "sigmoid", 4, 2, router.e_score_correction_bias, True, 2.5)
+    torch.testing.assert_close(_sorted(w, ids), _sorted(ref_w, ref_ids))
+
+
+@pytest.mark.parametrize("method", ["greedy", "group_limited_greedy"])
+def test_v2_routing_matches_transformers(method):
+    torch.manual_seed(0)
+    cfg = DeepseekV2Config(hidden_size=16, num_attention_heads=4, n_routed_experts=12, num_experts_per_tok=3,
+                           n_group=4, topk_group=2, topk_method=method, routed_scaling_factor=1.5)
+    router = DeepseekV2TopkRouter(cfg)
+    router.weight.data.normal_()
+    x = torch.randn(50, 16)
+    logits, ref_w, ref_ids = router(x)
+    groups = 4 if method == "group_limited_greedy" else 1
+    w, ids = grouped_topk(logits, 3, "softmax", groups, 2, None, False, 1.5)
+    torch.testing.assert_close(_sorted(w, ids), _sorted(ref_w, ref_ids))
+
+
+def test_latent_cache_holds_one_row_per_token(tiny_model):
+    path = tiny_model("deepseek_v3")
+    hf = AutoConfig.from_pretrained(path)
+    runner = ModelRunner(Config(ModelConfig(path, hf, torch.float32, 256, path)))
+    layers = [m for m in runner.model.modules() if isinstance(m, MLAAttention)]
+    assert len(layers) == hf.num_hidden_layers == len(runner.attn_layers)  # the MTP layer is not the model's
+    latent = hf.kv_lora_rank + hf.qk_rope_head_dim
+    assert runner.block_bytes() == hf.num_hidden_layers * runner.block_size * latent * 4
+    runner.allocate_kv_cache(3)
+    assert layers[0].kv_cache.shape == (3, runner.block_size, latent)
+
+
+def _rms(x, w, eps):
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def mtp_reference(path, ids, positions, prev):
+    """The MTP formula with transformers' DeepseekV3DecoderLayer for the decoder block."""
+    cfg = AutoConfig.from_pretrained(path)
+    cfg._attn_implementation = "eager"
+    n = cfg.num_hidden_layers
+    w = load_file(os.path.join(path, "mtp.safetensors"))
+    embed = load_file(os.path.join(path, "model.safetensors"))["model.embed_tokens.weight"]
+    pre = f"model.layers.{n}."
+    mine = {k[len(pre) :]: v for k, v in w.items() if k.startswith(pre)}
+    experts = range(cfg.n_routed_experts)
+    mtp_only = ("enorm", "hnorm", "eh_proj", "shared_head")
+    state = {k: v for k, v in mine.items() if ".experts." not in k and not k.startswith(mtp_only)}
+    gate_up = [torch.cat((mine[f"mlp.experts.{e}.gate_proj.weight"], mine[f"mlp.experts.{e}.up_proj.weight"]))
+               for e in experts]  # fmt: skip
+    state["mlp.experts.gate_up_proj"] = torch.stack(gate_up)
+    state["mlp.experts.down_proj"] = torch.stack([mine[f"mlp.experts.{e}.down_proj.weight"] for e in experts])
+    layer = DeepseekV3DecoderLayer(cfg, n)
+    layer.load_state_dict(state, strict=True)
+    eps = cfg.rms_norm_eps
+    e = embed[ids] * (positions != 0).unsqueeze(-1)
+    x = torch.cat((_rms(e, mine["enorm.weight"], eps), _rms(prev, mine["hnorm.weight"], eps)), -1)
+    x = (x @ mine["eh_proj.weight"].t()).unsqueeze(0)
+    cos_sin = DeepseekV3RotaryEmbedding(cfg)(x, positions.unsqueeze(0))
+    mask = torch.full((len(ids), len(ids)), float("-inf")).triu(1)[None, None]
+    with torch.no_grad():
+        h = layer(x, attention_mask=mask, position_ids=positions.unsqueeze(0), position_embeddings=cos_sin)[0]
+    logits = _rms(h, mine["shared_head.norm.weight"], eps) @ mine["shared_head.head.weight"].t()
+    return h, logits
+
+
+def _meta(q_lens, seq_lens, slots, num_decodes=0, width=2):
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots), cu_seqlens_q=cu, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.arange(width, dtype=torch.int32).repeat(len(q_lens), 1),
+        max_seqlen_q=max(q_lens), max_seqlen_k=max(seq_lens), num_decode_tokens=num_decodes,
+    )
+
+
+@torch.inference_mode()
+def test_mtp_layer_loads_and_matches_the_formula(tiny_model):
+    path = tiny_model("deepseek_v3")
+    hf = AutoConfig.from_pretrained(path)
+    mtp = load_mtp(ModelConfig(path, hf, torch.float32, 256, path), torch.device("cpu"))
+    torch.manual_seed(0)
+    num = 9
+    ids, positions = torch.randint(0, hf.vocab_size, (num,)), torch.arange(num)
+    prev = torch.randn(num, hf.hidden_size)
+    ref_h, ref_logits = mtp_reference(path, ids, positions, prev)
+    attn = [m for m in mtp.modules() if isinstance(m, MLAAttention)]
+    layers = {a.prefix: a for a in attn}
+    assert list(layers) == [f"model.layers.{hf.num_hidden_layers}.self_attn.attn"]
+    # without a cache (one prompt), then through the paged latent cache: a prompt chunk of
+    # num - 1 tokens and one decode step (the absorbed path)
+    with set_forward_context(_meta([num], [num], [-1] * num), positions, layers):
+        h = mtp(ids, positions, prev)
+    torch.testing.assert_close(h, ref_h, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(mtp.compute_logits(h), ref_logits, atol=1e-4, rtol=1e-4)
+    attn[0].bind_kv_cache(torch.zeros(2, 8, hf.kv_lora_rank + hf.qk_rope_head_dim))
+    with set_forward_context(_meta([num - 1], [num - 1], list(range(num - 1))), positions[:-1], layers):
+        h_prompt = mtp(ids[:-1], positions[:-1], prev[:-1])
+    with set_forward_context(_meta([1], [num], [num - 1], num_decodes=1), positions[-1:], layers):
+        h_decode = mtp(ids[-1:], positions[-1:], prev[-1:])
+    torch.testing.assert_close(torch.cat((h_prompt, h_decode)), ref_h, atol=1e-4, rtol=1e-4)
+
+
+def test_mtp_needs_next_n_layers(tiny_model):
+    hf = AutoConfig.from_pretrained(tiny_model("deepseek_v3"))
+    hf.num_nextn_predict_layers = 0
+    with pytest.raises(ValueError, match="no MTP layers"):
+        DeepseekMTP(hf)
