@@ -34,7 +34,8 @@ class EngineCore:
         self.runner.capture_cudagraphs()
         self.block_manager = BlockManager(num_blocks, config.cache_config.block_size,
                                           config.cache_config.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler_config, self.block_manager, config.model_config.max_model_len)
+        self.scheduler = Scheduler(config.scheduler_config, self.block_manager, config.model_config.max_model_len,
+                                   config.speculative_config.num_lookahead)
         self.requests: dict[str, Sequence] = {}
         self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None  # async scheduling
 
@@ -78,7 +79,7 @@ class EngineCore:
             outputs, self._in_flight = self._collect(*self._in_flight), None
         batch = self.scheduler.schedule()
         launched = (batch, self.runner.launch(batch)) if not batch.is_empty else None
-        if not self.config.scheduler_config.async_scheduling:
+        if not self.config.scheduler_config.async_scheduling or self.scheduler.num_lookahead:  # (speculative: sync)
             return self._collect(*launched) if launched else []
         previous, self._in_flight = self._in_flight, launched
         return outputs + (self._collect(*previous) if previous else [])
@@ -96,7 +97,7 @@ class EngineCore:
             prompt_lps = result.prompt_logprobs.get(i)
             outputs.append(EngineCoreOutput(
                 request_id=seq.request_id,
-                new_token_ids=[sampled[i]] if i in sampled else [],
+                new_token_ids=sampled.get(i, []),
                 finish_reason=seq.finish_reason,
                 new_logprobs=[result.logprobs[i]] if i in result.logprobs else [],
                 prompt_logprobs=self.scheduler.new_prompt_logprobs(seq, batch.starts[i], prompt_lps)
@@ -136,4 +137,5 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_queries=bm.num_prefix_queries,
             prefix_cache_hits=bm.num_prefix_hits,
+            spec=self.scheduler.spec_stats.snapshot() if self.scheduler.num_lookahead else None,
         )

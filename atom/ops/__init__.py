@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from atom.ops import penalties, reference
+from atom.ops import penalties, reference, rejection
 
 __all__ = [
     "apply_penalties",
@@ -29,6 +29,7 @@ __all__ = [
     "moe_topk",
     "paged_attention",
     "qk_norm_rope_store",
+    "rejection_sample",
     "rms_norm",
     "rotary_embedding",
     "silu_and_mul",
@@ -202,3 +203,8 @@ apply_penalties = register_op(
     triton=f"{_T}.penalties:apply_penalties",
     fake=lambda logits, *args: logits.new_empty(logits.shape, dtype=torch.float32),
 )(penalties.apply_penalties)
+rejection_sample = register_op(
+    "rejection_sample",
+    triton=f"{_T}.rejection:rejection_sample",
+    fake=lambda draft_ids, *args: draft_ids.new_empty((draft_ids.shape[0], draft_ids.shape[1] + 1)),
+)(rejection.rejection_sample)
