@@ -14,12 +14,12 @@ import torch
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
 from atom.config import (
+    SPECULATIVE_METHODS,
     CacheConfig,
     CompilationConfig,
     Config,
     ModelConfig,
     ParallelConfig,
-    SPECULATIVE_METHODS,
     SchedulerConfig,
     SpeculativeConfig,
     resolve_dtype,
