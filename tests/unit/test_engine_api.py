@@ -144,7 +144,7 @@ def test_unsupported_architecture_lists_supported(tiny_model, tmp_path):
 
 def test_unbuilt_features_raise_not_implemented(tiny_model):
     path = tiny_model("qwen3")
-    for kwargs in (dict(data_parallel_size=2), dict(method="mtp"), dict(kv_cache_dtype="fp8")):
+    for kwargs in (dict(data_parallel_size=2), dict(kv_cache_dtype="fp8")):
         with pytest.raises(NotImplementedError):
             LLMEngine(path, **kwargs)
 
