@@ -62,8 +62,9 @@ class LlamaMTP(nn.Module):
     def bind_target(self, target: nn.Module) -> None:
         self._target = (target,)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                previous_hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, previous_hidden_states: torch.Tensor
+    ) -> torch.Tensor:
         layer = self.mtp
         embeds = self._target[0].embed_input_ids(input_ids)
         embeds = torch.where((positions == 0)[:, None], 0.0, embeds)  # position 0 has no previous token

@@ -38,8 +38,9 @@ class SpecDecoder:
     def attn_layers(self) -> list[nn.Module]:
         return self.proposer.attn_layers
 
-    def step(self, batch: SchedulerOutput, rows: list[int], cu: list[int], hidden: torch.Tensor,
-             tokens: torch.Tensor, st) -> tuple[torch.Tensor, tuple[dict[int, list[int]], dict[int, list[int]]]]:
+    def step(
+        self, batch: SchedulerOutput, rows: list[int], cu: list[int], hidden: torch.Tensor, tokens: torch.Tensor, st
+    ) -> tuple[torch.Tensor, tuple[dict[int, list[int]], dict[int, list[int]]]]:
         """``rows``: the sampling rows, ``tokens`` their sampled tokens (from the logits of each
         row's last position), ``st`` their ``SamplingTensors``, ``cu`` the rows' token
         offsets in ``hidden``. Returns the tokens that follow each row's accepted drafts, and
@@ -52,8 +53,10 @@ class SpecDecoder:
             tokens[torch.tensor(verify, device=tokens.device)] = finals
         sampled = tokens.tolist() if rows else []
         kept = [n - batch.num_drafts.get(i, 0) + len(accepted.get(i, ())) for i, n in enumerate(batch.num_new_tokens)]
-        nxt = [seq.token_ids[s + n] if s + n < len(seq.token_ids) else -1
-               for seq, s, n in zip(batch.requests, batch.starts, batch.num_new_tokens)]
+        nxt = [
+            seq.token_ids[s + n] if s + n < len(seq.token_ids) else -1
+            for seq, s, n in zip(batch.requests, batch.starts, batch.num_new_tokens)
+        ]
         for j, i in enumerate(rows):
             nxt[i] = sampled[j]
         propose = [i for i in rows if speculates(batch.requests[i].sampling_params)]
@@ -76,9 +79,15 @@ class SpecDecoder:
         sel = torch.tensor(verify, device=tokens.device)
         pick = lambda t: None if t is None else t[sel]  # noqa: E731
         out = rejection_sample(
-            logits.view(len(vrows), k, -1), torch.tensor(draft_ids, device=device),
-            torch.tensor(counts, device=device), tokens[sel], st.temperatures[sel], pick(st.top_k), pick(st.top_p),
-            pick(st.min_p), [st.generators[j] for j in verify],
+            logits.view(len(vrows), k, -1),
+            torch.tensor(draft_ids, device=device),
+            torch.tensor(counts, device=device),
+            tokens[sel],
+            st.temperatures[sel],
+            pick(st.top_k),
+            pick(st.top_p),
+            pick(st.min_p),
+            [st.generators[j] for j in verify],
         ).tolist()
         finals = []
         for i, row in zip(vrows, out):
@@ -88,8 +97,9 @@ class SpecDecoder:
         return torch.tensor(finals, device=tokens.device, dtype=tokens.dtype)
 
 
-def build_spec_decoder(config: Config, target: nn.Module, forward: Callable, device: torch.device,
-                       tp: TPInfo) -> SpecDecoder | None:
+def build_spec_decoder(
+    config: Config, target: nn.Module, forward: Callable, device: torch.device, tp: TPInfo
+) -> SpecDecoder | None:
     """The runner's speculative decoder, or None without speculative decoding."""
     sc, mc = config.speculative_config, config.model_config
     if sc.method is None:

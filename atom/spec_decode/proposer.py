@@ -50,14 +50,19 @@ class DraftModel(Protocol):
     the hidden state that predicts the token after ``input_ids`` from the token and the
     previous position's hidden state (the target's, or the draft's own in later steps)."""
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                previous_hidden_states: torch.Tensor) -> torch.Tensor: ...
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, previous_hidden_states: torch.Tensor
+    ) -> torch.Tensor: ...
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor: ...
 
 
 def rows_metadata(
-    requests: list[ScheduledRequest], starts: list[int], lengths: list[int], block_size: int, max_model_len: int,
+    requests: list[ScheduledRequest],
+    starts: list[int],
+    lengths: list[int],
+    block_size: int,
+    max_model_len: int,
     device: torch.device,
 ) -> tuple[torch.Tensor, AttentionMetadata]:
     """(positions, metadata) of rows whose queries are ``lengths[i]`` tokens from position

@@ -16,19 +16,28 @@ from atom.spec_decode.proposer import DraftInputs, DraftModel, rows_metadata
 class _DraftLoop:
     """``K`` single-token draft steps per row, each feeding its argmax to the next."""
 
-    def __init__(self, forward: Callable, compute_logits: Callable, layer_map: dict, block_size: int,
-                 max_model_len: int, device: torch.device):
+    def __init__(
+        self,
+        forward: Callable,
+        compute_logits: Callable,
+        layer_map: dict,
+        block_size: int,
+        max_model_len: int,
+        device: torch.device,
+    ):
         self.forward, self.compute_logits, self.layer_map = forward, compute_logits, layer_map
         self.block_size, self.max_model_len, self.device = block_size, max_model_len, device
 
-    def run(self, step: DraftInputs, positions: list[int], ids: torch.Tensor, hidden: torch.Tensor | None,
-            num_steps: int) -> list[torch.Tensor]:
+    def run(
+        self, step: DraftInputs, positions: list[int], ids: torch.Tensor, hidden: torch.Tensor | None, num_steps: int
+    ) -> list[torch.Tensor]:
         """Draft ``num_steps`` tokens after ``ids`` (at ``positions``) for the proposing rows."""
         rows = [step.requests[i] for i in step.propose]
         out = []
         for k in range(num_steps):
-            pos, meta = rows_metadata(rows, [p + k for p in positions], [1] * len(rows), self.block_size,
-                                      self.max_model_len, self.device)
+            pos, meta = rows_metadata(
+                rows, [p + k for p in positions], [1] * len(rows), self.block_size, self.max_model_len, self.device
+            )
             with set_forward_context(meta, pos, self.layer_map):
                 hidden = self.forward(ids, pos, hidden)
             ids = self.compute_logits(hidden).argmax(dim=-1)
@@ -42,13 +51,19 @@ class MtpProposer:
     and gives the first draft from the last kept position. The one MTP layer then runs
     ``K - 1`` more times on its own output (as DeepSeek-V3 and vLLM reuse it)."""
 
-    def __init__(self, draft: DraftModel, num_speculative_tokens: int, block_size: int, max_model_len: int,
-                 device: torch.device, attn_layers: list[nn.Module]):
+    def __init__(
+        self,
+        draft: DraftModel,
+        num_speculative_tokens: int,
+        block_size: int,
+        max_model_len: int,
+        device: torch.device,
+        attn_layers: list[nn.Module],
+    ):
         self.draft, self.num_speculative_tokens = draft, num_speculative_tokens
         self.attn_layers = attn_layers
         self.layer_map = {m.prefix: m for m in attn_layers}
-        self.loop = _DraftLoop(draft.forward, draft.compute_logits, self.layer_map, block_size, max_model_len,
-                               device)
+        self.loop = _DraftLoop(draft.forward, draft.compute_logits, self.layer_map, block_size, max_model_len, device)
 
     def propose(self, step: DraftInputs) -> torch.Tensor:
         rows = [i for i, n in enumerate(step.num_kept) if n]
@@ -59,11 +74,18 @@ class MtpProposer:
             gather += range(step.offsets[i], step.offsets[i] + n)
             first[i] = len(ids) - 1  # the row's last kept position
         loop, device = self.loop, step.hidden.device
-        pos, meta = rows_metadata([step.requests[i] for i in rows], [step.starts[i] for i in rows],
-                                  [step.num_kept[i] for i in rows], loop.block_size, loop.max_model_len, device)
+        pos, meta = rows_metadata(
+            [step.requests[i] for i in rows],
+            [step.starts[i] for i in rows],
+            [step.num_kept[i] for i in rows],
+            loop.block_size,
+            loop.max_model_len,
+            device,
+        )
         with set_forward_context(meta, pos, self.layer_map):
-            hidden = self.draft.forward(torch.tensor(ids, device=device), pos,
-                                        step.hidden[torch.tensor(gather, device=device)])
+            hidden = self.draft.forward(
+                torch.tensor(ids, device=device), pos, step.hidden[torch.tensor(gather, device=device)]
+            )
         if not step.propose:
             return torch.empty(0, self.num_speculative_tokens, dtype=torch.int64)
         last = hidden[torch.tensor([first[i] for i in step.propose], device=device, dtype=torch.int64)]
@@ -78,12 +100,21 @@ class SharedWeightsProposer:
     the verify step rewrites the same slots with the same values, or with the true tokens
     where a draft is rejected."""
 
-    def __init__(self, target: nn.Module, forward: Callable, num_speculative_tokens: int, block_size: int,
-                 max_model_len: int, device: torch.device, layer_map: dict):
+    def __init__(
+        self,
+        target: nn.Module,
+        forward: Callable,
+        num_speculative_tokens: int,
+        block_size: int,
+        max_model_len: int,
+        device: torch.device,
+        layer_map: dict,
+    ):
         self.num_speculative_tokens = num_speculative_tokens
         self.attn_layers: list[nn.Module] = []  # the target's, which have their cache already
-        self.loop = _DraftLoop(lambda ids, pos, _: forward(ids, pos), target.compute_logits, layer_map,
-                               block_size, max_model_len, device)
+        self.loop = _DraftLoop(
+            lambda ids, pos, _: forward(ids, pos), target.compute_logits, layer_map, block_size, max_model_len, device
+        )
 
     def propose(self, step: DraftInputs) -> torch.Tensor:
         if not step.propose:

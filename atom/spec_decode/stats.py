@@ -37,12 +37,14 @@ class SpecDecodeStats(msgspec.Struct, frozen=True):
 
     def format(self) -> str:
         rates = ", ".join(f"{r:.2%}" for r in self.per_position_rates())
-        return (f"MTP Statistics:\n"
-                f"  Total draft tokens: {self.num_draft_tokens}\n"
-                f"  Accepted tokens:    {self.num_accepted_tokens}\n"
-                f"  Acceptance rate:    {self.acceptance_rate:.2%}\n"
-                f"  Acceptance rate by position: [{rates}]\n"
-                f"  Mean accepted length: {self.mean_accepted_length:.2f}")
+        return (
+            f"MTP Statistics:\n"
+            f"  Total draft tokens: {self.num_draft_tokens}\n"
+            f"  Accepted tokens:    {self.num_accepted_tokens}\n"
+            f"  Acceptance rate:    {self.acceptance_rate:.2%}\n"
+            f"  Acceptance rate by position: [{rates}]\n"
+            f"  Mean accepted length: {self.mean_accepted_length:.2f}"
+        )
 
 
 class SpecStats:
@@ -63,9 +65,18 @@ class SpecStats:
             self.accepted_per_position[k] += k < num_accepted
         if self.num_draft_tokens // _LOG_EVERY > logged:
             s = self.snapshot()
-            logger.info("speculative decoding: %d draft tokens, %.2f%% accepted, mean accepted length %.2f",
-                        s.num_draft_tokens, 100 * s.acceptance_rate, s.mean_accepted_length)
+            logger.info(
+                "speculative decoding: %d draft tokens, %.2f%% accepted, mean accepted length %.2f",
+                s.num_draft_tokens,
+                100 * s.acceptance_rate,
+                s.mean_accepted_length,
+            )
 
     def snapshot(self) -> SpecDecodeStats:
-        return SpecDecodeStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
-                               list(self.drafted_per_position), list(self.accepted_per_position))
+        return SpecDecodeStats(
+            self.num_drafts,
+            self.num_draft_tokens,
+            self.num_accepted_tokens,
+            list(self.drafted_per_position),
+            list(self.accepted_per_position),
+        )

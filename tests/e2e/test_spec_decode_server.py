@@ -16,8 +16,11 @@ PROMPT = "The quick brown fox"
 @pytest.fixture(scope="module")
 def servers(tiny_model, tmp_path_factory):
     plain = ServerProcess(tiny_model, tmp_path_factory.mktemp("plain"))
-    spec = ServerProcess(tiny_model, tmp_path_factory.mktemp("spec"),
-                         extra_args=("--method", "shared_weights", "--num-speculative-tokens", "2"))
+    spec = ServerProcess(
+        tiny_model,
+        tmp_path_factory.mktemp("spec"),
+        extra_args=("--method", "shared_weights", "--num-speculative-tokens", "2"),
+    )
     yield plain, spec
     plain.stop()
     spec.stop()
@@ -25,8 +28,9 @@ def servers(tiny_model, tmp_path_factory):
 
 def complete(server, **kwargs):
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
-    return client.completions.create(model=server.model, prompt=PROMPT, max_tokens=16, temperature=0,
-                                     extra_body={"ignore_eos": True}, **kwargs)
+    return client.completions.create(
+        model=server.model, prompt=PROMPT, max_tokens=16, temperature=0, extra_body={"ignore_eos": True}, **kwargs
+    )
 
 
 def test_spec_server_matches_plain_and_reports_metrics(servers):

@@ -14,9 +14,17 @@ def _inputs(batch: int, k: int, vocab: int = 6):
     argmax = torch.where(torch.rand(batch, k) < 0.6, draft, torch.randint(vocab, (batch, k)))
     target_p, draft_p = torch.rand(batch, k), torch.rand(batch, k)
     draft_p[0, 0] = 0.0  # a draft its own distribution gives no mass: always rejected
-    return (draft, torch.randint(0, k + 1, (batch,)), argmax, target_p, draft_p, torch.rand(batch, k),
-            torch.randint(vocab, (batch, k)), torch.randint(vocab, (batch,)), torch.randint(0, 2, (batch,),
-                                                                                          dtype=torch.int32))
+    return (
+        draft,
+        torch.randint(0, k + 1, (batch,)),
+        argmax,
+        target_p,
+        draft_p,
+        torch.rand(batch, k),
+        torch.randint(vocab, (batch, k)),
+        torch.randint(vocab, (batch,)),
+        torch.randint(0, 2, (batch,), dtype=torch.int32),
+    )
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 5])
@@ -36,12 +44,29 @@ def test_reference_semantics_by_hand():
     argmax = torch.tensor([[3, 4, 5], [3, 9, 5], [0, 0, 0]])
     ones = torch.ones(3, 3)
     # greedy rows: all accepted + bonus; rejected at the second draft; only one draft to verify
-    out = rejection.rejection_sample(draft, torch.tensor([3, 3, 0]), argmax, ones, ones, ones, argmax,
-                                     torch.tensor([7, 7, 7]), torch.ones(3, dtype=torch.int32))
+    out = rejection.rejection_sample(
+        draft,
+        torch.tensor([3, 3, 0]),
+        argmax,
+        ones,
+        ones,
+        ones,
+        argmax,
+        torch.tensor([7, 7, 7]),
+        torch.ones(3, dtype=torch.int32),
+    )
     assert out.tolist() == [[3, 4, 5, 7], [3, 9, -1, -1], [7, -1, -1, -1]]
     # a sampling row: uniform * p_draft < p_target accepts, else the recovered token
     target_p = torch.tensor([[0.5, 0.2, 0.9]])
-    out = rejection.rejection_sample(draft[:1], torch.tensor([3]), argmax[:1], target_p, torch.ones(1, 3),
-                                     torch.tensor([[0.4, 0.3, 0.0]]), torch.tensor([[1, 2, 1]]), torch.tensor([7]),
-                                     torch.zeros(1, dtype=torch.int32))
+    out = rejection.rejection_sample(
+        draft[:1],
+        torch.tensor([3]),
+        argmax[:1],
+        target_p,
+        torch.ones(1, 3),
+        torch.tensor([[0.4, 0.3, 0.0]]),
+        torch.tensor([[1, 2, 1]]),
+        torch.tensor([7]),
+        torch.zeros(1, dtype=torch.int32),
+    )
     assert out.tolist() == [[3, 2, -1, -1]]

@@ -26,10 +26,15 @@ def _fixed_dists(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _first_tokens(logits, draft_ids, draft_probs, temperature=1.0, **kw) -> torch.Tensor:
     n = draft_ids.shape[0]
-    out = rejection_sample(logits.expand(n, 1, VOCAB).contiguous(), draft_ids[:, None], torch.ones(n, dtype=torch.long),
-                           torch.full((n,), -5, dtype=torch.long), torch.full((n,), temperature),
-                           draft_probs=None if draft_probs is None else draft_probs.expand(n, 1, VOCAB).contiguous(),
-                           **kw)
+    out = rejection_sample(
+        logits.expand(n, 1, VOCAB).contiguous(),
+        draft_ids[:, None],
+        torch.ones(n, dtype=torch.long),
+        torch.full((n,), -5, dtype=torch.long),
+        torch.full((n,), temperature),
+        draft_probs=None if draft_probs is None else draft_probs.expand(n, 1, VOCAB).contiguous(),
+        **kw,
+    )
     return out[:, 0]
 
 
@@ -64,9 +69,14 @@ def test_second_position_follows_the_target_after_an_accepted_first():
     logits, q = _fixed_dists(4)
     torch.manual_seed(5)
     d = torch.multinomial(q, 2 * TRIALS, replacement=True).view(TRIALS, 2)
-    out = rejection_sample(logits.expand(TRIALS, 2, VOCAB).contiguous(), d, torch.full((TRIALS,), 2),
-                           torch.multinomial(torch.softmax(logits, -1), TRIALS, replacement=True),
-                           torch.ones(TRIALS), draft_probs=q.expand(TRIALS, 2, VOCAB).contiguous())
+    out = rejection_sample(
+        logits.expand(TRIALS, 2, VOCAB).contiguous(),
+        d,
+        torch.full((TRIALS,), 2),
+        torch.multinomial(torch.softmax(logits, -1), TRIALS, replacement=True),
+        torch.ones(TRIALS),
+        draft_probs=q.expand(TRIALS, 2, VOCAB).contiguous(),
+    )
     second = out[:, 1][out[:, 0] == d[:, 0]]
     assert second.numel() > TRIALS // 10
     assert _chi2(second, torch.softmax(logits, -1)) < CHI2_CRITICAL
@@ -75,8 +85,10 @@ def test_second_position_follows_the_target_after_an_accepted_first():
 def test_seeded_rows_repeat():
     logits, q = _fixed_dists(6)
     drafts = torch.multinomial(q, 8, replacement=True, generator=torch.Generator().manual_seed(0))
-    runs = [_first_tokens(logits, drafts, q, generators=[torch.Generator().manual_seed(42) for _ in range(8)])
-            for _ in range(2)]
+    runs = [
+        _first_tokens(logits, drafts, q, generators=[torch.Generator().manual_seed(42) for _ in range(8)])
+        for _ in range(2)
+    ]
     assert torch.equal(*runs)
 
 

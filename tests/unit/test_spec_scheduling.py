@@ -48,8 +48,9 @@ def test_all_accepted_then_a_stop_id_inside_the_next_run():
     s = scheduler()
     seq = decoding(s, stop_token_ids=[31])
     batch = s.schedule()
-    assert s.collect(batch, RunnerOutput({0: 14}, {}, {}, {}, accepted={0: [11, 12, 13]},
-                                         drafts={0: [30, 31, 32]})) == {0: [11, 12, 13, 14]}
+    assert s.collect(
+        batch, RunnerOutput({0: 14}, {}, {}, {}, accepted={0: [11, 12, 13]}, drafts={0: [30, 31, 32]})
+    ) == {0: [11, 12, 13, 14]}
     assert seq.num_computed_tokens == 10 and seq.token_ids[6:] == [7, 11, 12, 13, 14]
     batch = s.schedule()
     kept = s.collect(batch, RunnerOutput({0: 33}, {}, {}, {}, accepted={0: [30, 31, 32]}, drafts={0: [1, 2, 3]}))

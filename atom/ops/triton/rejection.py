@@ -13,8 +13,18 @@ import triton.language as tl
 
 @triton.jit
 def _rejection_kernel(
-    out_ptr, draft_ptr, num_drafts_ptr, argmax_ptr, target_p_ptr, draft_p_ptr, uniform_ptr, recovered_ptr,
-    bonus_ptr, greedy_ptr, K: tl.constexpr, BLOCK: tl.constexpr,
+    out_ptr,
+    draft_ptr,
+    num_drafts_ptr,
+    argmax_ptr,
+    target_p_ptr,
+    draft_p_ptr,
+    uniform_ptr,
+    recovered_ptr,
+    bonus_ptr,
+    greedy_ptr,
+    K: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     b = tl.program_id(0)
     j = tl.arange(0, BLOCK)
@@ -54,7 +64,17 @@ def rejection_sample(
     if batch:
         c = lambda t: t.contiguous()  # noqa: E731
         _rejection_kernel[(batch,)](
-            out, c(draft_ids), c(num_drafts), c(target_argmax), c(target_probs.float()), c(draft_probs.float()),
-            c(uniform.float()), c(recovered), c(bonus), c(greedy), K=k, BLOCK=triton.next_power_of_2(k),
+            out,
+            c(draft_ids),
+            c(num_drafts),
+            c(target_argmax),
+            c(target_probs.float()),
+            c(draft_probs.float()),
+            c(uniform.float()),
+            c(recovered),
+            c(bonus),
+            c(greedy),
+            K=k,
+            BLOCK=triton.next_power_of_2(k),
         )
     return out
