@@ -76,4 +76,8 @@ class LlamaMTP(nn.Module):
         return self._target[0].compute_logits(self.mtp.shared_head.norm(hidden_states))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_weights(self, ((k, w) for k, w in weights if not k.endswith(_SHARED_WITH_TARGET)))
+        """Takes the MTP layer's tensors from the whole checkpoint."""
+        prefix = f"model.layers.{self.config.num_hidden_layers}."
+        return load_weights(
+            self, ((k, w) for k, w in weights if k.startswith(prefix) and not k.endswith(_SHARED_WITH_TARGET))
+        )

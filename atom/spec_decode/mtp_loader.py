@@ -2,9 +2,10 @@
 
 The class comes from the target's architecture: DeepSeek checkpoints get
 ``atom.models.deepseek_mtp.DeepseekMTP``, Llama/Qwen3-style ones the generic
-``atom.models.llama_mtp.LlamaMTP``. A draft class takes ``(hf_config, tp)``, loads the
-tensors named ``model.layers.{num_hidden_layers + i}.*`` with ``load_weights`` and may share
-the target's embedding and head through ``bind_target(target)``.
+``atom.models.llama_mtp.LlamaMTP``. A draft class takes ``(hf_config, tp)``; its
+``load_weights`` gets the whole checkpoint and takes its own tensors (those named
+``model.layers.{num_hidden_layers + i}.*``, and the embedding and head if it keeps copies);
+it may share the target's embedding and head through ``bind_target(target)`` instead.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from torch import nn
 
 from atom.config import ModelConfig
 from atom.distributed.parallel_state import TPInfo
-from atom.model_loader.loader import init_dummy_weights, is_mtp_weight, iter_weights
+from atom.model_loader.loader import init_dummy_weights, iter_weights
 
 _DRAFTS = {
     "DeepseekV3ForCausalLM": ("atom.models.deepseek_mtp", "DeepseekMTP"),
@@ -41,5 +42,5 @@ def load_mtp(model_config: ModelConfig, target: nn.Module, device: torch.device,
     if model_config.load_dummy:
         init_dummy_weights(draft, model_config.seed + 1)
     else:
-        draft.load_weights((k, w) for k, w in iter_weights(model_config) if is_mtp_weight(k, hf))
+        draft.load_weights(iter_weights(model_config))  # it takes its own tensors
     return draft.eval()
