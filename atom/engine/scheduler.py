@@ -160,7 +160,7 @@ class Scheduler:
         earliest = min(s.arrival_time for s in self.waiting)
         return (time.time() - earliest) > self.config.scheduler_delay_factor * self._last_prompt_latency
 
-    def collect(self, batch: SchedulerOutput, out: RunnerOutput) -> dict[int, int]:
+    def collect(self, batch: SchedulerOutput, out: RunnerOutput) -> dict[int, list[int]]:
         """Write in a step's sampled tokens, register newly full blocks in the prefix cache
         and retire finished sequences. Returns the tokens that count (row -> tokens; not
         those of sequences finished or aborted in the meantime). A row that failed, in the

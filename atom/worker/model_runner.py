@@ -358,7 +358,8 @@ class PendingOutput:
     logprobs: tuple | None = None  # top_logprobs(...) of the sampled rows, on the device
     prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
     errors: dict[int, str] = field(default_factory=dict)
-    spec: tuple[dict, dict] = ({}, {})  # speculative decoding: (accepted drafts, next drafts) by row
+    # speculative decoding: (accepted drafts, next drafts) by row
+    spec: tuple[dict, dict] = field(default_factory=lambda: ({}, {}))
 
     def result(self) -> RunnerOutput:
         if self.ready is not None:

@@ -10,7 +10,7 @@ from atom.testing.tiny_checkpoint import add_mtp_layer, build
 # prompts of several lengths (token ids), so that chunked prefill splits some of them
 PROMPTS = [list(range(10, 15)), list(range(40, 49)), list(range(100, 131)), [7, 300, 12, 55, 9, 81, 23]]
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-ENGINE = dict(max_num_seqs=4, kv_cache_memory_bytes=1 << 22, skip_tokenizer_init=False)
+ENGINE = dict(max_num_seqs=4, kv_cache_memory_bytes=1 << 22)
 
 
 @pytest.fixture(scope="module")
