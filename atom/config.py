@@ -144,16 +144,27 @@ class CompilationConfig:
             raise ValueError(f"cudagraph_capture_sizes must be positive sizes, got {self.cudagraph_capture_sizes}")
 
 
+SPECULATIVE_METHODS = ("mtp", "shared_weights")
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
+    """``mtp``: the checkpoint's next-n prediction layers draft; ``shared_weights``: a test
+    mode whose draft is the target model itself (acceptance ~100% for greedy)."""
+
     method: str | None = None
     num_speculative_tokens: int = 1
 
     def __post_init__(self):
-        if self.method not in (None, "mtp"):
-            raise ValueError(f"method must be None or 'mtp', got {self.method!r}")
-        if self.num_speculative_tokens < 1:
-            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if self.method not in (None, *SPECULATIVE_METHODS):
+            raise ValueError(f"method must be None or one of {', '.join(SPECULATIVE_METHODS)}; got {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
+
+    @property
+    def num_lookahead(self) -> int:
+        """Draft tokens per step (0 without speculative decoding)."""
+        return self.num_speculative_tokens if self.method is not None else 0
 
 
 @dataclass(frozen=True)
@@ -171,16 +182,25 @@ class Config:
     def __post_init__(self):
         self._refuse_unbuilt()
         self._check_parallel()
+        self._check_speculative()
 
     def _refuse_unbuilt(self) -> None:
         """Arguments whose feature is not built yet fail loudly rather than being ignored."""
         unbuilt = {
             "enable_dp_attention": self.parallel_config.enable_dp_attention,
-            "method='mtp' (speculative decoding)": self.speculative_config.method is not None,
+            "speculative decoding with tensor_parallel_size > 1": self.speculative_config.method is not None
+            and self.parallel_config.tensor_parallel_size > 1,
         }
         missing = [name for name, used in unbuilt.items() if used]
         if missing:
             raise NotImplementedError(f"not implemented yet in atom: {', '.join(missing)}")
+
+    def _check_speculative(self) -> None:
+        if self.speculative_config.method == "mtp" and not getattr(self.model_config.hf_config,
+                                                                   "num_nextn_predict_layers", 0):
+            raise ValueError(f"method='mtp' needs a checkpoint with MTP layers, and {self.model_config.model!r} has "
+                             "none (its config has no num_nextn_predict_layers); method='shared_weights' runs the "
+                             "speculative path with the target model as its own draft")
 
     def _check_parallel(self) -> None:
         """The model must split evenly over the ranks; checked here, before any rank starts

@@ -9,7 +9,7 @@ writer of request state.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import msgspec
@@ -60,6 +60,9 @@ class SchedulerOutput:
     # structured output: int32 [rows that sample, ceil(vocab / 32)] on the host, one row per
     # sampling row in order (a set bit allows the token); None when no row is constrained
     grammar_bitmask: torch.Tensor | None = None
+    # speculative decoding: row -> draft tokens that end its new tokens (they follow the
+    # request's last sampled token and are verified by this step's forward)
+    num_drafts: dict[int, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -77,3 +80,7 @@ class RunnerOutput:
     # row -> why this request failed (its own inputs, not the device): the engine finishes
     # it with finish_reason "error" and the other rows go on
     errors: dict[int, str]
+    # speculative decoding: row -> draft tokens accepted, which come before ``sampled[row]``
+    accepted: dict[int, list[int]] = field(default_factory=dict)
+    # row -> draft tokens proposed to follow ``sampled[row]``, for the request's next step
+    drafts: dict[int, list[int]] = field(default_factory=dict)

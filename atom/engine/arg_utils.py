@@ -15,6 +15,7 @@ from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
 from atom.config import (
     KV_CACHE_DTYPES,
+    SPECULATIVE_METHODS,
     CacheConfig,
     CompilationConfig,
     Config,
@@ -60,6 +61,7 @@ class EngineArgs:
     torch_profiler_dir: str | None = None
     method: str | None = SpeculativeConfig.method
     num_speculative_tokens: int = SpeculativeConfig.num_speculative_tokens
+    speculative_config: dict | None = None  # vLLM's form: {"method": "mtp", "num_speculative_tokens": 2}
     # beyond the guide's table: what vLLM users expect
     dtype: str = "auto"
     seed: int = ModelConfig.seed
@@ -101,8 +103,11 @@ class EngineArgs:
         a("--enable-expert-parallel", action="store_true")
         a("--enable-dp-attention", action="store_true")
         a("--torch-profiler-dir", type=str, default=None)
-        a("--method", type=str, default=None, choices=["mtp"], help="speculative decoding method")
+        a("--method", type=str, default=None, choices=list(SPECULATIVE_METHODS),
+          help="speculative decoding method (shared_weights: a test mode, the target drafts for itself)")
         a("--num-speculative-tokens", type=int, default=d.num_speculative_tokens)
+        a("--speculative-config", type=json.loads, default=None,
+          help='vLLM\'s form, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\'')
         a("--dtype", type=str, default=d.dtype, choices=["auto", "bfloat16", "float16", "float32"])
         a("--seed", type=int, default=d.seed)
         a("--quantization", "-q", type=str, default=None, choices=["fp8"],
@@ -154,11 +159,24 @@ class EngineArgs:
             parallel_config=self._section(ParallelConfig),
             compilation_config=self._section(CompilationConfig,
                                              cudagraph_capture_sizes=tuple(self.cudagraph_capture_sizes)),
-            speculative_config=self._section(SpeculativeConfig),
+            speculative_config=self._speculative_section(),
             device=device,
             torch_profiler_dir=self.torch_profiler_dir or os.environ.get("ATOM_TORCH_PROFILER_DIR"),
             reasoning_parser=self.reasoning_parser,
         )
+
+    def _speculative_section(self) -> SpeculativeConfig:
+        """``method``/``num_speculative_tokens``, or vLLM's ``speculative_config`` dict."""
+        if self.speculative_config is None:
+            return self._section(SpeculativeConfig)
+        spec = dict(self.speculative_config)
+        if spec.get("method") == "deepseek_mtp":  # vLLM's older name
+            spec["method"] = "mtp"
+        unknown = set(spec) - {"method", "num_speculative_tokens"}
+        if unknown:
+            raise ValueError(f"speculative_config keys not supported: {sorted(unknown)} (supported: method, "
+                             "num_speculative_tokens)")
+        return SpeculativeConfig(**spec)
 
     def _section(self, cls, **overrides):
         """A config dataclass from the arguments of the same names."""

@@ -37,7 +37,8 @@ class EngineCore:
         self.runner.capture_cudagraphs()
         self.block_manager = BlockManager(num_blocks, config.cache_config.block_size,
                                           config.cache_config.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler_config, self.block_manager, config.model_config.max_model_len)
+        self.scheduler = Scheduler(config.scheduler_config, self.block_manager, config.model_config.max_model_len,
+                                   config.speculative_config.num_lookahead)
         self.requests: dict[str, Sequence] = {}
         self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None  # async scheduling
         self.trace = StepTrace.from_env()  # ATOM_STEP_TRACE: a per-step timeline
@@ -107,7 +108,8 @@ class EngineCore:
             trace.launched(batch, start, len(self.scheduler.waiting), len(self.scheduler.running))
         if launched is None and self._in_flight is None and self.constrained.compiling:
             self.constrained.wait()  # nothing else to run: do not spin while grammars compile
-        if not self.config.scheduler_config.async_scheduling:
+        # speculative steps run synchronously
+        if not self.config.scheduler_config.async_scheduling or self.scheduler.num_lookahead:
             return outputs + (self._collect(*launched) if launched else [])
         previous, self._in_flight = self._in_flight, launched
         return outputs + (self._collect(*previous) if previous else [])
@@ -123,13 +125,16 @@ class EngineCore:
         return [EngineCoreOutput(request_id=s.request_id, new_token_ids=[], finish_reason="error", error=s.error)
                 for s in failed]
 
-    def _advance_grammars(self, batch: SchedulerOutput, sampled: dict[int, int]) -> None:
-        """Feed each constrained request its sampled token; one that breaks its grammar
+    def _advance_grammars(self, batch: SchedulerOutput, sampled: dict[int, list[int]]) -> None:
+        """Feed each constrained request its sampled tokens; one that breaks its grammar
         (which the mask should make impossible) finishes with an error."""
-        for i, token in list(sampled.items()):
+        for i, tokens in list(sampled.items()):
             seq = batch.requests[i]
-            if self.constrained.wants(seq) and not self.constrained.accept(seq, token):
-                seq.error = f"token {token} does not match the request's structured output grammar"
+            if not self.constrained.wants(seq):
+                continue
+            bad = next((t for t in tokens if not self.constrained.accept(seq, t)), None)
+            if bad is not None:
+                seq.error = f"token {bad} does not match the request's structured output grammar"
                 if not seq.is_finished:
                     self.scheduler.finish(seq, "error")
                 else:
@@ -153,7 +158,7 @@ class EngineCore:
             prompt_lps = result.prompt_logprobs.get(i)
             outputs.append(EngineCoreOutput(
                 request_id=seq.request_id,
-                new_token_ids=[sampled[i]] if i in sampled else [],
+                new_token_ids=sampled.get(i, []),
                 finish_reason=seq.finish_reason,
                 new_logprobs=[result.logprobs[i]] if i in result.logprobs else [],
                 prompt_logprobs=self.scheduler.new_prompt_logprobs(seq, batch.starts[i], prompt_lps)
@@ -199,4 +204,5 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_queries=bm.num_prefix_queries,
             prefix_cache_hits=bm.num_prefix_hits,
+            spec=self.scheduler.spec_stats.snapshot() if self.scheduler.num_lookahead else None,
         )

@@ -131,6 +131,13 @@ class LLMEngine:
     def stop_profile(self) -> None:
         self.core.stop_profile()
 
+    def print_mtp_statistics(self) -> None:
+        """Print the speculative decoding statistics (the serving guide's MTP statistics):
+        draft tokens, accepted tokens, acceptance rate overall and by draft position, mean
+        accepted length. Prints that speculative decoding is off when it is."""
+        stats = self.core.stats().spec
+        print(stats.format() if stats is not None else "MTP Statistics: speculative decoding is off")
+
     def shutdown(self) -> None:
         """Stop the tensor-parallel ranks and data-parallel replicas now (they also stop
         when the engine is garbage-collected or the interpreter exits)."""

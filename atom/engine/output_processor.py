@@ -5,8 +5,11 @@ Used in-process by ``LLMEngine`` and in the API process by ``AsyncLLM``.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
+
+import msgspec
 
 from atom.engine.outputs import EngineCoreOutput, TokenLogprobs
 from atom.sampling_params import SamplingParams
@@ -98,6 +101,30 @@ class RequestState:
         """Apply one core output; returns (output, stopped_by_string). The output is built
         only if ``want_output`` or the request finished. When a stop string matched, the
         caller must abort the request in the core."""
+        if self.params.stop and len(out.new_token_ids) > 1:
+            return self._update_each(out, want_output)
+        return self._update(out, want_output)
+
+    def _update_each(self, out: EngineCoreOutput, want_output: bool) -> tuple[RequestOutput | None, bool]:
+        """Several tokens in one output (speculative decoding), checked for stop strings one
+        at a time as they would have arrived: tokens after the one that completes a stop
+        string are dropped."""
+        ids, deltas = out.new_token_ids, []
+        for j in range(len(ids)):
+            last = j == len(ids) - 1
+            part = msgspec.structs.replace(out, new_token_ids=ids[j : j + 1], new_logprobs=out.new_logprobs[j : j + 1],
+                                           prompt_logprobs=out.prompt_logprobs if j == 0 else [],
+                                           finish_reason=out.finish_reason if last else None)
+            result, stopped = self._update(part, True)
+            deltas.append(result.delta_text)
+            if stopped or last:
+                break
+        if not (want_output or result.finished):
+            return None, stopped
+        return dataclasses.replace(result, new_token_ids=ids[: j + 1], delta_text="".join(deltas),
+                                   new_logprobs=out.new_logprobs[: j + 1]), stopped
+
+    def _update(self, out: EngineCoreOutput, want_output: bool) -> tuple[RequestOutput | None, bool]:
         now = time.time()
         if out.new_token_ids:
             self.first_token_time = self.first_token_time or now

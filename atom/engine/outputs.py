@@ -16,6 +16,7 @@ import msgspec
 
 from atom.core_types import TokenLogprobs
 from atom.sampling_params import SamplingParams
+from atom.spec_decode.stats import SpecDecodeStats
 
 __all__ = [
     "AbortRequests",
@@ -78,6 +79,7 @@ class EngineStats(msgspec.Struct, frozen=True):
     num_preemptions: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    spec: SpecDecodeStats | None = None  # with speculative decoding
 
 
 # to the core

@@ -13,6 +13,10 @@ writer of sequence state; a failure while collecting one sequence finishes only 
 (finish_reason "error"). With async scheduling the engine schedules (and
 launches) step N+1 before collecting step N, so the host work of one step overlaps the
 device work of the other; a sequence that step N finishes then wastes one row of N+1.
+
+Speculative decoding (``atom/spec_decode``): a decode row also carries its request's draft
+tokens, and every sampling row gets KV slots for the draft model's lookahead; ``collect``
+keeps the accepted drafts and rolls ``num_computed_tokens`` back over the rejected ones.
 """
 
 from __future__ import annotations
@@ -25,13 +29,19 @@ from atom.config import SchedulerConfig
 from atom.core_types import PLACEHOLDER, RunnerOutput, SchedulerOutput, TokenLogprobs
 from atom.engine.block_manager import BlockManager
 from atom.engine.sequence import Sequence, SequenceStatus
+from atom.spec_decode.scheduling import num_drafts_to_verify, roll_back_drafts
+from atom.spec_decode.stats import SpecStats
 
 logger = logging.getLogger(__name__)
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
+                 num_lookahead: int = 0):
+        """``num_lookahead``: draft tokens per step of speculative decoding (0: off)."""
         self.config = config
+        self.num_lookahead = num_lookahead
+        self.spec_stats = SpecStats(num_lookahead)
         self.max_model_len = max_model_len
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
@@ -61,7 +71,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
-        seqs, counts = [], []
+        seqs, counts, drafts = [], [], {}
         budget = self.config.max_num_batched_tokens
         preempted = False
 
@@ -73,8 +83,10 @@ class Scheduler:
                 i += 1
                 continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            d = num_drafts_to_verify(seq, n, budget, self.max_seq_len) if self.num_lookahead else 0
+            n += d
             bm = self.block_manager
-            needed = bm.blocks_needed(seq, n)
+            needed = bm.blocks_needed(seq, n + self._lookahead(seq.num_computed_tokens + n, seq.num_tokens + d))
             while needed > bm.num_free_blocks:
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -83,7 +95,9 @@ class Scheduler:
                     break
             else:
                 if needed:
-                    bm.allocate(seq, n)
+                    bm.allocate(seq, n + self._lookahead(seq.num_computed_tokens + n, seq.num_tokens + d))
+                if d:
+                    drafts[len(seqs)] = d
                 seqs.append(seq)
                 counts.append(n)
                 budget -= n
@@ -95,10 +109,11 @@ class Scheduler:
                 seq = self.waiting[0]
                 cached = self.block_manager.find_cached_prefix(seq) if seq.num_computed_tokens == 0 else []
                 n = min(seq.num_tokens - len(cached) * self.block_manager.block_size, budget)
-                if not self.block_manager.can_allocate(seq, n, cached):
+                slots = n + self._lookahead(len(cached) * self.block_manager.block_size + n, seq.num_tokens)
+                if not self.block_manager.can_allocate(seq, slots, cached):
                     break
                 self.waiting.popleft()
-                self.block_manager.allocate(seq, n, cached)
+                self.block_manager.allocate(seq, slots, cached)
                 if cached:
                     seq.num_computed_tokens = seq.num_cached_tokens = len(cached) * self.block_manager.block_size
                 seq.status = SequenceStatus.RUNNING
@@ -109,9 +124,13 @@ class Scheduler:
                 self._prev_prompt = True
         # decode rows first: the attention kernel launches them with their own tile shape
         order = sorted(range(len(seqs)), key=lambda i: counts[i] != 1)
-        requests, num_new, starts, samples = [], [], [], []
+        requests, num_new, starts, samples, num_drafts = [], [], [], [], {}
         for i in order:
             seq, n = seqs[i], counts[i]
+            if i in drafts:  # they follow the last sampled token, as tokens to verify
+                num_drafts[len(requests)] = drafts[i]
+                seq.token_ids.extend(seq.spec_token_ids[: drafts[i]])
+            seq.spec_token_ids = []
             requests.append(seq)
             num_new.append(n)
             starts.append(seq.num_computed_tokens)
@@ -120,7 +139,14 @@ class Scheduler:
             seq.num_computed_tokens += n
             if last:
                 seq.append_token(PLACEHOLDER)
-        return SchedulerOutput(requests, num_new, starts, samples, sum(1 for n in counts if n == 1))
+        return SchedulerOutput(requests, num_new, starts, samples, sum(1 for n in counts if n == 1), num_drafts)
+
+    def _lookahead(self, computed: int, num_tokens: int) -> int:
+        """KV slots past a row's ``computed`` tokens that the draft model writes when the row
+        samples (speculative decoding)."""
+        if not self.num_lookahead or computed < num_tokens:
+            return 0
+        return max(0, min(self.num_lookahead, self.max_seq_len - computed))
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
@@ -138,11 +164,12 @@ class Scheduler:
         earliest = min(s.arrival_time for s in self.waiting)
         return (time.time() - earliest) > self.config.scheduler_delay_factor * self._last_prompt_latency
 
-    def collect(self, batch: SchedulerOutput, out: RunnerOutput) -> dict[int, int]:
+    def collect(self, batch: SchedulerOutput, out: RunnerOutput) -> dict[int, list[int]]:
         """Write in a step's sampled tokens, register newly full blocks in the prefix cache
-        and retire finished sequences. Returns the tokens that count (row -> token; not
+        and retire finished sequences. Returns the tokens that count (row -> tokens; not
         those of sequences finished or aborted in the meantime). A row that failed, in the
-        runner or here, finishes its sequence with finish_reason "error"."""
+        runner or here, finishes its sequence with finish_reason "error". With speculative
+        decoding a row keeps several tokens: its accepted drafts, then the sampled one."""
         kept = {}
         for i, seq in enumerate(batch.requests):
             if seq.is_finished:
@@ -150,7 +177,14 @@ class Scheduler:
             error = out.errors.get(i)
             if error is None:
                 try:
-                    self._collect_row(seq, batch.starts[i] + batch.num_new_tokens[i], out.sampled.get(i), kept, i)
+                    end = batch.starts[i] + batch.num_new_tokens[i]
+                    if i in batch.num_drafts:
+                        kept[i] = out.accepted.get(i, [])
+                        end = roll_back_drafts(seq, end, batch.num_drafts[i], kept[i])
+                        self.spec_stats.observe(batch.num_drafts[i], len(kept[i]))
+                    self._collect_row(seq, end, out.sampled.get(i), kept, i)
+                    if not seq.is_finished:
+                        seq.spec_token_ids = out.drafts.get(i, [])
                     continue
                 except Exception as e:  # this request's own failure: the others go on
                     logger.exception("request %s failed while collecting its step", seq.request_id)
@@ -160,17 +194,24 @@ class Scheduler:
             self.finish(seq, "error")
         return kept
 
-    def _collect_row(self, seq: Sequence, end: int, token: int | None, kept: dict[int, int], i: int) -> None:
+    def _collect_row(self, seq: Sequence, end: int, token: int | None, kept: dict[int, list[int]], i: int) -> None:
+        """``end``: the index of the placeholder; accepted drafts (``kept[i]``) lie before it."""
+        first = end - len(kept.pop(i, ()))
         if token is not None:
-            seq.token_ids[end] = kept[i] = token  # the placeholder's index is ``end``
+            seq.token_ids[end] = token  # the placeholder's index is ``end``
         if seq.status == SequenceStatus.RUNNING:  # (before finishing: a one-step request's prompt counts)
             real = seq.num_tokens - (seq.token_ids[-1] == PLACEHOLDER)
             self.block_manager.cache_full_blocks(seq, min(seq.num_computed_tokens, real))
-        if token is not None:
-            reason = seq.check_stop(self.max_seq_len, end + 1)
+        if token is None:
+            return
+        for j in range(first, end + 1):  # a stop inside an accepted run ends it there
+            reason = seq.check_stop(self.max_seq_len, j + 1)
+            if reason is not None or j == end:
+                kept[i] = seq.token_ids[first : j + 1]
             if reason is not None:
-                del seq.token_ids[end + 1 :]  # a placeholder of a step already launched
+                del seq.token_ids[j + 1 :]  # (also a placeholder of a step already launched)
                 self.finish(seq, reason)
+                return
 
     def new_prompt_logprobs(self, seq: Sequence, start: int, logprobs: list[TokenLogprobs]) -> list[TokenLogprobs]:
         """Of the prompt logprobs a chunk starting at ``start`` produced, those not returned

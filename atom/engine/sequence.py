@@ -44,6 +44,9 @@ class Sequence:
         # prompt tokens whose logprobs were already returned (a recompute after preemption
         # must not return them again)
         self.num_prompt_logprobs_done = 1
+        # speculative decoding: draft tokens proposed to follow the last token, verified by
+        # the request's next decode step
+        self.spec_token_ids: list[int] = []
 
     @property
     def num_tokens(self) -> int:

@@ -107,6 +107,8 @@ def main(argv: list[str] | None = None) -> None:
             f"  ({out['num_tokens_output']} tokens, ttft {out['ttft'] * 1000:.1f} ms, "
             f"tpot {out['tpot'] * 1000:.1f} ms, finish {out['finish_reason']})"
         )
+    if llm.config.speculative_config.method is not None:
+        llm.print_mtp_statistics()
 
 
 if __name__ == "__main__":

@@ -57,6 +57,15 @@ def iter_weights(model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor 
     return iter_safetensors(model_config.model)
 
 
+def is_mtp_weight(name: str, hf_config) -> bool:
+    """A tensor of the checkpoint's next-n prediction (MTP) layers, which follow the decoder
+    layers (``model.layers.{num_hidden_layers + i}``): the draft's, not the target's."""
+    if not getattr(hf_config, "num_nextn_predict_layers", 0) or not name.startswith("model.layers."):
+        return False
+    index = name.split(".")[2]
+    return index.isdigit() and int(index) >= hf_config.num_hidden_layers
+
+
 def init_dummy_weights(model: nn.Module, seed: int) -> None:
     """Random weights of a sane scale (norm weights stay 1), for benchmarks on real shapes."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -88,6 +97,8 @@ def load_model(model_config: ModelConfig, device: torch.device, tp: TPInfo = SIN
     if model_config.load_dummy:
         init_dummy_weights(model, model_config.seed)
     else:
-        model.load_weights(filter_weights(iter_weights(model_config)))
+        hf = model_config.hf_config
+        weights = ((name, w) for name, w in iter_weights(model_config) if not is_mtp_weight(name, hf))
+        model.load_weights(filter_weights(weights))
     process_weights_after_loading(model)
     return model.eval()

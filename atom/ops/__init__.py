@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from atom.ops import mla, penalties, reference, reference_fp8
+from atom.ops import mla, penalties, reference, reference_fp8, rejection
 
 __all__ = [
     "apply_penalties",
@@ -33,6 +33,7 @@ __all__ = [
     "paged_attention",
     "per_token_group_quant_fp8",
     "qk_norm_rope_store",
+    "rejection_sample",
     "rms_norm",
     "rotary_embedding",
     "silu_and_mul",
@@ -253,3 +254,8 @@ mla_decode = register_op(
         (q.shape[0], q.shape[1], kv_lora_rank)
     ),
 )(mla.mla_decode)
+rejection_sample = register_op(
+    "rejection_sample",
+    triton=f"{_T}.rejection:rejection_sample",
+    fake=lambda draft_ids, *args: draft_ids.new_empty((draft_ids.shape[0], draft_ids.shape[1] + 1)),
+)(rejection.rejection_sample)

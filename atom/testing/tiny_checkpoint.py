@@ -129,6 +129,28 @@ def build(out_dir: str, arch: str = "qwen3", seed: int = 0, num_layers: int = 3,
     return out_dir
 
 
+def add_mtp_layer(model_dir: str, seed: int = 1) -> str:
+    """Give a tiny Llama/Qwen3 checkpoint one random multi-token-prediction layer in
+    DeepSeek-V3's layout (``num_nextn_predict_layers``, tensors ``model.layers.{N}.*`` after
+    the N decoder layers, in a file of their own), for the ``mtp`` speculative method."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    n, hidden = config.num_hidden_layers, config.hidden_size
+    one_layer = AutoConfig.from_pretrained(model_dir, num_hidden_layers=1)
+    torch.manual_seed(seed)
+    block = AutoModelForCausalLM.from_config(one_layer, dtype=torch.float32).model.layers[0]
+    tensors = {f"model.layers.{n}.{k}": v for k, v in block.state_dict().items()}
+    for name in ("enorm", "hnorm", "shared_head.norm"):
+        tensors[f"model.layers.{n}.{name}.weight"] = 1 + 0.1 * torch.randn(hidden)
+    tensors[f"model.layers.{n}.eh_proj.weight"] = config.initializer_range * torch.randn(hidden, 2 * hidden)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(model_dir, "mtp.safetensors"))
+    config.num_nextn_predict_layers = 1
+    config.save_pretrained(model_dir)
+    return model_dir
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dir")

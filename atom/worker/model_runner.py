@@ -29,6 +29,7 @@ from atom.forward_context import AttentionMetadata, set_forward_context
 from atom.layers.attention import Attention
 from atom.layers.quantization.kv_cache import kv_cache_torch_dtype
 from atom.model_loader.loader import load_model
+from atom.spec_decode.decoder import build_spec_decoder
 from atom.worker.logits_processors import process_logits
 from atom.worker.logprobs import prompt_logprobs, token_logprobs, top_logprobs
 from atom.worker.profiler import start_torch_profiler
@@ -57,6 +58,10 @@ class ModelRunner:
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.attn_layer_map = {m.prefix: m for m in self.attn_layers}
         self.forward = self._maybe_compile()
+        # speculative decoding (None without it); a draft with its own attention layers
+        # gets KV cache beside the target's
+        self.spec = build_spec_decoder(config, self.model, self.forward, self.device, self.tp)
+        self.attn_layers += self.spec.attn_layers if self.spec is not None else []
         self.kv_cache: torch.Tensor | None = None
         self.generators: dict[str, torch.Generator] = {}
         self.graph_runner = None
@@ -311,6 +316,8 @@ class ModelRunner:
                         self.model.compute_logits, hidden, seq, batch.starts[i], int(cu[i]), batch.num_new_tokens[i])
         rows = [i for i, samples in enumerate(batch.samples) if samples]
         if not rows:
+            if self.spec is not None:  # an MTP draft still reads the chunks into its KV cache
+                self.spec.step(batch, [], cu.tolist(), hidden, None, None)
             return pending
         seqs = [batch.requests[i] for i in rows]
         gens = [None] * len(seqs)
@@ -320,7 +327,10 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[self._tensor(cu[1:][rows] - 1, torch.int64)])
         raw = logits  # logprobs come from the raw logits (vLLM's default)
         logits = process_logits(logits, seqs, batch.grammar_bitmask)
-        tokens = sample(logits, self.sampling_tensors(seqs, gens))
+        st = self.sampling_tensors(seqs, gens)
+        tokens = sample(logits, st)
+        if self.spec is not None:  # verify this step's drafts, propose the next ones
+            tokens, pending.spec = self.spec.step(batch, rows, cu.tolist(), hidden, tokens, st)
         self._last_sampled = tokens
         self._last_sampled_rows = {seq.request_id: j for j, seq in enumerate(seqs)}
         pending.rows = rows
@@ -348,6 +358,8 @@ class PendingOutput:
     logprobs: tuple | None = None  # top_logprobs(...) of the sampled rows, on the device
     prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
     errors: dict[int, str] = field(default_factory=dict)
+    # speculative decoding: (accepted drafts, next drafts) by row
+    spec: tuple[dict, dict] = field(default_factory=lambda: ({}, {}))
 
     def result(self) -> RunnerOutput:
         if self.ready is not None:
@@ -358,7 +370,7 @@ class PendingOutput:
                 sampled[i] = tok
                 if self.logprobs is not None and self.want_logprobs[j] is not None and i not in errors:
                     logprobs[i] = token_logprobs(self.logprobs, j, tok, self.want_logprobs[j])
-        return RunnerOutput(sampled, logprobs, self.prompt_logprobs, errors)
+        return RunnerOutput(sampled, logprobs, self.prompt_logprobs, errors, *self.spec)
 
 
 @contextlib.contextmanager

@@ -17,6 +17,8 @@ FORBIDDEN = {
     "atom.layers": ["atom.engine", "atom.worker", "atom.entrypoints", "atom.plugin", "atom.models"],
     "atom.ops": ["atom.engine", "atom.worker", "atom.entrypoints", "atom.layers", "atom.models"],
     "atom.core_types": ["atom.engine", "atom.worker", "atom.entrypoints"],
+    # the engine (scheduling, statistics) and the worker (proposers, verification) both use it
+    "atom.spec_decode": ["atom.engine", "atom.worker", "atom.entrypoints", "atom.benchmarks"],
 }
 
 

@@ -102,7 +102,7 @@ def test_async_placeholder_is_scheduled_before_its_token_arrives():
     assert seq.token_ids[-1] == PLACEHOLDER
     second = s.schedule()  # launched before the first step's token is collected
     assert second.starts == [4] and second.requests[0].token_ids[4] == PLACEHOLDER
-    assert run(s, first) == {0: 7} and seq.token_ids[4:] == [7, PLACEHOLDER]
+    assert run(s, first) == {0: [7]} and seq.token_ids[4:] == [7, PLACEHOLDER]
     run(s, second)
     assert seq.token_ids[4:] == [7, 7] and seq.num_computed_tokens == 5
 
@@ -114,7 +114,7 @@ def test_a_failed_row_finishes_alone_and_frees_its_blocks():
     batch = s.schedule()
     kept = run(s, batch, errors={0: "ValueError: bad seed"})
     bad, good = batch.requests
-    assert kept == {1: 7}
+    assert kept == {1: [7]}
     assert bad.finish_reason == "error" and bad.error == "ValueError: bad seed" and bad.block_table == []
     assert good.status == SequenceStatus.RUNNING
     while s.has_unfinished():

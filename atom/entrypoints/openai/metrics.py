@@ -45,6 +45,7 @@ class ServerMetrics:
         self.tpot = histogram("time_per_output_token_seconds", "Mean time per output token after the first.",
                               _TPOT_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency.", _LATENCY_BUCKETS)
+        self._spec_gauges(gauge, labels)
         self._success = Counter("atom:request_success", "Finished requests by finish reason.",
                                 labels + ["finished_reason"], registry=r)
         self.model_name = model_name
@@ -59,6 +60,18 @@ class ServerMetrics:
         if len(out.token_ids) > 1:
             self.tpot.observe(out.tpot)
 
+    def _spec_gauges(self, gauge, labels) -> None:
+        """Speculative decoding (vLLM's names; totals since start-up, read from the core)."""
+        self.spec_drafts = gauge("spec_decode_num_drafts", "Verify steps of requests with draft tokens.")
+        self.spec_draft_tokens = gauge("spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.spec_accepted = gauge("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.spec_rate = gauge("spec_decode_acceptance_rate", "Accepted / verified draft tokens.")
+        self.spec_length = gauge("spec_decode_mean_accepted_length",
+                                 "Tokens per verify step: accepted drafts plus the sampled token.")
+        self._spec_per_pos = Gauge("atom:spec_decode_num_accepted_tokens_per_pos",
+                                   "Draft tokens accepted, by position in the draft.", labels + ["position"],
+                                   registry=self.registry)
+
     def set_engine_stats(self, stats: EngineStats) -> None:
         self.num_running.set(stats.num_running)
         self.num_waiting.set(stats.num_waiting)
@@ -68,6 +81,15 @@ class ServerMetrics:
         self.preemptions.set(stats.num_preemptions)
         self.prefix_queries.set(stats.prefix_cache_queries)
         self.prefix_hits.set(stats.prefix_cache_hits)
+        spec = stats.spec
+        if spec is not None:
+            self.spec_drafts.set(spec.num_drafts)
+            self.spec_draft_tokens.set(spec.num_draft_tokens)
+            self.spec_accepted.set(spec.num_accepted_tokens)
+            self.spec_rate.set(spec.acceptance_rate)
+            self.spec_length.set(spec.mean_accepted_length)
+            for pos, n in enumerate(spec.accepted_per_position):
+                self._spec_per_pos.labels(self.model_name, str(pos)).set(n)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,0 +1,46 @@
+"""Build the draft module of method ``mtp`` and load the checkpoint's MTP layer into it.
+
+The class comes from the target's architecture: DeepSeek checkpoints get
+``atom.models.deepseek_mtp.DeepseekMTP``, Llama/Qwen3-style ones the generic
+``atom.models.llama_mtp.LlamaMTP``. A draft class takes ``(hf_config, tp)``; its
+``load_weights`` gets the whole checkpoint and takes its own tensors (those named
+``model.layers.{num_hidden_layers + i}.*``, and the embedding and head if it keeps copies);
+it may share the target's embedding and head through ``bind_target(target)`` instead.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+from torch import nn
+
+from atom.config import ModelConfig
+from atom.distributed.parallel_state import TPInfo
+from atom.model_loader.loader import init_dummy_weights, iter_weights
+
+_DRAFTS = {
+    "DeepseekV3ForCausalLM": ("atom.models.deepseek_mtp", "DeepseekMTP"),
+    "DeepseekV2ForCausalLM": ("atom.models.deepseek_mtp", "DeepseekMTP"),
+}
+_GENERIC = ("atom.models.llama_mtp", "LlamaMTP")
+
+
+def load_mtp(model_config: ModelConfig, target: nn.Module, device: torch.device, tp: TPInfo) -> nn.Module:
+    module, name = _DRAFTS.get(model_config.architecture, _GENERIC)
+    cls = getattr(importlib.import_module(module), name)
+    hf = model_config.hf_config
+    prev_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(model_config.dtype)
+    try:
+        with torch.device(device):
+            draft = cls(hf, tp)
+    finally:
+        torch.set_default_dtype(prev_dtype)
+    if hasattr(draft, "bind_target"):
+        draft.bind_target(target)
+    if model_config.load_dummy:
+        init_dummy_weights(draft, model_config.seed + 1)
+    else:
+        draft.load_weights(iter_weights(model_config))  # it takes its own tensors
+    return draft.eval()
