@@ -10,6 +10,7 @@ arrives, so plain serving never pays for it and no step waits for it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from atom.config import Config
@@ -79,14 +80,7 @@ class ConstrainedRequests:
         mask = self._manager.grammar_bitmask(rids)
         if mask is None:
             return batch
-        return SchedulerOutput(
-            batch.requests,
-            batch.num_new_tokens,
-            batch.starts,
-            batch.samples,
-            batch.num_decodes,
-            grammar_bitmask=mask.clone(),
-        )  # the manager reuses its buffer
+        return dataclasses.replace(batch, grammar_bitmask=mask.clone())  # the manager reuses its buffer
 
     def accept(self, seq: Sequence, token: int) -> bool:
         """Advance the request's grammar over its sampled token; False if the token breaks

@@ -139,7 +139,8 @@ class Scheduler:
             seq.num_computed_tokens += n
             if last:
                 seq.append_token(PLACEHOLDER)
-        return SchedulerOutput(requests, num_new, starts, samples, sum(1 for n in counts if n == 1), num_drafts)
+        return SchedulerOutput(requests, num_new, starts, samples, sum(1 for n in counts if n == 1),
+                               num_drafts=num_drafts)
 
     def _lookahead(self, computed: int, num_tokens: int) -> int:
         """KV slots past a row's ``computed`` tokens that the draft model writes when the row

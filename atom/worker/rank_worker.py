@@ -11,6 +11,7 @@ the placeholders of async scheduling, and only rank 0's ``RunnerOutput`` comes b
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -40,8 +41,7 @@ def snapshot(batch: SchedulerOutput) -> SchedulerOutput:
     like vLLM's ``CachedRequestState`` would send only the new tokens)."""
     reqs = [RequestState(r.request_id, list(r.token_ids), list(r.block_table), r.num_prompt_tokens,
                          r.sampling_params, r.eos_token_ids) for r in batch.requests]
-    return SchedulerOutput(reqs, batch.num_new_tokens, batch.starts, batch.samples, batch.num_decodes,
-                           batch.grammar_bitmask)
+    return dataclasses.replace(batch, requests=reqs)
 
 
 class RankWorker:

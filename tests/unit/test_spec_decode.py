@@ -169,3 +169,14 @@ def test_configuration(tiny_model, mtp_model):
         LLMEngine(mtp_model, method="mtp", tensor_parallel_size=2)
     plain = LLMEngine(mtp_model, **ENGINE)
     assert plain.core.stats().spec is None  # the MTP layer is the draft's: the target loads without it
+
+
+def test_deepseek_v3_mtp_layer_drafts(tmp_path_factory):
+    """The checkpoint's own DeepSeek MTP layer (MLA attention, its own latent cache) as the
+    draft, and the shared-weights mode over MLA: greedy output unchanged."""
+    path = build(str(tmp_path_factory.mktemp("tiny-deepseek-v3")), "deepseek_v3")
+    expected = token_ids(LLMEngine(path, **ENGINE).generate(PROMPTS, GREEDY, use_tqdm=False))
+    for method in ("mtp", "shared_weights"):
+        engine = spec_engine(path, method, 2, max_num_batched_tokens=16)
+        assert token_ids(engine.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected, method
+        assert engine.core.stats().spec.num_draft_tokens > 0
