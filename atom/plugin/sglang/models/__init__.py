@@ -19,6 +19,7 @@ from torch import nn
 from atom.distributed.parallel_state import SINGLE, TPInfo
 from atom.layers.attention import Attention as AtomAttention
 from atom.models.registry import get_model_class, supported_architectures
+from atom.plugin.sglang import logger
 
 _forward_batch: contextvars.ContextVar = contextvars.ContextVar("atom_sglang_forward_batch", default=None)
 
@@ -79,10 +80,11 @@ class SGLangModelAdapter:
         if quant_config is not None:
             raise NotImplementedError(f"atom's {type(self).__name__} inside SGLang does not support quantization")
         super().__init__(config, sglang_tp())
-        attach_radix_attention(self, prefix)
+        layers = attach_radix_attention(self, prefix)
         from sglang.srt.layers.logits_processor import LogitsProcessor
 
         self.logits_processor = LogitsProcessor(config)
+        logger.info("atom's %s built for SGLang: %d attention layers on RadixAttention", type(self).__name__, layers)
 
     def get_input_embeddings(self) -> nn.Module:
         return self.model.embed_tokens
