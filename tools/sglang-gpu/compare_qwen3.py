@@ -21,17 +21,50 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 QWEN3_06B = dict(
-    architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=1024, intermediate_size=3072,
-    num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
-    tie_word_embeddings=True, max_position_embeddings=40960, rms_norm_eps=1e-06, rope_theta=1000000,
-    hidden_act="silu", attention_bias=False, bos_token_id=151643, eos_token_id=151645, torch_dtype="bfloat16",
+    architectures=["Qwen3ForCausalLM"],
+    model_type="qwen3",
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    vocab_size=151936,
+    tie_word_embeddings=True,
+    max_position_embeddings=40960,
+    rms_norm_eps=1e-06,
+    rope_theta=1000000,
+    hidden_act="silu",
+    attention_bias=False,
+    bos_token_id=151643,
+    eos_token_id=151645,
+    torch_dtype="bfloat16",
 )
 SPECIAL = {151643: "<|endoftext|>", 151644: "<|im_start|>", 151645: "<|im_end|>"}
 SERVER_FLAGS = [
-    "--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none",
-    "--cuda-graph-backend-prefill", "disabled", "--cuda-graph-max-bs-decode", "8", "--mem-fraction-static", "0.5",
-    "--context-length", "1024", "--dtype", "bfloat16", "--random-seed", "0", "--skip-server-warmup",
-    "--served-model-name", "q3", "--host", "127.0.0.1",
+    "--attention-backend",
+    "triton",
+    "--sampling-backend",
+    "pytorch",
+    "--grammar-backend",
+    "none",
+    "--cuda-graph-backend-prefill",
+    "disabled",
+    "--cuda-graph-max-bs-decode",
+    "8",
+    "--mem-fraction-static",
+    "0.5",
+    "--context-length",
+    "1024",
+    "--dtype",
+    "bfloat16",
+    "--random-seed",
+    "0",
+    "--skip-server-warmup",
+    "--served-model-name",
+    "q3",
+    "--host",
+    "127.0.0.1",
 ]
 
 
@@ -49,15 +82,21 @@ def write_checkpoint(path: str, seed: int) -> None:
     shapes = {"model.embed_tokens.weight": (c["vocab_size"], h), "model.norm.weight": (h,)}
     for n in range(c["num_hidden_layers"]):
         p = f"model.layers.{n}."
-        shapes.update({
-            p + "self_attn.q_proj.weight": (c["num_attention_heads"] * d, h),
-            p + "self_attn.k_proj.weight": (c["num_key_value_heads"] * d, h),
-            p + "self_attn.v_proj.weight": (c["num_key_value_heads"] * d, h),
-            p + "self_attn.o_proj.weight": (h, c["num_attention_heads"] * d),
-            p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,),
-            p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h), p + "mlp.down_proj.weight": (h, i),
-            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-        })
+        shapes.update(
+            {
+                p + "self_attn.q_proj.weight": (c["num_attention_heads"] * d, h),
+                p + "self_attn.k_proj.weight": (c["num_key_value_heads"] * d, h),
+                p + "self_attn.v_proj.weight": (c["num_key_value_heads"] * d, h),
+                p + "self_attn.o_proj.weight": (h, c["num_attention_heads"] * d),
+                p + "self_attn.q_norm.weight": (d,),
+                p + "self_attn.k_norm.weight": (d,),
+                p + "mlp.gate_proj.weight": (i, h),
+                p + "mlp.up_proj.weight": (i, h),
+                p + "mlp.down_proj.weight": (h, i),
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+            }
+        )
     device = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator(device=device).manual_seed(seed)
     tensors = {}
@@ -70,8 +109,9 @@ def write_checkpoint(path: str, seed: int) -> None:
     vocab = {SPECIAL.get(t, f"t{t}"): t for t in range(c["vocab_size"])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                            bos_token=None).save_pretrained(path)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None
+    ).save_pretrained(path)
 
 
 def prompts(n: int, seed: int) -> list[list[int]]:
@@ -86,8 +126,17 @@ def start_server(model: str, port: int, atom: bool, extra: list[str], log_path: 
     env.pop("SGLANG_EXTERNAL_MODEL_PACKAGE", None)
     if atom:
         env["SGLANG_EXTERNAL_MODEL_PACKAGE"] = "atom.plugin.sglang.models"
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--port", str(port),
-           *SERVER_FLAGS, *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        model,
+        "--port",
+        str(port),
+        *SERVER_FLAGS,
+        *extra,
+    ]
     log = open(log_path, "w")
     log.write(" ".join(cmd) + "\n")
     log.flush()
@@ -110,10 +159,17 @@ def wait_ready(proc: subprocess.Popen, port: int, timeout: float) -> bool:
 
 
 def complete(port: int, prompt: list[int], max_tokens: int) -> list[int]:
-    body = json.dumps({"model": "q3", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-                       "ignore_eos": True, "return_token_ids": True}).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
-                                 {"Content-Type": "application/json"})
+    body = json.dumps(
+        {
+            "model": "q3",
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+    ).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body, {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as r:
         return json.load(r)["choices"][0]["token_ids"]
 
@@ -177,8 +233,10 @@ def main() -> None:
     if native is None or atom is None:
         print(f"RESULT: not compared (native {'ok' if native else 'failed'}, atom {'ok' if atom else 'failed'})")
         sys.exit(1)
-    print(f"\nSGLang 0.5.17 native Qwen3 vs atom's Qwen3 ({atom_graph}), greedy, "
-          f"{len(batch)} prompts x {args.max_tokens} tokens")
+    print(
+        f"\nSGLang 0.5.17 native Qwen3 vs atom's Qwen3 ({atom_graph}), greedy, "
+        f"{len(batch)} prompts x {args.max_tokens} tokens"
+    )
     print("| prompt | prompt len | identical | first divergence |")
     print("|---|---|---|---|")
     same = 0

@@ -66,10 +66,18 @@ def attach_radix_attention(model: nn.Module, prefix: str = "") -> int:
     layers = [m for m in model.modules() if isinstance(m, AtomAttention)]
     for layer in layers:
         layer_id = int(layer.prefix.split("layers.")[1].split(".")[0])
-        layer.attach_host_attention(_RadixHost(RadixAttention(
-            layer.num_heads, layer.head_dim, layer.scale, layer.num_kv_heads, layer_id,
-            prefix=f"{prefix}.{layer.prefix}" if prefix else layer.prefix,
-        )))
+        layer.attach_host_attention(
+            _RadixHost(
+                RadixAttention(
+                    layer.num_heads,
+                    layer.head_dim,
+                    layer.scale,
+                    layer.num_kv_heads,
+                    layer_id,
+                    prefix=f"{prefix}.{layer.prefix}" if prefix else layer.prefix,
+                )
+            )
+        )
     return len(layers)
 
 
@@ -90,8 +98,15 @@ class SGLangModelAdapter:
         return self.model.embed_tokens
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch, input_embeds=None,
-                get_embedding: bool = False, **kwargs):
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        forward_batch,
+        input_embeds=None,
+        get_embedding: bool = False,
+        **kwargs,
+    ):
         if get_embedding:
             raise NotImplementedError("atom's models in SGLang generate; embeddings are not supported")
         with _batch(forward_batch):
@@ -110,12 +125,16 @@ def _batch(forward_batch):
 
 def _make_wrapper(arch: str) -> type[nn.Module]:
     base = get_model_class(arch)
-    return type(arch, (SGLangModelAdapter, base), {
-        "__module__": __name__,
-        "__qualname__": arch,
-        "__doc__": f"atom's {arch} ({base.__module__}) with SGLang's model interface.",
-        "atom_class": base,
-    })
+    return type(
+        arch,
+        (SGLangModelAdapter, base),
+        {
+            "__module__": __name__,
+            "__qualname__": arch,
+            "__doc__": f"atom's {arch} ({base.__module__}) with SGLang's model interface.",
+            "atom_class": base,
+        },
+    )
 
 
 WRAPPERS = {arch: _make_wrapper(arch) for arch in supported_architectures()}
