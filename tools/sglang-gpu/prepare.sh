@@ -6,7 +6,7 @@
 # Layout written (".sglang_gpu/" is added to .git/info/exclude):
 #   .sglang_gpu/z1 .. z(N-1)  one 60 MiB part each of an uncompressed tar of the wheels
 #   .sglang_gpu/zN            the last part, SHA256SUMS (every wheel as shipped), NPARTS and install.sh
-# Today N = 2 (about 100 MiB in all). pip checks every download against the sha256 pinned in wheels.txt; the
+# Today N = 2 (about 116 MiB in all). pip checks every download against the sha256 pinned in wheels.txt; the
 # sglang-kernel wheel is then slimmed (its FA3, FlashMLA, InfLLM and sm100 libraries, 1.1 GB unpacked, are dropped:
 # SGLang loads them lazily and the triton attention backend never does), so SHA256SUMS records the slimmed wheel.
 # The wheels are already deflated, so nothing is compressed again: the work is download and copy, little CPU.
