@@ -183,6 +183,18 @@ def stop(proc: subprocess.Popen) -> None:
             os.killpg(proc.pid, 9)
 
 
+def wait_gpu_free(timeout: float = 60) -> None:
+    """The next server sizes its KV pool from free memory: wait until the last one's processes let go."""
+    import torch
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        free, total = torch.cuda.mem_get_info()
+        if free > 0.9 * total:
+            return
+        time.sleep(1)
+
+
 def serve_and_generate(name: str, atom: bool, args, batch: list[list[int]], extra: list[str]) -> list | None:
     log_path = os.path.join(args.out, f"{name}.log")
     t0 = time.monotonic()
@@ -197,6 +209,7 @@ def serve_and_generate(name: str, atom: bool, args, batch: list[list[int]], extr
             return list(pool.map(lambda p: complete(args.port, p, args.max_tokens), batch))
     finally:
         stop(proc)
+        wait_gpu_free()
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
