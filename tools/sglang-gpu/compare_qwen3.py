@@ -106,6 +106,8 @@ def write_checkpoint(path: str, seed: int) -> None:
         else:
             tensors[name] = (torch.randn(shape, generator=g, device=device) * 0.02).to(torch.bfloat16).cpu()
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the servers size their KV pools from free memory
     vocab = {SPECIAL.get(t, f"t{t}"): t for t in range(c["vocab_size"])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
