@@ -242,7 +242,10 @@ def main() -> None:
     if atom is None:  # say what failed above, then try once more without CUDA graphs
         atom_graph = "no decode CUDA graphs"
         atom = serve_and_generate("atom_eager", True, args, batch, ["--cuda-graph-backend-decode", "disabled"])
-    result = {"native": native, "atom": atom, "atom_mode": atom_graph, "prompts": batch}
+    logs = [os.path.join(args.out, f"{n}.log") for n in ("atom", "atom_eager")]
+    proof = [ln.strip() for p in logs if os.path.exists(p) for ln in open(p) if "built for SGLang" in ln]
+    print("atom's model in the atom server:", proof[-1] if proof else "NOT SEEN", flush=True)
+    result = {"native": native, "atom": atom, "atom_mode": atom_graph, "prompts": batch, "atom_log": proof}
     with open(os.path.join(args.out, "compare.json"), "w") as f:
         json.dump(result, f)
     if native is None or atom is None:
