@@ -190,7 +190,7 @@ def wait_gpu_free(timeout: float = 60) -> None:
     import torch
 
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while torch.cuda.is_available() and time.monotonic() < deadline:
         free, total = torch.cuda.mem_get_info()
         if free > 0.9 * total:
             return
@@ -262,6 +262,7 @@ def main() -> None:
         d = first_divergence(a, b)
         same += d is None
         print(f"| {k} | {len(p)} | {'yes' if d is None else 'no'} | {'-' if d is None else d} |")
+    print(f"distinct tokens per native sequence: {[len(set(a)) for a in native]}; first native: {native[0][:12]}")
     print(f"RESULT: {same}/{len(batch)} sequences identical")
 
 
