@@ -14,8 +14,8 @@ def register_plugin() -> None:
     """Make SGLang resolve the architectures atom implements to atom's models (idempotent).
 
     Before SGLang's model registry exists, naming atom's package in ``SGLANG_EXTERNAL_MODEL_PACKAGE``
-    is enough (SGLang then imports only those models at start and its own on demand); once it
-    exists, or when that variable names another package, atom's classes go into the registry."""
+    is enough (SGLang registers that package's models over its own when it builds the registry);
+    once it exists, or when that variable names another package, atom's classes go into the registry."""
     if plugin_disabled():
         return
     registry_loaded = "sglang.srt.models.registry" in sys.modules

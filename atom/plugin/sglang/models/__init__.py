@@ -19,6 +19,7 @@ from torch import nn
 from atom.distributed.parallel_state import SINGLE, TPInfo
 from atom.layers.attention import Attention as AtomAttention
 from atom.models.registry import get_model_class, plugin_architectures
+from atom.plugin.sglang import logger
 
 _forward_batch: contextvars.ContextVar = contextvars.ContextVar("atom_sglang_forward_batch", default=None)
 
@@ -65,10 +66,18 @@ def attach_radix_attention(model: nn.Module, prefix: str = "") -> int:
     layers = [m for m in model.modules() if isinstance(m, AtomAttention)]
     for layer in layers:
         layer_id = int(layer.prefix.split("layers.")[1].split(".")[0])
-        layer.attach_host_attention(_RadixHost(RadixAttention(
-            layer.num_heads, layer.head_dim, layer.scale, layer.num_kv_heads, layer_id,
-            prefix=f"{prefix}.{layer.prefix}" if prefix else layer.prefix,
-        )))
+        layer.attach_host_attention(
+            _RadixHost(
+                RadixAttention(
+                    layer.num_heads,
+                    layer.head_dim,
+                    layer.scale,
+                    layer.num_kv_heads,
+                    layer_id,
+                    prefix=f"{prefix}.{layer.prefix}" if prefix else layer.prefix,
+                )
+            )
+        )
     return len(layers)
 
 
@@ -79,17 +88,25 @@ class SGLangModelAdapter:
         if quant_config is not None:
             raise NotImplementedError(f"atom's {type(self).__name__} inside SGLang does not support quantization")
         super().__init__(config, sglang_tp())
-        attach_radix_attention(self, prefix)
+        layers = attach_radix_attention(self, prefix)
         from sglang.srt.layers.logits_processor import LogitsProcessor
 
         self.logits_processor = LogitsProcessor(config)
+        logger.info("atom's %s built for SGLang: %d attention layers on RadixAttention", type(self).__name__, layers)
 
     def get_input_embeddings(self) -> nn.Module:
         return self.model.embed_tokens
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch, input_embeds=None,
-                get_embedding: bool = False, **kwargs):
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        forward_batch,
+        input_embeds=None,
+        get_embedding: bool = False,
+        **kwargs,
+    ):
         if get_embedding:
             raise NotImplementedError("atom's models in SGLang generate; embeddings are not supported")
         with _batch(forward_batch):
@@ -108,12 +125,16 @@ def _batch(forward_batch):
 
 def _make_wrapper(arch: str) -> type[nn.Module]:
     base = get_model_class(arch)
-    return type(arch, (SGLangModelAdapter, base), {
-        "__module__": __name__,
-        "__qualname__": arch,
-        "__doc__": f"atom's {arch} ({base.__module__}) with SGLang's model interface.",
-        "atom_class": base,
-    })
+    return type(
+        arch,
+        (SGLangModelAdapter, base),
+        {
+            "__module__": __name__,
+            "__qualname__": arch,
+            "__doc__": f"atom's {arch} ({base.__module__}) with SGLang's model interface.",
+            "atom_class": base,
+        },
+    )
 
 
 WRAPPERS = {arch: _make_wrapper(arch) for arch in plugin_architectures()}
