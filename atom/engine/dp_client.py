@@ -144,6 +144,10 @@ class DPEngineCoreClient:
     def _send(self, replica: _Replica, msg) -> None:
         if not self._finalizer.alive:
             raise RankFailure("the data-parallel replicas are shut down")
+        # a PUSH socket whose peer is gone (a dead replica) blocks a send forever: wait
+        # until it can send, checking that every replica still lives
+        while not replica.inp.poll(IDLE_POLL_MS, zmq.POLLOUT):
+            self._check_alive()
         replica.inp.send(self._encode(msg), copy=False)
 
     def _call_all(self, method: str) -> list:
