@@ -85,3 +85,30 @@ def test_tiny_deepseek_engine_matches_transformers(arch, tmp_path):
     engine = LLMEngine(path, max_model_len=512, dtype="float32", device="cuda", enable_prefix_caching=True)
     outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
     assert [o["token_ids"] for o in outs] == ref
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "llama"])
+@pytest.mark.parametrize("k", [1, 3])
+def test_spec_decode_on_cuda_matches_plain_decoding(arch, k, tmp_path):
+    """MTP and the shared-weights mode on CUDA (graphs, float32): greedy output identical to
+    decoding without drafts, drafts proposed, shared-weights drafts nearly all accepted."""
+    from atom import LLMEngine, SamplingParams
+    from atom.testing.tiny_checkpoint import add_mtp_layer, build
+
+    path = build(str(tmp_path / arch), arch)
+    if arch == "llama":
+        path = add_mtp_layer(path)
+    prompts = [list(range(10, 15)), list(range(40, 49)), list(range(100, 331)), [7, 300, 12, 55, 9, 81, 23]]
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    # several engines live in this process: give each a fixed KV pool, not a share of free memory
+    common = dict(max_model_len=512, dtype="float32", device="cuda", max_num_batched_tokens=64,
+                  kv_cache_memory_bytes=1 << 26)
+    expected = [o["token_ids"] for o in LLMEngine(path, **common).generate(prompts, greedy, use_tqdm=False)]
+    for method in ("mtp", "shared_weights"):
+        engine = LLMEngine(path, method=method, num_speculative_tokens=k, **common)
+        got = [o["token_ids"] for o in engine.generate(prompts, greedy, use_tqdm=False)]
+        assert got == expected, method
+        spec = engine.core.stats().spec
+        assert spec.num_draft_tokens > 0
+        if method == "shared_weights":
+            assert spec.num_accepted_tokens >= 0.9 * spec.num_draft_tokens

@@ -22,8 +22,10 @@ def _group_quant_kernel(x_ptr, q_ptr, s_ptr, k, stride_x, stride_q, stride_s, gr
     offs = group * group_k + tl.arange(0, BLOCK)
     mask = (offs < k) & (tl.arange(0, BLOCK) < group_k)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0) / 448.0, 1e-12)
-    q = tl.clamp(x / scale, -448.0, 448.0)
+    # IEEE-rounded divisions (Triton's `/` is approximate): the fp8 codes then match the
+    # reference bit for bit, also next to rounding boundaries
+    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), 448.0), 1e-12)
+    q = tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0)
     tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + row * stride_s + group, scale)
 

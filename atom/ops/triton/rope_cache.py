@@ -34,7 +34,7 @@ def _store_heads(
     offset = slot % BLOCK_SIZE
     ptrs = cache_ptr + block * stride_cb + offset * stride_ct + heads[:, None] * stride_ch + offs_d[None, :]
     if cache_ptr.dtype.element_ty == tl.float8e4nv:
-        val = tl.clamp(val.to(tl.float32) / scale, -448.0, 448.0)
+        val = tl.clamp(tl.math.div_rn(val.to(tl.float32), scale), -448.0, 448.0)  # IEEE-rounded, as the reference
     tl.store(ptrs, val.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
