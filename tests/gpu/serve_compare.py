@@ -5,7 +5,8 @@ one server at a time, ``benchmark_serving`` against each, a short table last.
         --run after:qwen3-8b:sync --run after:qwen3-8b:async --run vllm:qwen3-8b
 
 A run is ``TREE:MODEL[:FLAG,...]``; flags: ``async`` / ``sync`` (atom's scheduling mode; default: the tree's),
-``mnbt=N`` (--max-num-batched-tokens). Every run first sends a warm-up pass (Triton compiles
+``mnbt=N`` (--max-num-batched-tokens), ``c=N`` (the client's concurrency; default --concurrency).
+Every run first sends a warm-up pass (Triton compiles
 kernels on first use) and then the measured one. atom runs write a step timeline
 (``ATOM_STEP_TRACE``) that is summarised in the table; the CPU seconds of the server's
 processes during the measured pass are recorded too. Logs and JSON go to $OUT.
@@ -108,6 +109,7 @@ def run_one(spec: str, args, trees: dict[str, str], port: int) -> dict:
         ATOM_STEP_TRACE=trace,
     )
     mnbt = [f.split("=")[1] for f in flags if f.startswith("mnbt=")]
+    concurrency = next((f.split("=")[1] for f in flags if f.startswith("c=")), str(args.concurrency))
     if tree == "vllm":
         cmd = [
             sys.executable,
@@ -167,7 +169,7 @@ def run_one(spec: str, args, trees: dict[str, str], port: int) -> dict:
             "inf",
             "--ignore-eos",
             "--max-concurrency",
-            str(args.concurrency),
+            concurrency,
             "--disable-tqdm",
             "--percentile-metrics",
             "ttft,tpot,itl,e2el",
