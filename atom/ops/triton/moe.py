@@ -156,15 +156,22 @@ def _sort_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
 
 
 @triton.jit
-def _row_tile(sorted_ids_ptr, expert_ids_ptr, num_pairs, N, A_ROW_DIV: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr):  # fmt: skip
-    """The tile of the MoE GEMM kernels (``moe`` and ``moe_fp8``) that program (m, n) computes: its pairs,
-    which of them are real (not padding), their rows of ``a``, the tile's expert, its columns and which
-    of them are inside ``N``."""
+def _row_tile(
+    a_ptr, b_ptr, sorted_ids_ptr, expert_ids_ptr, num_pairs, N, stride_am, stride_be, stride_bn,
+    A_ROW_DIV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Where program (m, n) of the MoE GEMM kernels (``moe`` and ``moe_fp8``) starts: its pairs, which
+    of them are real (not padding), their rows of ``a``, the tile's expert, its columns and which are
+    inside ``N``, the K offsets, and the pointers of the first K tiles of ``a`` and ``b``."""
     pairs = tl.load(sorted_ids_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))
+    a_rows = (pairs // A_ROW_DIV).to(tl.int64)
     expert = tl.load(expert_ids_ptr + tl.program_id(0)).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    return pairs, pairs < num_pairs, (pairs // A_ROW_DIV).to(tl.int64), expert, offs_n, offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
+    # b[expert] is [N_total, K] row-major; load it as [BLOCK_K, BLOCK_N] tiles.
+    b_ptrs = b_ptr + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
+    return pairs, pairs < num_pairs, a_rows, expert, offs_n, offs_n < N, offs_k, a_ptrs, b_ptrs
 
 
 @triton.jit
@@ -218,13 +225,10 @@ def _moe_gemm_kernel(
     rows past N are read but their columns are never stored."""
     if tl.program_id(0) * BLOCK_M >= tl.load(num_padded_ptr):
         return
-    pairs, row_ok, a_rows, expert, offs_n, n_ok = _row_tile(
-        sorted_ids_ptr, expert_ids_ptr, num_pairs, N, A_ROW_DIV, BLOCK_M, BLOCK_N
-    )
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
-    # b[expert] is [N_total, K] row-major; load it as [BLOCK_K, BLOCK_N] tiles.
-    b_ptrs = b_ptr + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
+    pairs, row_ok, a_rows, expert, offs_n, n_ok, offs_k, a_ptrs, b_ptrs = _row_tile(
+        a_ptr, b_ptr, sorted_ids_ptr, expert_ids_ptr, num_pairs, N, stride_am, stride_be, stride_bn,
+        A_ROW_DIV, BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     desc_row = (expert * (2 * N if GATED else N)).to(tl.int32) + tl.program_id(1) * BLOCK_N

@@ -26,12 +26,10 @@ def _moe_fp8_gemm_kernel(
     routing weight."""
     if tl.program_id(0) * BLOCK_M >= tl.load(num_padded_ptr):
         return
-    pairs, row_ok, a_rows, expert, offs_n, n_ok = _row_tile(
-        sorted_ids_ptr, expert_ids_ptr, num_pairs, N, A_ROW_DIV, BLOCK_M, BLOCK_N
-    )
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
-    b_ptrs = b_ptr + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
+    pairs, row_ok, a_rows, expert, offs_n, n_ok, offs_k, a_ptrs, b_ptrs = _row_tile(
+        a_ptr, b_ptr, sorted_ids_ptr, expert_ids_ptr, num_pairs, N, stride_am, stride_be, stride_bn,
+        A_ROW_DIV, BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
     as_ptrs = as_ptr + a_rows * stride_asm
     bs_ptrs = bs_ptr + expert * stride_bse + offs_n * stride_bsn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
