@@ -222,10 +222,8 @@ class SonnetDataset(BenchmarkDataset):
         base_len = len(tokenizer(apply_chat_template(tokenizer, self.BASE_PROMPT)).input_ids)
         if input_len <= base_len:
             raise ValueError(f"--sonnet-input-len must be higher than the base prompt length ({base_len}).")
-        num_lines, num_prefix = (
-            round((input_len - base_len) / line_len),
-            max(round((prefix_len - base_len) / line_len), 0),
-        )
+        num_lines = round((input_len - base_len) / line_len)
+        num_prefix = max(round((prefix_len - base_len) / line_len), 0)
         if num_lines <= num_prefix:
             raise ValueError(f"--sonnet-input-len {input_len} leaves no lines after the prefix of {prefix_len} tokens.")
         samples: list[SampleRequest] = []
@@ -233,9 +231,8 @@ class SonnetDataset(BenchmarkDataset):
         for _ in range(100 * num_requests):
             if len(samples) >= num_requests:
                 break
-            prompt = self.BASE_PROMPT + "".join(
-                self.data[:num_prefix] + self.rng.choices(self.data, k=num_lines - num_prefix)
-            )
+            lines = self.data[:num_prefix] + self.rng.choices(self.data, k=num_lines - num_prefix)
+            prompt = self.BASE_PROMPT + "".join(lines)
             formatted = apply_chat_template(tokenizer, prompt)
             if (prompt_len := len(tokenizer(formatted).input_ids)) <= input_len:
                 samples.append(SampleRequest(formatted if return_prompt_formatted else prompt, prompt_len, output_len))
@@ -265,30 +262,21 @@ class BurstGPTDataset(BenchmarkDataset):
 
 
 def get_samples(args: argparse.Namespace, tokenizer) -> list[SampleRequest]:
-    """The benchmark's requests for the dataset named by ``args.dataset_name``."""
+    """The requests of the dataset ``args.dataset_name``, sampled with its group of flags (``--random-*`` ...)."""
     name, n, files = args.dataset_name, args.num_prompts, dict(dataset_path=args.dataset_path, random_seed=args.seed)
+    opts = {k.removeprefix(f"{name}_"): v for k, v in vars(args).items() if k.startswith(f"{name}_")}
     if args.use_chat_template and name != "random":
         logger.warning("--use-chat-template only applies to the random dataset; ignored for %s.", name)
     if args.use_chat_template and args.backend == "openai-chat":
         logger.warning("--use-chat-template with the openai-chat backend applies the chat template twice.")
     if name == "random":
-        lens = dict(input_len=args.random_input_len, output_len=args.random_output_len)
-        kwargs = dict(prefix_len=args.random_prefix_len, range_ratio=args.random_range_ratio)
         return RandomDataset(random_seed=args.seed).sample(
-            tokenizer, n, **lens, **kwargs, use_chat_template=args.use_chat_template
+            tokenizer, n, use_chat_template=args.use_chat_template, **opts
         )
-    if name == "sharegpt":
-        return ShareGPTDataset(**files).sample(tokenizer, n, output_len=args.sharegpt_output_len)
     if name == "sonnet":  # a chat server applies the template itself; the completions API needs the templated text
-        lens = dict(
-            prefix_len=args.sonnet_prefix_len, input_len=args.sonnet_input_len, output_len=args.sonnet_output_len
-        )
         return SonnetDataset(**files).sample(
-            tokenizer, n, **lens, return_prompt_formatted=args.backend != "openai-chat"
+            tokenizer, n, return_prompt_formatted=args.backend != "openai-chat", **opts
         )
-    if name == "burstgpt":
-        return BurstGPTDataset(**files).sample(tokenizer, n)
     if name == "hf":
-        hf = HuggingFaceDataset(dataset_subset=args.hf_subset, dataset_split=args.hf_split, **files)
-        return hf.sample(tokenizer, n, output_len=args.hf_output_len)
-    raise ValueError(f"Unknown dataset: {name}. Choices: {DATASET_NAMES}")
+        return HuggingFaceDataset(opts.pop("subset"), opts.pop("split"), **files).sample(tokenizer, n, **opts)
+    return {"sharegpt": ShareGPTDataset, "burstgpt": BurstGPTDataset}[name](**files).sample(tokenizer, n, **opts)
