@@ -1,7 +1,5 @@
-"""One OpenAI-compatible streaming client for every serving backend, timed token by token (vLLM's
-``backend_request_func.py``): Completions requests (Chat Completions for ``openai-chat``); the backend's
-name only labels the results. A failed request comes back as ``success=False`` with the reason in
-``error``, never as an exception, so one bad request does not abort a run of thousands."""
+"""One OpenAI-compatible streaming client for every backend (vLLM's ``backend_request_func.py``). A failed
+request comes back as ``success=False`` with the reason in ``error``, so it does not abort a long run."""
 
 from __future__ import annotations
 
@@ -162,9 +160,8 @@ def _hub_reachable() -> bool:
 
 
 def get_tokenizer(name: str, tokenizer_mode: str = "auto", trust_remote_code: bool = False):
-    """A Hugging Face tokenizer from a local directory, the hub cache, or the hub when it answers. Without
-    a network transformers retries the hub for about a minute before failing, so a name that is neither
-    local nor cached fails at once when the hub cannot be reached."""
+    """A Hugging Face tokenizer from a local directory, the hub cache, or the hub when it answers (offline,
+    transformers retries the hub for about a minute: a name neither local nor cached fails at once)."""
     from transformers import AutoTokenizer
 
     kwargs = dict(trust_remote_code=trust_remote_code, use_fast=tokenizer_mode != "slow")
