@@ -5,7 +5,8 @@ difference; a candidate off by more than 2% of the output's magnitude cannot win
 bf16 (``torch.mm``, bf16 fused MoE, bf16 cache) and ``torch._scaled_mm`` rowwise.
 
 Candidates are compiled first by a pool of worker processes (Triton's disk cache), then
-timed one at a time by this process; past ``--budget`` seconds the rest is skipped.
+timed one at a time by this process as the engine's CUDA graphs run them (``us``: no launch
+overhead, L2 flushed before each call); past ``--budget`` seconds the rest is skipped.
 Everything goes to $OUT/fp8_sweep.json (or ./gpu-results); the table printed last has, per
 shape, the baselines, the current table's config and the best candidate.
 
@@ -84,9 +85,12 @@ def moe_candidates(rows: float, per_group: bool) -> list[dict]:
     return c
 
 
-ATTN_CANDIDATES = [dict(block_n=bn, num_warps=w, num_stages=s) for bn, w, s in
-                   [(64, 4, 2), (32, 4, 2), (128, 4, 2), (64, 4, 3), (64, 4, 1), (128, 8, 2), (64, 2, 2)]]  # fmt: skip
-ATTN_SPLITS = [None, 16, 32]
+# decode tiles of paged attention; k_rows: keys read a row per key and transposed after the
+# fp8 -> bf16 conversion (instead of read transposed)
+_ATTN_TILES = [(64, 4, 2, 0), (32, 4, 2, 0), (128, 4, 2, 0), (64, 4, 3, 0), (64, 4, 1, 0), (128, 8, 2, 0),
+               (64, 2, 2, 0), (64, 4, 2, 1), (128, 4, 2, 1), (32, 4, 2, 1)]  # fmt: skip
+ATTN_CANDIDATES = [dict(block_n=bn, num_warps=w, num_stages=s, k_rows=bool(r)) for bn, w, s, r in _ATTN_TILES]
+ATTN_SPLITS = [None, 16, 32, 128]
 
 
 # --- the measured calls (shared by the compile workers and the timing loop) ---------------
@@ -319,10 +323,48 @@ def reference(kind: str, case: tuple, args: tuple) -> torch.Tensor:
     return ref.paged_attention(q.float(), k, v, cu, lens, tables, scale, 1, ctx + 1, 0, None, None, *scales)
 
 
-def us(fn) -> float:
-    from triton.testing import do_bench
+@functools.cache
+def _flush_buffer() -> torch.Tensor:
+    return torch.empty(96 << 20, dtype=torch.int8, device=DEV)  # larger than an H100's / H200's L2
 
-    return do_bench(fn, warmup=5, rep=20, return_mode="median") * 1000
+
+def _graph(fn, reps: int, with_fn: bool) -> torch.cuda.CUDAGraph:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            _flush_buffer().zero_()
+            if with_fn:
+                fn()
+    return graph
+
+
+def _replay_ms(graph: torch.cuda.CUDAGraph, times: int = 7) -> float:
+    graph.replay()
+    samples = []
+    for _ in range(times):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end))
+    return sorted(samples)[times // 2]
+
+
+def us(fn, reps: int = 10) -> float:
+    """GPU microseconds per call as the engine's CUDA graphs run it: calls captured in a
+    graph (no launch overhead), each after an L2 flush (weights come from memory, as in a
+    decode step), the flushes' own time subtracted."""
+    fn()
+    flushed, flush_only = _graph(fn, reps, True), _graph(fn, reps, False)
+    t = (_replay_ms(flushed) - _replay_ms(flush_only)) / reps * 1000
+    del flushed, flush_only
+    return t
 
 
 def baselines(kind: str, case: tuple) -> dict:
