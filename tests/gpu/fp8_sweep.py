@@ -128,27 +128,40 @@ def run_gemm(n: int, k: int, m: int, per_group: bool, kmajor: bool, cfg: dict | 
 
 
 @functools.cache
-def moe_inputs(per_group: bool | None, tokens: int):
-    """per_group None: the bf16 weights."""
-    from atom.ops import reference, reference_fp8
+def moe_weights(per_group: bool | None) -> tuple:
+    """per_group None: the bf16 weights (w13, w2); else (w13, s13, w2, s2), scales K-major."""
+    from atom.ops import reference_fp8
 
     p = MOE_SHAPE
     gen = torch.Generator(device=DEV).manual_seed(1)
     w13 = torch.randn(p["experts"], 2 * p["inter"], p["hidden"], device=DEV, dtype=torch.bfloat16, generator=gen)
     w2 = torch.randn(p["experts"], p["hidden"], p["inter"], device=DEV, dtype=torch.bfloat16, generator=gen)
     w13, w2 = w13 * 0.02, w2 * 0.03
-    x = torch.randn(tokens, p["hidden"], device=DEV, dtype=torch.bfloat16, generator=gen)
-    logits = torch.randn(tokens, p["experts"], device=DEV, generator=gen)
-    weights, ids = reference.moe_topk(logits, p["top_k"], True)
     if per_group is None:
-        return x, w13, w2, weights, ids
+        return w13, w2
     g = 128 if per_group else 0
     out = []
     for w in (w13, w2):
         pairs = [reference_fp8.quantize_weight(w[e], g, g or 1) for e in range(w.shape[0])]
         q, s = torch.stack([a for a, _ in pairs]), torch.stack([b for _, b in pairs])
         out += [q, s.transpose(1, 2).contiguous().transpose(1, 2)]
-    return x, *out, weights, ids
+    return tuple(out)
+
+
+@functools.cache
+def moe_tokens(tokens: int) -> tuple:
+    from atom.ops import reference
+
+    gen = torch.Generator(device=DEV).manual_seed(tokens)
+    x = torch.randn(tokens, MOE_SHAPE["hidden"], device=DEV, dtype=torch.bfloat16, generator=gen)
+    logits = torch.randn(tokens, MOE_SHAPE["experts"], device=DEV, generator=gen)
+    return x, *reference.moe_topk(logits, MOE_SHAPE["top_k"], True)
+
+
+def moe_inputs(per_group: bool | None, tokens: int) -> tuple:
+    """fused_moe's (per_group None) or fused_moe_fp8's arguments, less group_k."""
+    x, weights, ids = moe_tokens(tokens)
+    return x, *moe_weights(per_group), weights, ids
 
 
 def run_moe(per_group: bool, tokens: int, cfg: dict | None):
@@ -356,11 +369,17 @@ def _replay_ms(graph: torch.cuda.CUDAGraph, times: int = 7) -> float:
     return sorted(samples)[times // 2]
 
 
-def us(fn, reps: int = 10) -> float:
+def us(fn) -> float:
     """GPU microseconds per call as the engine's CUDA graphs run it: calls captured in a
     graph (no launch overhead), each after an L2 flush (weights come from memory, as in a
-    decode step), the flushes' own time subtracted."""
+    decode step), the flushes' own time subtracted. About 2 ms of calls per graph."""
     fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    reps = max(2, min(10, int(2.0 / max(start.elapsed_time(end), 1e-3))))
     flushed, flush_only = _graph(fn, reps, True), _graph(fn, reps, False)
     t = (_replay_ms(flushed) - _replay_ms(flush_only)) / reps * 1000
     del flushed, flush_only
