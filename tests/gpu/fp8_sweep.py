@@ -213,23 +213,27 @@ def run_attn(batch: int, ctx: int, fp8: bool, cfg: dict | None, splits: int | No
 def plan() -> list[tuple]:
     """(kind, case, label, runner args), most wanted first (a budget cut skips the tail).
     Label "table" is the current table's choice."""
+    from atom.ops.triton.fp8_configs import gemm_config, moe_config
+
     gemm = {True: [], False: []}
     for per_group in (True, False):
         mode = "block" if per_group else "channel"
         for name, n, k in GEMM_SHAPES:
             for m in GEMM_MS:
                 case = (name, m, mode)
-                gemm[per_group].append(("gemm", case, "table", (n, k, m, per_group, True, None)))
+                table = gemm_config(m, n, k, per_group)  # explicit, so that it compiles in the pool
+                gemm[per_group].append(("gemm", case, "table", (n, k, m, per_group, True, table)))
                 if per_group:  # the row-major scale layouts (before this sweep) at the table's tiles
-                    gemm[per_group].append(("gemm", case, "rowmajor", (n, k, m, per_group, False, None)))
+                    gemm[per_group].append(("gemm", case, "rowmajor", (n, k, m, per_group, False, table)))
                 for cfg in gemm_candidates(m, per_group):
                     gemm[per_group].append(("gemm", case, json.dumps(cfg), (n, k, m, per_group, True, cfg)))
     moe = []
     for t in MOE_TOKENS:
         for per_group in (True, False):
             case = (t, "block" if per_group else "channel")
-            moe.append(("moe", case, "table", (per_group, t, None)))
-            for cfg in moe_candidates(t * MOE_SHAPE["top_k"] / MOE_SHAPE["experts"], per_group):
+            rows = t * MOE_SHAPE["top_k"] / MOE_SHAPE["experts"]
+            moe.append(("moe", case, "table", (per_group, t, moe_config(rows, per_group))))
+            for cfg in moe_candidates(rows, per_group):
                 moe.append(("moe", case, json.dumps(cfg), (per_group, t, cfg)))
     attn = []
     for batch, ctx in ATTN_CASES:
