@@ -1,8 +1,5 @@
-"""One OpenAI-compatible streaming client for every serving backend, timed token by token (after
-vLLM's ``backend_request_func.py``). Every backend is sent OpenAI Completions requests (Chat Completions
-for ``openai-chat``); the backend's name only labels the results. ``async_request`` never raises for a
-failed request: it comes back as ``success=False`` with the reason in ``error``, so one bad request does
-not abort a run of thousands."""
+"""One OpenAI-compatible streaming client for every backend (vLLM's ``backend_request_func.py``). A failed
+request comes back as ``success=False`` with the reason in ``error``, so it does not abort a long run."""
 
 from __future__ import annotations
 
@@ -18,8 +15,8 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-# Long generations at high concurrency can take hours; the limit only guards against a hung server.
-AIOHTTP_TIMEOUT = aiohttp.ClientTimeout(total=6 * 60 * 60)
+_NAMES = "tgi vllm lmdeploy deepspeed-mii openai openai-chat tensorrt-llm scalellm sglang".split()
+BACKENDS = {name: "chat/completions" if name == "openai-chat" else "completions" for name in _NAMES}  # URL suffix
 
 
 class BenchmarkError(RuntimeError):
@@ -52,35 +49,31 @@ class RequestFuncOutput:
     error: str = ""
 
 
-def _sse_payload(line: bytes) -> str | None:
-    """The payload of one SSE line, or None for lines that carry no data."""
-    text = line.strip().decode("utf-8")
-    # Blank lines separate events; ':' lines are comments (keep-alive pings).
-    if not text or text.startswith(":") or text.split(":", 1)[0] in ("event", "id", "retry"):
-        return None
-    # Some servers stream bare JSON lines without the "data:" field name.
-    return text.removeprefix("data:").strip()
-
-
 def _openai_body(r: RequestFuncInput, chat: bool) -> dict:
-    body = dict(model=r.model_name or r.model, temperature=0.0, max_tokens=r.output_len, stream=True)
     # the final usage chunk gives the exact token count, so the text need not be re-tokenized
-    body["stream_options"] = {"include_usage": True}
+    body = dict(model=r.model_name or r.model, temperature=0.0, max_tokens=r.output_len, stream=True)
+    body |= dict(stream_options={"include_usage": True}) | ({"ignore_eos": True} if r.ignore_eos else {})
     if chat:  # max_tokens too, for servers that only know the older name
         body.update(messages=[{"role": "user", "content": r.prompt}], max_completion_tokens=r.output_len)
-        if r.logprobs is not None:
-            body.update(logprobs=True, top_logprobs=r.logprobs)
-    else:
-        body.update(prompt=r.prompt, repetition_penalty=1.0, logprobs=r.logprobs)
-        if r.best_of > 1:
-            body["best_of"] = r.best_of
-    return body | ({"ignore_eos": True} if r.ignore_eos else {})
+        return body | (dict(logprobs=True, top_logprobs=r.logprobs) if r.logprobs is not None else {})
+    body.update(prompt=r.prompt, repetition_penalty=1.0, logprobs=r.logprobs)
+    return body | ({"best_of": r.best_of} if r.best_of > 1 else {})
+
+
+def _event(line: bytes) -> dict | None:
+    """The JSON event of one server-sent-event line; None for blank lines (they separate events), comments
+    (keep-alive pings), ``event:``/``id:``/``retry:`` fields and ``[DONE]``. Bare JSON lines count too."""
+    text = line.strip().decode("utf-8")
+    if not text or text.startswith(":") or text.split(":", 1)[0] in ("event", "id", "retry"):
+        return None
+    payload = text.removeprefix("data:").strip()
+    return None if payload == "[DONE]" else json.loads(payload)
 
 
 def _event_text(event: dict) -> str | None:
-    """The text of a streamed completion or chat chunk; None for the usage summary and a chat chunk that
-    only announces the assistant role (it comes before any token: timing it would make TTFT look near
-    zero). Reasoning text is kept so that counting tokens by text includes it."""
+    """The text of a completion or chat chunk; None for the usage summary and a chat chunk that only
+    announces the assistant role (timing it would make TTFT look near zero). Reasoning text is kept, so
+    that counting tokens by text includes it."""
     if not event.get("choices"):
         return None
     if (delta := event["choices"][0].get("delta")) is None:
@@ -89,22 +82,16 @@ def _event_text(event: dict) -> str | None:
     return None if "role" in delta and not content and not reasoning else (reasoning or "") + (content or "")
 
 
-# backend -> the endpoint its URL must end with: all speak the OpenAI API, so a name only labels the results
-_NAMES = ["tgi", "vllm", "lmdeploy", "deepspeed-mii", "openai", "openai-chat", "tensorrt-llm", "scalellm", "sglang"]
-BACKENDS = {name: "chat/completions" if name == "openai-chat" else "completions" for name in _NAMES}
-
-
 def client_session() -> aiohttp.ClientSession:
-    """The session requests go through: no cap on connections (aiohttp's default of 100 would silently
-    cap the concurrency; --max-concurrency rules), a timeout against a hung server only, and a read
-    buffer for any one server-sent event (aiohttp's line reader fails on a line over twice its 64 KiB
-    default, which an event with logprobs can exceed)."""
+    """No cap on connections (aiohttp's 100 would silently cap --max-concurrency), a timeout that only
+    guards against a hung server, and a read buffer for any one event (aiohttp's line reader fails on a
+    line over twice its 64 KiB default, which an event with logprobs can exceed)."""
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60)
-    return aiohttp.ClientSession(connector=connector, trust_env=True, timeout=AIOHTTP_TIMEOUT, read_bufsize=1 << 24)
+    timeout = aiohttp.ClientTimeout(total=6 * 60 * 60)
+    return aiohttp.ClientSession(connector=connector, trust_env=True, timeout=timeout, read_bufsize=1 << 24)
 
 
 def check_api_url(backend: str, api_url: str) -> None:
-    """Raise ValueError unless ``api_url`` is an endpoint ``backend`` can use."""
     if backend not in BACKENDS:
         raise ValueError(f"Unknown backend: {backend}. Choices: {list(BACKENDS)}")
     if not api_url.endswith(suffix := BACKENDS[backend]):
@@ -112,13 +99,11 @@ def check_api_url(backend: str, api_url: str) -> None:
 
 
 def _auth_headers() -> dict[str, str]:
-    api_key = os.environ.get("OPENAI_API_KEY")
-    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return {"Authorization": f"Bearer {os.environ['OPENAI_API_KEY']}"} if os.environ.get("OPENAI_API_KEY") else {}
 
 
 async def async_request(backend: str, request: RequestFuncInput, session: aiohttp.ClientSession, pbar=None):
-    """Send one request to ``request.api_url`` as ``backend`` and time its tokens; ``session`` comes from
-    ``client_session``."""
+    """Send ``request`` as ``backend`` through ``session`` (from ``client_session``) and time its tokens."""
     output = RequestFuncOutput(prompt_len=request.prompt_len)
     body = _openai_body(request, chat=BACKENDS[backend] == "chat/completions")
     times = [time.perf_counter()]  # the send time, then the arrival of every token
@@ -128,9 +113,9 @@ async def async_request(backend: str, request: RequestFuncInput, session: aiohtt
                 output.error = f"HTTP {response.status} {response.reason}: {(await response.text())[:1000]}"
             else:
                 async for line in response.content:  # server-sent events, one a line
-                    if (payload := _sse_payload(line)) is None or payload == "[DONE]":
+                    if (event := _event(line)) is None:
                         continue
-                    if (text := _event_text(event := json.loads(payload))) is not None:
+                    if (text := _event_text(event)) is not None:
                         times.append(time.perf_counter())
                         output.generated_text += text
                     if usage := event.get("usage"):
@@ -166,23 +151,20 @@ def served_model(base_url: str) -> tuple[str, str | None]:
 def _hub_reachable() -> bool:
     from huggingface_hub import constants
 
-    if constants.HF_HUB_OFFLINE:
-        return False
-    url = urllib.parse.urlsplit(constants.ENDPOINT)
-    try:
-        socket.create_connection((url.hostname, url.port or 443), timeout=3).close()
-    except OSError:
-        return False
-    return True
+    hub = urllib.parse.urlsplit(constants.ENDPOINT)
+    with contextlib.suppress(OSError):
+        if not constants.HF_HUB_OFFLINE:
+            socket.create_connection((hub.hostname, hub.port or 443), timeout=3).close()
+            return True
+    return False
 
 
 def get_tokenizer(name: str, tokenizer_mode: str = "auto", trust_remote_code: bool = False):
-    """A Hugging Face tokenizer from a local directory, the hub cache, or the hub when it answers.
-    Without a network transformers retries the hub for about a minute before failing, so a name that
-    is neither local nor cached fails at once when the hub cannot be reached."""
+    """A Hugging Face tokenizer from a local directory, the hub cache, or the hub when it answers (offline,
+    transformers retries the hub for about a minute: a name neither local nor cached fails at once)."""
     from transformers import AutoTokenizer
 
-    kwargs = dict(trust_remote_code=trust_remote_code, **({"use_fast": False} if tokenizer_mode == "slow" else {}))
+    kwargs = dict(trust_remote_code=trust_remote_code, use_fast=tokenizer_mode != "slow")
     if not os.path.exists(name):
         with contextlib.suppress(OSError):
             return AutoTokenizer.from_pretrained(name, local_files_only=True, **kwargs)

@@ -1,7 +1,5 @@
-"""Batch-1 decode latency (time per output token) against the memory-bandwidth floor.
-
-The floor is the time to read every weight once per token at the measured device-copy
-bandwidth: ``weight bytes / copy bandwidth``.
+"""Batch-1 decode latency (time per output token) against the memory-bandwidth floor: the time to read
+every weight once per token at the measured device-copy bandwidth (``weight bytes / copy bandwidth``).
 
     python -m atom.benchmarks.benchmark_latency --model qwen3-8b [--engine vllm] [--output-json r.json]
 """
@@ -36,15 +34,14 @@ def tpot(args) -> float:
 def main(argv=None) -> dict:
     rows = [("--input-len", 128, None), ("--output-len", 256, None), ("--repeats", 3, None)]
     args = parse_offline_args(__doc__, argv, "qwen3-8b", rows)
-    t = tpot(args)
-    bw, weights = copy_bandwidth(), weight_bytes(args.model)
+    t, bw, weights = tpot(args), copy_bandwidth(), weight_bytes(args.model)
     floor = weights / bw
     result = dict(engine=args.engine, model=args.model, tpot_ms=round(t * 1e3, 3), floor_ms=round(floor * 1e3, 3))
     result |= dict(fraction_of_floor=round(floor / t, 3), copy_bandwidth_gbs=round(bw / 1e9, 1))
     result["weight_gb"] = round(weights / 1e9, 3)
-    head = "| engine | model | TPOT (ms) | floor (ms) | floor/TPOT | copy GB/s |\n|---|---|---|---|---|---|\n"
-    line = f"| {args.engine} | {args.model} | {t * 1e3:.3f} | {floor * 1e3:.3f} | {floor / t:.2f} | {bw / 1e9:.0f} |"
-    return report(head + line, result, args.output_json)
+    columns = {"engine": args.engine, "model": args.model, "TPOT (ms)": f"{t * 1e3:.3f}"}
+    columns |= {"floor (ms)": f"{floor * 1e3:.3f}", "floor/TPOT": f"{floor / t:.2f}", "copy GB/s": f"{bw / 1e9:.0f}"}
+    return report(columns, result, args.output_json)
 
 
 if __name__ == "__main__":

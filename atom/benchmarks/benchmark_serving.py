@@ -1,11 +1,10 @@
-r"""Benchmark online serving throughput and latency (vLLM's ``benchmarks/benchmark_serving.py``).
-
-Start a server (``python -m atom.entrypoints.openai_server``), then::
+r"""Benchmark online serving throughput and latency (vLLM's ``benchmarks/benchmark_serving.py``). Start a
+server (``python -m atom.entrypoints.openai_server``), then::
 
     python -m atom.benchmarks.benchmark_serving --dataset-name random --random-input-len 128 \
         --random-output-len 32 --num-prompts 50 --ignore-eos
 
-Without ``--model`` the server is asked (``GET /v1/models``) which model it serves, and the tokenizer is
+Without ``--model`` the server is asked (``GET /v1/models``) which model it serves and the tokenizer is
 loaded from the directory it reports. ``main(parse_args([...]))`` returns the dictionary ``--save-result``
 writes. Every flag is described in docs/benchmark_serving.md.
 """
@@ -33,7 +32,6 @@ from atom.benchmarks.backend_request_func import BenchmarkError, RequestFuncInpu
 from atom.benchmarks.benchmark_utils import (
     GOODPUT_METRICS,
     PERCENTILE_METRICS,
-    BenchmarkMetrics,
     add_arguments,
     calculate_metrics,
     print_and_collect_results,
@@ -42,7 +40,7 @@ from atom.benchmarks.benchmark_utils import (
 from atom.benchmarks.datasets import DATASET_NAMES, SampleRequest, get_samples
 
 # importable from here as from vLLM's benchmark_serving module
-__all__ = ["BenchmarkError", "BenchmarkMetrics", "calculate_metrics", "print_and_collect_results"]
+__all__ = ["BenchmarkError", "calculate_metrics", "print_and_collect_results"]
 
 logger = logging.getLogger(__name__)
 
@@ -103,9 +101,8 @@ ARGUMENTS: dict[str | None, list[tuple]] = {
 
 
 def arrival_times(num_requests: int, request_rate: float, burstiness: float = 1.0, rng=None) -> np.ndarray:
-    """Send time of each request in seconds after the start (the first at 0). The gaps follow a gamma
-    distribution of shape ``burstiness`` and mean ``1 / request_rate``: 1 is a Poisson process, below
-    1 burstier, above 1 more uniform. With an infinite rate every request is sent at once."""
+    """Send times in seconds after the start (the first at 0): gamma-distributed gaps of shape ``burstiness``
+    (1: a Poisson process, below 1 burstier) and mean ``1 / request_rate``; all at 0 for an infinite rate."""
     if burstiness <= 0:
         raise ValueError(f"A positive burstiness factor is expected, but given {burstiness}.")
     if request_rate <= 0:
@@ -118,22 +115,11 @@ def arrival_times(num_requests: int, request_rate: float, burstiness: float = 1.
 
 
 async def get_request(requests: list[SampleRequest], request_rate: float, burstiness: float = 1.0, rng=None):
-    """Yield the requests at their arrival times (see ``arrival_times``)."""
     start = time.perf_counter()
     for request, send_at in zip(requests, arrival_times(len(requests), request_rate, burstiness, rng)):
         # sleep until an absolute time, so time spent between sleeps does not lower the achieved rate
         await asyncio.sleep(max(start + send_at - time.perf_counter(), 0))
         yield request
-
-
-async def _post_profile(session: aiohttp.ClientSession, base_url: str, action: str) -> None:
-    """POST /start_profile or /stop_profile; a failure is reported, not fatal."""
-    try:
-        async with session.post(f"{base_url}/{action}") as response:
-            level = logging.INFO if response.status == 200 else logging.WARNING
-            logger.log(level, "POST %s/%s: HTTP %d %s", base_url, action, response.status, await response.text())
-    except aiohttp.ClientError as exc:
-        logger.warning("POST %s/%s failed: %s", base_url, action, exc)
 
 
 async def benchmark(args: argparse.Namespace, api_url: str, base_url: str, model_id: str, requests: list) -> tuple:
@@ -154,75 +140,71 @@ async def benchmark(args: argparse.Namespace, api_url: str, base_url: str, model
             async with semaphore:
                 return await client.async_request(args.backend, request_input, session, pbar)
 
+        async def profile(action: str) -> None:  # POST /start_profile or /stop_profile; a failure is not fatal
+            try:
+                async with session.post(f"{base_url}/{action}") as response:
+                    level = logging.INFO if response.status == 200 else logging.WARNING
+                    logger.log(level, "POST %s: HTTP %d %s", action, response.status, await response.text())
+            except aiohttp.ClientError as exc:
+                logger.warning("POST %s/%s failed: %s", base_url, action, exc)
+
         logger.info("Starting initial single prompt test run...")
         if not (test_output := await send(test_input := make_input(requests[0]))).success:
             raise BenchmarkError(
                 f"Initial test run failed - please make sure the server is running at {base_url} and the benchmark "
                 f"arguments (--backend, --endpoint, --model) are correctly specified. Error: {test_output.error}"
             )
-        if args.num_warmups:
-            logger.info("Warming up with %d requests...", args.num_warmups)
+        logger.info("Warming up with %d requests...", args.num_warmups)
         await asyncio.gather(*(send(test_input) for _ in range(args.num_warmups)))
         if args.profile:
-            await _post_profile(session, base_url, "start_profile")
+            await profile("start_profile")
         traffic = "Poisson process" if args.burstiness == 1.0 else "gamma distribution"
         logger.info("Rate %s, burstiness %s (%s): starting the main run", args.request_rate, args.burstiness, traffic)
         pbar = None if args.disable_tqdm else tqdm(total=len(requests))
         start, tasks, rng = time.perf_counter(), [], np.random.default_rng(args.seed)
         async for request in get_request(requests, args.request_rate, args.burstiness, rng):
             tasks.append(asyncio.create_task(send(make_input(request, args.lora_modules), pbar)))
-        outputs = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
+        outputs, duration = await asyncio.gather(*tasks), time.perf_counter() - start
         if pbar is not None:
             pbar.close()
         if args.profile:
-            await _post_profile(session, base_url, "stop_profile")
+            await profile("stop_profile")
     return outputs, duration
 
 
 def check_goodput_args(args: argparse.Namespace) -> dict[str, float]:
-    """Parse and validate --goodput "KEY:VALUE" pairs into {metric name: SLO in ms}."""
-    goodput: dict[str, float] = {}
-    for pair in args.goodput or []:
-        try:
-            name, value = pair.split(":")
-            goodput[name] = float(value)
-        except ValueError as err:
-            raise argparse.ArgumentTypeError(
-                'Specify service level objectives for goodput as "KEY:VALUE" pairs, where the key is a metric name '
-                "and the value is a number in milliseconds."
-            ) from err
+    """--goodput "KEY:VALUE" pairs as {metric name: SLO in ms}."""
+    try:
+        goodput = {name: float(value) for name, value in (pair.split(":") for pair in args.goodput or [])}
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(
+            'Specify service level objectives for goodput as "KEY:VALUE" pairs, where the key is a metric name '
+            "and the value is a number in milliseconds."
+        ) from err
+    for name, value in goodput.items():
         if name not in GOODPUT_METRICS:
             raise ValueError(f"Invalid metric name found, {name}: {value}. It should be one of {GOODPUT_METRICS}.")
-        if goodput[name] < 0:
+        if value < 0:
             raise ValueError(f"Invalid value found, {name}: {value}. The SLO should be non-negative.")
     return goodput
 
 
 def _validate_args(args: argparse.Namespace) -> None:
-    if args.num_prompts < 1:
-        raise ValueError(f"--num-prompts must be at least 1, got {args.num_prompts}.")
-    if args.max_concurrency is not None and args.max_concurrency < 1:
-        raise ValueError(f"--max-concurrency must be at least 1, got {args.max_concurrency}.")
+    if args.num_prompts < 1 or (args.max_concurrency is not None and args.max_concurrency < 1):
+        raise ValueError("--num-prompts and --max-concurrency must be at least 1.")
     if unknown := [m for m in args.percentile_metrics.split(",") if m not in PERCENTILE_METRICS]:
         raise ValueError(f"Unknown --percentile-metrics {unknown}; allowed: {PERCENTILE_METRICS}.")
     if any(not 0 <= float(p) <= 100 for p in args.metric_percentiles.split(",")):
         raise ValueError(f"--metric-percentiles must be in [0, 100], got {args.metric_percentiles}.")
     if any("=" not in item for item in args.metadata or []):
         raise ValueError("Invalid metadata format. Please use KEY=VALUE format.")
-
-
-def _raise_open_file_limit() -> None:
     # every in-flight request holds a socket: at high concurrency a soft limit of 1024 files runs out
-    try:
+    with contextlib.suppress(ImportError, ValueError, OSError):
         import resource
 
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        target = hard if hard != resource.RLIM_INFINITY else 65535
-        if soft != resource.RLIM_INFINITY and soft < target:
+        if soft != resource.RLIM_INFINITY and soft < (target := hard if hard != resource.RLIM_INFINITY else 65535):
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-    except (ImportError, ValueError, OSError) as exc:
-        logger.debug("Could not raise the open file limit: %s", exc)
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
@@ -230,7 +212,6 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     also written to a JSON file with ``--save-result``. Raises ``BenchmarkError`` if it cannot run."""
     logger.info("Arguments: %s", args)
     _validate_args(args)
-    _raise_open_file_limit()
     base_url = args.base_url.rstrip("/") if args.base_url is not None else f"http://{args.host}:{args.port}"
     client.check_api_url(args.backend, api_url := f"{base_url}{args.endpoint}")
     goodput = check_goodput_args(args)

@@ -1,8 +1,6 @@
-"""Offline throughput on nano-vllm's ``bench.py`` workload, for atom or vLLM.
-
-``random.seed(0)`` before the engine starts; then 256 prompts of ``randint(0, 10000)``
-token ids with lengths ``randint(100, 1024)`` and 256 ``max_tokens`` of
-``randint(100, 1024)`` (133,966 output tokens), ``temperature=0.6``, ``ignore_eos``,
+"""Offline throughput on nano-vllm's ``bench.py`` workload, for atom or vLLM: ``random.seed(0)`` before the
+engine starts; 256 prompts of ``randint(0, 10000)`` token ids with lengths ``randint(100, 1024)`` and 256
+``max_tokens`` of ``randint(100, 1024)`` (133,966 output tokens), ``temperature=0.6``, ``ignore_eos``,
 ``max_model_len=4096``, random weights.
 
     python -m atom.benchmarks.benchmark_throughput --model qwen3-0.6b [--engine vllm] [--output-json r.json]
@@ -44,31 +42,18 @@ def run(args) -> tuple[float, int]:
 
 
 def main(argv=None) -> dict:
-    args = parse_offline_args(
-        __doc__,
-        argv,
-        "qwen3-0.6b",
-        [
-            ("--num-seqs", 256, None),
-            ("--max-input-len", 1024, None),
-            ("--max-output-len", 1024, None),
-            ("--level", int, "atom's compilation level"),
-            (
-                "--async-scheduling",
-                False,
-                "overlap host and device work (default: each engine's own)",
-                dict(action=argparse.BooleanOptionalAction, default=None),
-            ),
-        ],
-    )
+    rows = [("--num-seqs", 256, None), ("--max-input-len", 1024, None), ("--max-output-len", 1024, None)]
+    rows.append(("--level", int, "atom's compilation level"))
+    sync = dict(action=argparse.BooleanOptionalAction, default=None)
+    rows.append(("--async-scheduling", False, "overlap host and device work (default: each engine's own)", sync))
+    args = parse_offline_args(__doc__, argv, "qwen3-0.6b", rows)
     random.seed(0)  # before the engine starts, as bench.py
     elapsed, tokens = run(args)
     result = dict(engine=args.engine, model=args.model, num_seqs=args.num_seqs, output_tokens=tokens)
     result |= dict(elapsed_s=round(elapsed, 3), output_tokens_per_s=round(tokens / elapsed, 1))
     result |= dict(enforce_eager=args.enforce_eager, level=args.level, async_scheduling=args.async_scheduling)
-    head = "| engine | model | output tokens | time (s) | output tok/s |\n|---|---|---|---|---|\n"
-    line = f"| {args.engine} | {args.model} | {tokens} | {elapsed:.2f} | {tokens / elapsed:.1f} |"
-    return report(head + line, result, args.output_json)
+    columns = {"engine": args.engine, "model": args.model, "output tokens": tokens, "time (s)": f"{elapsed:.2f}"}
+    return report(columns | {"output tok/s": f"{tokens / elapsed:.1f}"}, result, args.output_json)
 
 
 if __name__ == "__main__":

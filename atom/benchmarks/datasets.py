@@ -1,7 +1,7 @@
-"""Prompt sources for the serving benchmark, read from local files only (after vLLM's
-``benchmark_dataset.py``): ``random`` synthetic prompts; ``sharegpt`` a ShareGPT JSON file; ``sonnet`` a
-text file of poem lines; ``burstgpt`` a BurstGPT trace CSV; ``hf`` a dataset saved with ``save_to_disk``
-or a local ``.json``/``.jsonl``/``.csv``/``.parquet`` file. Lengths are counted with the benchmark's tokenizer."""
+"""Prompt sources of the serving benchmark, read from local files only (vLLM's ``benchmark_dataset.py``):
+``random`` synthetic prompts; ``sharegpt`` a ShareGPT JSON file; ``sonnet`` a text file of poem lines;
+``burstgpt`` a BurstGPT trace CSV; ``hf`` a dataset saved with ``save_to_disk`` or a local
+``.json``/``.jsonl``/``.csv``/``.parquet`` file. Lengths are counted with the benchmark's tokenizer."""
 
 from __future__ import annotations
 
@@ -36,15 +36,8 @@ def num_tokens(tokenizer, text: str) -> int:
 def apply_chat_template(tokenizer, prompt: str) -> str:
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("The tokenizer has no chat template, needed for --use-chat-template and the sonnet dataset.")
-    return tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-    )
-
-
-def is_valid_sequence(prompt_len: int, output_len: int, skip_min_output_len_check: bool = False) -> bool:
-    """vLLM's pruning rule for real datasets: no side under 4 tokens, prompts up to 1024, totals up to 2048."""
-    too_short = prompt_len < 4 or (output_len < 4 and not skip_min_output_len_check)
-    return not (too_short or prompt_len > 1024 or prompt_len + output_len > 2048)
+    messages = [{"role": "user", "content": prompt}]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
 class BenchmarkDataset:
@@ -53,18 +46,16 @@ class BenchmarkDataset:
         # own generators: sampling is reproducible whatever else uses the global random state
         self.rng, self.np_rng = random.Random(random_seed), np.random.default_rng(random_seed)
 
-    def _open(self, what: str):
+    def _records(self, subset: str | None = None, split: str | None = None) -> list[dict[str, Any]]:
         if not self.dataset_path:
-            raise ValueError(f"The {what} dataset needs --dataset-path pointing to a local file.")
-        if not os.path.isfile(self.dataset_path):
-            raise FileNotFoundError(f"{what} dataset file not found: {self.dataset_path}")
-        return open(self.dataset_path, newline="", encoding="utf-8")
+            raise ValueError(f"The {type(self).__name__} needs --dataset-path (a local dataset file or directory).")
+        return load_local_records(self.dataset_path, subset, split)
 
 
 def prompt_token_ids(tokenizer) -> np.ndarray:
-    """Token ids usable in synthetic prompts: not special (they would change the prompt's meaning),
-    and decoding to text that encodes back to the same single token (byte fragments of a UTF-8
-    character decode to U+FFFD and would keep prompts from reaching their target length)."""
+    """Token ids usable in synthetic prompts: not special (they would change the prompt's meaning), and
+    decoding to text that encodes back to the same single token (byte fragments of a UTF-8 character
+    decode to U+FFFD and would keep prompts from reaching their target length)."""
     special_ids = set(tokenizer.all_special_ids)
     candidates = [i for i in range(tokenizer.vocab_size) if i not in special_ids]
     encoded = tokenizer(tokenizer.batch_decode([[i] for i in candidates]), add_special_tokens=False).input_ids
@@ -74,10 +65,9 @@ def prompt_token_ids(tokenizer) -> np.ndarray:
 
 
 class RandomDataset(BenchmarkDataset):
-    """Prompts of random tokens, lengths drawn uniformly from ``[int(length * range_ratio), length]``
-    (1.0 = fixed). Decoding random ids and encoding the text again changes the token count, so each
-    prompt's tail is padded or trimmed until it re-encodes to its target length; ``prompt_len`` is
-    always the measured length of the final prompt."""
+    """Prompts of random tokens, lengths drawn uniformly from ``[int(length * range_ratio), length]``.
+    Decoding random ids and encoding the text again changes the token count, so each prompt's tail is
+    padded or trimmed until it re-encodes to its target length; ``prompt_len`` is always measured."""
 
     def sample(
         self, tokenizer, n, prefix_len=0, range_ratio=1.0, input_len=1024, output_len=128, use_chat_template=False
@@ -100,32 +90,22 @@ class RandomDataset(BenchmarkDataset):
         for i in range(n):
             target_len = prefix_len + int(in_lens[i])
             # consecutive ids from a random offset, as in vLLM: cheap and different for every request
-            body_ids = allowed_ids[(offsets[i] + i + np.arange(in_lens[i])) % len(allowed_ids)].tolist()
-            prompt = self._fit_length(tokenizer, prefix_text, body_ids, target_len, allowed_ids)
+            body = tokenizer.decode(allowed_ids[(offsets[i] + i + np.arange(in_lens[i])) % len(allowed_ids)].tolist())
+            # only the body is adjusted, so every prompt starts with exactly the same prefix text
+            for _ in range(10):
+                if (diff := target_len - num_tokens(tokenizer, prefix_text + body)) == 0:
+                    break
+                ids = tokenizer.encode(body, add_special_tokens=False)
+                more = self.np_rng.choice(allowed_ids, size=diff).tolist() if diff > 0 else []
+                body = tokenizer.decode(ids + more if diff > 0 else ids[: max(len(ids) + diff, 0)])
+            prompt = prefix_text + body
             if use_chat_template:
                 prompt, target_len = apply_chat_template(tokenizer, prompt), target_len + template_len
             requests.append(SampleRequest(prompt, num_tokens(tokenizer, prompt), int(out_lens[i])))
             mismatches.append(requests[-1].prompt_len - target_len)
-        lens = [r.prompt_len for r in requests]
-        logger.info(
-            "Random dataset: mean input_len %.2f (mean token mismatch %.2f)", np.mean(lens), np.mean(mismatches)
-        )
+        mean_len = np.mean([r.prompt_len for r in requests])
+        logger.info("Random dataset: mean input_len %.2f (mean token mismatch %.2f)", mean_len, np.mean(mismatches))
         return requests
-
-    def _fit_length(self, tokenizer, prefix_text: str, body_ids: list[int], target_len: int, allowed_ids) -> str:
-        # only the body is adjusted, so every prompt starts with exactly the same prefix text
-        body_text = tokenizer.decode(body_ids)
-        for _ in range(10):
-            if (diff := target_len - num_tokens(tokenizer, prefix_text + body_text)) == 0:
-                break
-            body_ids = tokenizer.encode(body_text, add_special_tokens=False)
-            body_ids = (
-                body_ids + self.np_rng.choice(allowed_ids, size=diff).tolist()
-                if diff > 0
-                else body_ids[: max(len(body_ids) + diff, 0)]
-            )
-            body_text = tokenizer.decode(body_ids)
-        return prefix_text + body_text
 
 
 def prompt_and_completion(record: dict[str, Any]) -> tuple[str, str | None]:
@@ -140,14 +120,15 @@ def prompt_and_completion(record: dict[str, Any]) -> tuple[str, str | None]:
         return record["instruction"] + (f":\n{record['input']}" if record.get("input") else ""), record.get("output")
     for key in ("prompt", "question", "text"):
         if key in record:
-            return record[key], next(
-                (record[k] for k in ("completion", "response", "answer", "output") if record.get(k)), None
-            )
+            answers = (record[k] for k in ("completion", "response", "answer", "output") if record.get(k))
+            return record[key], next(answers, None)
     columns = "conversations, messages, problem, instruction, prompt, question or text"
-    raise ValueError(f"Cannot find a prompt in hf dataset record with columns {sorted(record)}; expected {columns}.")
+    raise ValueError(f"Cannot find a prompt in dataset record with columns {sorted(record)}; expected {columns}.")
 
 
 def load_local_records(path: str, subset: str | None = None, split: str | None = None) -> list[dict[str, Any]]:
+    """The records of a ``save_to_disk`` directory (or its ``subset`` sub-directory), or of a
+    .json/.jsonl/.csv/.parquet/.arrow file; the directory and parquet/arrow need ``datasets``."""
     if subset and os.path.isdir(os.path.join(path, subset)):
         path = os.path.join(path, subset)
     ext = os.path.splitext(path)[1].lower()
@@ -164,32 +145,31 @@ def load_local_records(path: str, subset: str | None = None, split: str | None =
         return list(data)
     if not os.path.isfile(path) or ext not in (".json", ".jsonl", ".csv"):
         raise ValueError(
-            f"--dataset-path {path!r} is not a local directory nor a .json/.jsonl/.csv/.parquet file. The hf "
-            "dataset is only read from local data, never downloaded: save it beforehand, e.g. "
+            f"--dataset-path {path!r} is not a local directory nor a .json/.jsonl/.csv/.parquet file. Datasets are "
+            "only read from local data, never downloaded: save an hf dataset beforehand, e.g. "
             "`datasets.load_dataset(NAME, split=SPLIT).save_to_disk(DIR)`, and pass DIR."
         )
     with open(path, newline="", encoding="utf-8") as f:
-        if ext == ".csv":
-            return list(csv.DictReader(f))
-        if ext == ".jsonl":
-            return [json.loads(line) for line in f if line.strip()]
+        if ext != ".json":
+            return list(csv.DictReader(f)) if ext == ".csv" else [json.loads(line) for line in f if line.strip()]
         data = json.load(f)
         return data if isinstance(data, list) else data[split or "train"]
 
 
+def is_valid_sequence(prompt_len: int, output_len: int, skip_min_output_len_check: bool = False) -> bool:
+    """vLLM's pruning rule for real datasets: no side under 4 tokens, prompts up to 1024, totals up to 2048."""
+    too_short = prompt_len < 4 or (output_len < 4 and not skip_min_output_len_check)
+    return not (too_short or prompt_len > 1024 or prompt_len + output_len > 2048)
+
+
 class HuggingFaceDataset(BenchmarkDataset):
-    """Prompt/completion records from local data; the completion's length is the output length (128
-    for records without one)."""
+    """Prompt/completion records; the completion's length is the output length (128 for records without
+    one, unless ``output_len`` is given). Records with a measured completion are pruned as vLLM does."""
 
     def __init__(self, dataset_subset: str | None = None, dataset_split: str | None = None, **kwargs) -> None:
         super().__init__(**kwargs)
         self.data = [prompt_and_completion(r) for r in self._records(dataset_subset, dataset_split)]
         self.rng.shuffle(self.data)
-
-    def _records(self, subset: str | None, split: str | None) -> list[dict[str, Any]]:
-        if not self.dataset_path:
-            raise ValueError("The hf dataset needs --dataset-path (a local dataset directory or file).")
-        return load_local_records(self.dataset_path, subset, split)
 
     def sample(self, tokenizer, num_requests: int, output_len: int | None = None, **kwargs) -> list[SampleRequest]:
         samples: list[SampleRequest] = []
@@ -214,9 +194,8 @@ class HuggingFaceDataset(BenchmarkDataset):
 class ShareGPTDataset(HuggingFaceDataset):
     """First human turn as the prompt, the first reply's length as the output length."""
 
-    def _records(self, subset: str | None, split: str | None) -> list[dict[str, Any]]:
-        with self._open("ShareGPT") as f:
-            return [e for e in json.load(f) if len(e.get("conversations", [])) >= 2]
+    def _records(self, subset: str | None = None, split: str | None = None) -> list[dict[str, Any]]:
+        return [e for e in super()._records() if len(e.get("conversations", [])) >= 2]
 
     def _keep(self, prompt_len: int, output_len: int, fixed: bool, measured: bool) -> bool:
         return is_valid_sequence(prompt_len, output_len, skip_min_output_len_check=fixed)
@@ -229,7 +208,9 @@ class SonnetDataset(BenchmarkDataset):
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
-        with self._open("sonnet") as f:
+        if not self.dataset_path or not os.path.isfile(self.dataset_path):
+            raise ValueError(f"The sonnet dataset needs --dataset-path, a local text file (got {self.dataset_path}).")
+        with open(self.dataset_path, encoding="utf-8") as f:
             if not (data := [line for line in f if line.strip()]):
                 raise ValueError(f"The sonnet file {self.dataset_path} has no lines.")
         self.data = data
@@ -237,20 +218,20 @@ class SonnetDataset(BenchmarkDataset):
     def sample(
         self, tokenizer, num_requests, prefix_len=200, input_len=550, output_len=150, return_prompt_formatted=False
     ):
-        avg_line_len = np.mean([len(tokenizer(line).input_ids) for line in self.data])
-        base_offset = len(tokenizer(apply_chat_template(tokenizer, self.BASE_PROMPT)).input_ids)
-        if input_len <= base_offset:
-            raise ValueError(f"--sonnet-input-len must be higher than the base prompt length ({base_offset}).")
-        num_input_lines = round((input_len - base_offset) / avg_line_len)
-        num_prefix_lines = max(round((prefix_len - base_offset) / avg_line_len), 0)
-        if num_input_lines <= num_prefix_lines:
+        line_len = np.mean([len(tokenizer(line).input_ids) for line in self.data])
+        base_len = len(tokenizer(apply_chat_template(tokenizer, self.BASE_PROMPT)).input_ids)
+        if input_len <= base_len:
+            raise ValueError(f"--sonnet-input-len must be higher than the base prompt length ({base_len}).")
+        num_lines = round((input_len - base_len) / line_len)
+        num_prefix = max(round((prefix_len - base_len) / line_len), 0)
+        if num_lines <= num_prefix:
             raise ValueError(f"--sonnet-input-len {input_len} leaves no lines after the prefix of {prefix_len} tokens.")
         samples: list[SampleRequest] = []
         # random lines may overshoot input_len and are redrawn; the cap turns a hopeless setting into an error
         for _ in range(100 * num_requests):
             if len(samples) >= num_requests:
                 break
-            lines = self.data[:num_prefix_lines] + self.rng.choices(self.data, k=num_input_lines - num_prefix_lines)
+            lines = self.data[:num_prefix] + self.rng.choices(self.data, k=num_lines - num_prefix)
             prompt = self.BASE_PROMPT + "".join(lines)
             formatted = apply_chat_template(tokenizer, prompt)
             if (prompt_len := len(tokenizer(formatted).input_ids)) <= input_len:
@@ -265,13 +246,11 @@ class BurstGPTDataset(BenchmarkDataset):
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
-        with self._open("BurstGPT") as f:
-            rows = list(csv.DictReader(f))
-        columns = ("Model", "Request tokens", "Response tokens")
+        rows, columns = self._records(), ("Model", "Request tokens", "Response tokens")
         if rows and (missing := [c for c in columns if c not in rows[0]]):
             raise ValueError(f"{self.dataset_path} is not a BurstGPT CSV: missing columns {missing}.")
-        lens = [(float(r[columns[1]]), float(r[columns[2]])) for r in rows if r["Model"] == "GPT-4"]
-        if not (data := [(int(i), int(o)) for i, o in lens if o > 0]):
+        lens = [(int(float(r[columns[1]])), int(float(r[columns[2]]))) for r in rows if r["Model"] == "GPT-4"]
+        if not (data := [(i, o) for i, o in lens if o > 0]):
             raise ValueError(f"No GPT-4 rows with a response in {self.dataset_path}.")
         self.data = data
 
@@ -283,27 +262,21 @@ class BurstGPTDataset(BenchmarkDataset):
 
 
 def get_samples(args: argparse.Namespace, tokenizer) -> list[SampleRequest]:
-    """The benchmark's requests for the dataset named by ``args.dataset_name``."""
+    """The requests of the dataset ``args.dataset_name``, sampled with its group of flags (``--random-*`` ...)."""
     name, n, files = args.dataset_name, args.num_prompts, dict(dataset_path=args.dataset_path, random_seed=args.seed)
+    opts = {k.removeprefix(f"{name}_"): v for k, v in vars(args).items() if k.startswith(f"{name}_")}
     if args.use_chat_template and name != "random":
         logger.warning("--use-chat-template only applies to the random dataset; ignored for %s.", name)
     if args.use_chat_template and args.backend == "openai-chat":
         logger.warning("--use-chat-template with the openai-chat backend applies the chat template twice.")
     if name == "random":
-        dataset, kwargs = RandomDataset(random_seed=args.seed), dict(use_chat_template=args.use_chat_template)
-        kwargs |= dict(prefix_len=args.random_prefix_len, range_ratio=args.random_range_ratio)
-        return dataset.sample(
-            tokenizer, n, input_len=args.random_input_len, output_len=args.random_output_len, **kwargs
+        return RandomDataset(random_seed=args.seed).sample(
+            tokenizer, n, use_chat_template=args.use_chat_template, **opts
         )
-    if name == "sharegpt":
-        return ShareGPTDataset(**files).sample(tokenizer, n, output_len=args.sharegpt_output_len)
     if name == "sonnet":  # a chat server applies the template itself; the completions API needs the templated text
-        kwargs = dict(prefix_len=args.sonnet_prefix_len, return_prompt_formatted=args.backend != "openai-chat")
-        lens = dict(input_len=args.sonnet_input_len, output_len=args.sonnet_output_len)
-        return SonnetDataset(**files).sample(tokenizer, n, **lens, **kwargs)
-    if name == "burstgpt":
-        return BurstGPTDataset(**files).sample(tokenizer, n)
+        return SonnetDataset(**files).sample(
+            tokenizer, n, return_prompt_formatted=args.backend != "openai-chat", **opts
+        )
     if name == "hf":
-        hf = HuggingFaceDataset(dataset_subset=args.hf_subset, dataset_split=args.hf_split, **files)
-        return hf.sample(tokenizer, n, output_len=args.hf_output_len)
-    raise ValueError(f"Unknown dataset: {name}. Choices: {DATASET_NAMES}")
+        return HuggingFaceDataset(opts.pop("subset"), opts.pop("split"), **files).sample(tokenizer, n, **opts)
+    return {"sharegpt": ShareGPTDataset, "burstgpt": BurstGPTDataset}[name](**files).sample(tokenizer, n, **opts)

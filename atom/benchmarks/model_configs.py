@@ -8,7 +8,6 @@ import argparse
 import logging
 import os
 import tempfile
-import time
 from functools import partial
 
 from atom.benchmarks.benchmark_utils import add_arguments, write_to_json
@@ -18,17 +17,14 @@ _COMMON = dict(hidden_act="silu", torch_dtype="bfloat16", tie_word_embeddings=Fa
 _QWEN3 = dict(_COMMON, model_type="qwen3", architectures=["Qwen3ForCausalLM"], head_dim=128, vocab_size=151936)
 _QWEN3.update(max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6, attention_bias=False)
 _QWEN3.update(bos_token_id=151643, eos_token_id=151645)
-_QWEN3_MOE = dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], moe_intermediate_size=768)
-_QWEN3_MOE.update(
-    num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]
-)
+_MOE = dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], moe_intermediate_size=768, num_experts=128)
+_MOE.update(num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
 _LLAMA3 = dict(_COMMON, model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=128256, rms_norm_eps=1e-5)
 _LLAMA3.update(max_position_embeddings=8192, rope_theta=500000.0, bos_token_id=128000, eos_token_id=128001)
-
 CONFIGS = {
     "qwen3-0.6b": {**_QWEN3, **dict(zip(_SHAPE, (1024, 3072, 28, 16, 8))), "tie_word_embeddings": True},
     "qwen3-8b": {**_QWEN3, **dict(zip(_SHAPE, (4096, 12288, 36, 32, 8)))},
-    "qwen3-30b-a3b": {**_QWEN3, **dict(zip(_SHAPE, (2048, 6144, 48, 32, 4))), **_QWEN3_MOE},
+    "qwen3-30b-a3b": {**_QWEN3, **dict(zip(_SHAPE, (2048, 6144, 48, 32, 4))), **_MOE},
     "llama-3-8b": {**_LLAMA3, **dict(zip(_SHAPE, (4096, 14336, 32, 32, 8)))},
 }
 
@@ -37,51 +33,38 @@ def model_dir(name_or_path: str) -> str:
     """A path as is; a known shape name -> a directory with its config.json."""
     if name_or_path not in CONFIGS:
         return name_or_path
-    path = os.path.join(tempfile.gettempdir(), "atom-shapes", name_or_path)
-    os.makedirs(path, exist_ok=True)
+    os.makedirs(path := os.path.join(tempfile.gettempdir(), "atom-shapes", name_or_path), exist_ok=True)
     write_to_json(os.path.join(path, "config.json"), CONFIGS[name_or_path], indent=1)
     return path
 
 
 def weight_bytes(name: str, dtype_bytes: int = 2) -> int:
-    """Bytes of weights a dense decode step reads: every layer plus the LM head (the
-    embedding lookup reads one row only)."""
+    """Bytes of weights a dense decode step reads: every layer and the LM head (the embedding lookup
+    reads one row only)."""
     c = CONFIGS[name]
-    h, layers, v = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
-    hd = c["head_dim"] if "head_dim" in c else h // c["num_attention_heads"]
-    attn = h * hd * (c["num_attention_heads"] * 2 + c["num_key_value_heads"] * 2)
-    mlp = 3 * h * c["intermediate_size"]
-    return (layers * (attn + mlp) + v * h) * dtype_bytes
+    h, heads, kv_heads = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
+    attn = h * c.get("head_dim", h // heads) * (heads + kv_heads) * 2
+    return (c["num_hidden_layers"] * (attn + 3 * h * c["intermediate_size"]) + c["vocab_size"] * h) * dtype_bytes
 
 
-def copy_bandwidth(nbytes: int = 2 << 30, iters: int = 20) -> float:
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     """Device-to-device copy bandwidth in bytes/s (read + write counted), over a copy far larger than L2."""
     import torch
+    import triton
 
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
     dst = torch.empty_like(src)
-    dst.copy_(src)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(iters):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    return 2 * nbytes * iters / (time.perf_counter() - start)
+    return 2 * nbytes / triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median") * 1e3
 
 
 def parse_offline_args(doc: str, argv: list[str] | None, default_model: str, rows: list) -> argparse.Namespace:
     """The flags both offline benchmarks take, with ``rows`` (see ``add_arguments``) after --engine."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    rows = [
-        ("--model", default_model, f"a model dir or one of {', '.join(CONFIGS)}"),
-        ("--engine", "atom", "the engine to measure", dict(choices=["atom", "vllm"])),
-        *rows,
-        ("--max-model-len", 4096, None),
-        ("--enforce-eager", False, None),
-        ("--output-json", str, "write the result here"),
-    ]
-    add_arguments(p, rows)
+    head = [("--model", default_model, f"a model dir or one of {', '.join(CONFIGS)}")]
+    head.append(("--engine", "atom", "the engine to measure", dict(choices=["atom", "vllm"])))
+    tail = [("--max-model-len", 4096, None), ("--enforce-eager", False, None)]
+    add_arguments(p, head + rows + tail + [("--output-json", str, "write the result here")])
     return p.parse_args(argv)
 
 
@@ -110,9 +93,9 @@ class Engine:
         return [o["num_tokens_output"] for o in outs]
 
 
-def report(table: str, result: dict, output_json: str | None) -> dict:
-    """Print the markdown table and write ``result`` to ``output_json`` when given."""
-    print(table)
+def report(columns: dict[str, object], result: dict, output_json: str | None) -> dict:
+    """Print ``columns`` as a one-row markdown table, and write ``result`` to ``output_json`` when given."""
+    print(f"| {' | '.join(columns)} |\n|{'---|' * len(columns)}\n| {' | '.join(map(str, columns.values()))} |")
     if output_json:
         write_to_json(output_json, result, indent=1)
     return result

@@ -52,24 +52,36 @@ class EngineDeadError(RuntimeError):
     """The engine core process has died; no request can be served."""
 
 
-class AsyncEngineCoreClient:
-    """Starts the core process and talks to it from an asyncio event loop.
+class CoreClientBase:
+    """What the server's core clients (one core, or ``-dp`` replicas) share: the callbacks
+    ``on_outputs(outputs, stats)``, ``on_add_error(request_id, message)`` and ``on_dead(message)``,
+    called from their reader tasks, and whether the engine is dead."""
 
-    ``on_outputs(outputs, stats)``, ``on_add_error(request_id, message)`` and
-    ``on_dead(message)`` are called from the reader task.
-    """
-
-    def __init__(self, config: Config,
-                 on_outputs: Callable[[list[EngineCoreOutput], EngineStats], None],
-                 on_add_error: Callable[[str, str], None],
-                 on_dead: Callable[[str], None]):
+    def __init__(
+        self,
+        config: Config,
+        on_outputs: Callable[[list[EngineCoreOutput], EngineStats], None],
+        on_add_error: Callable[[str, str], None],
+        on_dead: Callable[[str], None],
+    ):
         self.config = config
         self.on_outputs = on_outputs
         self.on_add_error = on_add_error
         self.on_dead = on_dead
         self.info: CoreInfo | None = None
-        self.stats: EngineStats | None = None  # the latest the core sent
         self.dead_reason: str | None = None
+
+    @property
+    def is_dead(self) -> bool:
+        return self.dead_reason is not None
+
+
+class AsyncEngineCoreClient(CoreClientBase):
+    """Starts the core process and talks to it from an asyncio event loop."""
+
+    def __init__(self, *args) -> None:  # CoreClientBase's
+        super().__init__(*args)
+        self.stats: EngineStats | None = None  # the latest the core sent
         self.proc: mp.Process | None = None
         self._ipc_dir: str | None = None
         self._ctx = zmq.asyncio.Context()
@@ -81,32 +93,14 @@ class AsyncEngineCoreClient:
         self._encode = msgspec.msgpack.Encoder().encode
         self._decode = msgspec.msgpack.Decoder(FromCore).decode
 
-    @property
-    def is_dead(self) -> bool:
-        return self.dead_reason is not None
-
     async def start(self) -> CoreInfo:
         """Spawn the core process, wait until its model is loaded, start reading outputs."""
         self._ipc_dir = tempfile.mkdtemp(prefix="atom-ipc-")
-        in_addr = f"ipc://{self._ipc_dir}/input"
-        out_addr = f"ipc://{self._ipc_dir}/output"
-        self._inp = self._ctx.socket(zmq.PUSH)
-        self._inp.setsockopt(zmq.SNDHWM, 0)  # never block a send: the core drains every step
-        self._inp.bind(in_addr)
-        self._out = self._ctx.socket(zmq.PULL)
-        self._out.bind(out_addr)
-        spawn = mp.get_context("spawn")
-        parent_conn, child_conn = spawn.Pipe(duplex=False)
         # started from the event loop's thread: PR_SET_PDEATHSIG fires when the spawning
-        # thread exits, and this thread lives as long as the server. Not daemonic: a daemon
-        # may not start children, and with tensor parallelism the core starts the ranks; it
-        # still dies with this process (PR_SET_PDEATHSIG, parent poll) and shutdown() joins it
-        self.proc = spawn.Process(
-            target=run_engine_core, name="atom-engine-core", daemon=False,
-            args=(self.config, in_addr, out_addr, child_conn, os.getpid(), logging.getLogger().level or logging.INFO),
+        # thread exits, and this thread lives as long as the server
+        self.proc, self._inp, self._out, parent_conn = spawn_core(
+            self.config, self._ctx, self._ipc_dir, "atom-engine-core"
         )
-        self.proc.start()
-        child_conn.close()
         self.info = await asyncio.get_running_loop().run_in_executor(None, wait_ready, self.proc, parent_conn)
         self._reader = asyncio.create_task(self._read_loop(), name="atom-engine-core-reader")
         return self.info
@@ -199,14 +193,46 @@ class AsyncEngineCoreClient:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
     def _join_or_kill(self) -> None:
-        self.proc.join(SHUTDOWN_TIMEOUT_S)
-        if self.proc.is_alive():
-            logger.warning("engine core did not exit in %.0f s; terminating it", SHUTDOWN_TIMEOUT_S)
-            self.proc.terminate()
-            self.proc.join(5)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join()
+        stop_core(self.proc, "engine core")
+
+
+def spawn_core(config: Config, ctx: zmq.Context, ipc_dir: str, name: str) -> tuple:
+    """Start an engine-core process (``run_engine_core``) behind two IPC sockets bound in ``ipc_dir``: a
+    PUSH socket for requests, aborts and utility calls (a send never blocks: the core drains it every
+    step) and a PULL socket for what it sends. Returns (process, PUSH, PULL, the start-up pipe that
+    ``wait_ready`` reads)."""
+    in_addr, out_addr = f"ipc://{ipc_dir}/{name}-in", f"ipc://{ipc_dir}/{name}-out"
+    inp, out = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    inp.setsockopt(zmq.SNDHWM, 0)
+    inp.bind(in_addr)
+    out.bind(out_addr)
+    spawn = mp.get_context("spawn")
+    parent_conn, child_conn = spawn.Pipe(duplex=False)
+    # Not daemonic: a daemon may not start children, and with tensor parallelism the core starts
+    # the ranks; it still dies with this process (PR_SET_PDEATHSIG, parent poll) and is joined
+    # at shutdown (stop_core)
+    proc = spawn.Process(
+        target=run_engine_core,
+        name=name,
+        daemon=False,
+        args=(config, in_addr, out_addr, child_conn, os.getpid(), logging.getLogger().level or logging.INFO),
+    )
+    proc.start()
+    child_conn.close()
+    return proc, inp, out, parent_conn
+
+
+def stop_core(proc: mp.Process, what: str) -> None:
+    """Join a core that was asked to shut down; terminate it after SHUTDOWN_TIMEOUT_S, kill it if
+    that fails too."""
+    proc.join(SHUTDOWN_TIMEOUT_S)
+    if proc.is_alive():
+        logger.warning("%s did not exit in %.0f s; terminating it", what, SHUTDOWN_TIMEOUT_S)
+        proc.terminate()
+        proc.join(5)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
 
 
 def wait_ready(proc: mp.Process, conn) -> CoreInfo:

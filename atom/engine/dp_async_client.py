@@ -10,36 +10,23 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Callable
 from typing import Any
 
-from atom.config import Config
-from atom.engine.core_client import AsyncEngineCoreClient, EngineDeadError
+from atom.engine.core_client import AsyncEngineCoreClient, CoreClientBase, EngineDeadError
 from atom.engine.dp_balancer import LoadBalancer, merge_info, merge_stats, replica_configs
 from atom.engine.outputs import CoreInfo, EngineCoreOutput, EngineCoreRequest, EngineStats
 
 
-class DPAsyncEngineCoreClient:
-    def __init__(self, config: Config,
-                 on_outputs: Callable[[list[EngineCoreOutput], EngineStats], None],
-                 on_add_error: Callable[[str, str], None],
-                 on_dead: Callable[[str], None]):
-        self.config = config
-        self.on_outputs = on_outputs
-        self.on_add_error = on_add_error
-        self.on_dead = on_dead
+class DPAsyncEngineCoreClient(CoreClientBase):
+    def __init__(self, *args) -> None:  # CoreClientBase's
+        super().__init__(*args)
         self.clients = [
-            AsyncEngineCoreClient(cfg, self._replica_outputs, self._replica_add_error,
-                                  functools.partial(self._replica_dead, r))
-            for r, cfg in enumerate(replica_configs(config))
+            AsyncEngineCoreClient(
+                cfg, self._replica_outputs, self._replica_add_error, functools.partial(self._replica_dead, r)
+            )
+            for r, cfg in enumerate(replica_configs(self.config))
         ]
         self.balancer = LoadBalancer(len(self.clients))
-        self.info: CoreInfo | None = None
-        self.dead_reason: str | None = None
-
-    @property
-    def is_dead(self) -> bool:
-        return self.dead_reason is not None
 
     @property
     def stats(self) -> EngineStats | None:

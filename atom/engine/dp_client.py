@@ -16,7 +16,6 @@ from __future__ import annotations
 import itertools
 import logging
 import multiprocessing as mp
-import os
 import shutil
 import tempfile
 import weakref
@@ -26,9 +25,9 @@ import msgspec
 import zmq
 
 from atom.config import Config
-from atom.engine.core_client import SHUTDOWN_TIMEOUT_S, wait_ready
+from atom.engine.core_client import spawn_core, stop_core, wait_ready
 from atom.engine.dp_balancer import LoadBalancer, merge_info, merge_stats, replica_configs
-from atom.engine.engine_core_proc import IDLE_POLL_MS, run_engine_core
+from atom.engine.engine_core_proc import IDLE_POLL_MS
 from atom.engine.outputs import (
     AbortRequests,
     AddError,
@@ -66,26 +65,16 @@ class DPEngineCoreClient:
         self._ctx = zmq.Context()
         self._encode = msgspec.msgpack.Encoder().encode
         self._decode = msgspec.msgpack.Decoder(FromCore).decode
-        spawn = mp.get_context("spawn")
         self.replicas: list[_Replica] = []
         conns = []
         for cfg in replica_configs(config):
             r = cfg.parallel_config.data_parallel_rank
-            inp, out = self._ctx.socket(zmq.PUSH), self._ctx.socket(zmq.PULL)
-            inp.setsockopt(zmq.SNDHWM, 0)
-            inp.bind(f"ipc://{self._ipc_dir}/in{r}")
-            out.bind(f"ipc://{self._ipc_dir}/out{r}")
-            parent_conn, child_conn = spawn.Pipe(duplex=False)
-            # not daemonic: under -tp a replica starts its own rank processes
-            proc = spawn.Process(target=run_engine_core, name=f"atom-engine-core-{r}", daemon=False,
-                                 args=(cfg, f"ipc://{self._ipc_dir}/in{r}", f"ipc://{self._ipc_dir}/out{r}", child_conn,
-                                       os.getpid(), logging.getLogger().level or logging.INFO))
-            proc.start()
-            child_conn.close()
+            proc, inp, out, conn = spawn_core(cfg, self._ctx, self._ipc_dir, f"atom-engine-core-{r}")
             self.replicas.append(_Replica(r, proc, inp, out))
-            conns.append(parent_conn)
-        self._finalizer = weakref.finalize(self, _stop_replicas, self.replicas, self._ctx, self._ipc_dir,
-                                           self._encode(Shutdown()))
+            conns.append(conn)
+        self._finalizer = weakref.finalize(
+            self, _stop_replicas, self.replicas, self._ctx, self._ipc_dir, self._encode(Shutdown())
+        )
         try:
             for replica, conn in zip(self.replicas, conns):
                 replica.info = wait_ready(replica.proc, conn)
@@ -206,8 +195,10 @@ class DPEngineCoreClient:
         for replica in self.replicas:
             if not replica.proc.is_alive():
                 replica.proc.join()
-                self._fail(f"data-parallel replica {replica.index} (pid {replica.proc.pid}) died with exit code "
-                           f"{replica.proc.exitcode}")
+                self._fail(
+                    f"data-parallel replica {replica.index} (pid {replica.proc.pid}) died with exit code "
+                    f"{replica.proc.exitcode}"
+                )
 
     def _fail(self, message: str) -> None:
         logger.error("%s; stopping all %d replicas", message, len(self.replicas))
@@ -221,15 +212,7 @@ def _stop_replicas(replicas: list[_Replica], ctx: zmq.Context, ipc_dir: str, shu
         if r.proc.is_alive():
             r.inp.send(shutdown_msg)
     for r in replicas:
-        r.proc.join(SHUTDOWN_TIMEOUT_S)
-        if r.proc.is_alive():
-            logger.warning("data-parallel replica %d did not exit in %.0f s; terminating it", r.index,
-                           SHUTDOWN_TIMEOUT_S)
-            r.proc.terminate()
-            r.proc.join(5)
-        if r.proc.is_alive():
-            r.proc.kill()
-            r.proc.join()
+        stop_core(r.proc, f"data-parallel replica {r.index}")
     for r in replicas:
         r.inp.close(linger=0)
         r.out.close(linger=0)

@@ -73,8 +73,11 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
         if "norm" in name or "scale" in name:  # norms, and FP8 weight scales
             param.data.fill_(1.0)
             continue
-        cpu = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, 0.02, generator=gen) \
-            if param.numel() < (1 << 24) else None
+        cpu = (
+            torch.empty(param.shape, dtype=torch.float32).normal_(0.0, 0.02, generator=gen)
+            if param.numel() < (1 << 24)
+            else None
+        )
         if cpu is not None:
             param.data.copy_(cpu)
         else:  # large tensors: generate on the device, seeded from the CPU generator
@@ -82,15 +85,20 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
             param.data.normal_(0.0, 0.02, generator=dev_gen)
 
 
-def load_model(model_config: ModelConfig, device: torch.device, tp: TPInfo = SINGLE) -> nn.Module:
-    cls = get_model_class(model_config.architecture)
+def build_model(cls: type[nn.Module], model_config: ModelConfig, device: torch.device, tp: TPInfo) -> nn.Module:
+    """``cls(hf_config, tp)`` with its parameters created on ``device`` in the model's dtype (the default
+    dtype is restored after)."""
     prev_dtype = torch.get_default_dtype()
     torch.set_default_dtype(model_config.dtype)
     try:
         with torch.device(device):
-            model = cls(model_config.hf_config, tp)
+            return cls(model_config.hf_config, tp)
     finally:
         torch.set_default_dtype(prev_dtype)
+
+
+def load_model(model_config: ModelConfig, device: torch.device, tp: TPInfo = SINGLE) -> nn.Module:
+    model = build_model(get_model_class(model_config.architecture), model_config, device, tp)
     quant = get_fp8_config(model_config.hf_config, model_config.quantization)
     if quant is not None:
         quantize_layers(model, quant)

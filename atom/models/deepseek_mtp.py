@@ -26,7 +26,6 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from atom.config import ModelConfig
 from atom.distributed.parallel_state import SINGLE, TPInfo
 from atom.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from atom.layers.layernorm import RMSNorm
@@ -117,21 +116,3 @@ class DeepseekMTP(nn.Module):
                     yield f"model.layers.{key}.shared_head.head.weight", tensor
             elif index is not None and index < self.num_layers:
                 yield name, tensor
-
-
-def load_mtp(model_config: ModelConfig, device: torch.device, tp: TPInfo = SINGLE) -> DeepseekMTP:
-    """Build the MTP draft of ``model_config``'s checkpoint on ``device`` and load its weights."""
-    from atom.model_loader.loader import init_dummy_weights, iter_weights
-
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(model_config.dtype)
-    try:
-        with torch.device(device):
-            mtp = DeepseekMTP(model_config.hf_config, tp)
-    finally:
-        torch.set_default_dtype(prev)
-    if model_config.load_dummy:
-        init_dummy_weights(mtp, model_config.seed)
-    else:
-        mtp.load_weights(iter_weights(model_config))
-    return mtp.eval()

@@ -17,7 +17,7 @@ from torch import nn
 
 from atom.config import ModelConfig
 from atom.distributed.parallel_state import TPInfo
-from atom.model_loader.loader import init_dummy_weights, iter_weights
+from atom.model_loader.loader import build_model, init_dummy_weights, iter_weights
 
 _DRAFTS = {
     "DeepseekV3ForCausalLM": ("atom.models.deepseek_mtp", "DeepseekMTP"),
@@ -26,17 +26,9 @@ _DRAFTS = {
 _GENERIC = ("atom.models.llama_mtp", "LlamaMTP")
 
 
-def load_mtp(model_config: ModelConfig, target: nn.Module, device: torch.device, tp: TPInfo) -> nn.Module:
+def load_mtp(model_config: ModelConfig, target: nn.Module | None, device: torch.device, tp: TPInfo) -> nn.Module:
     module, name = _DRAFTS.get(model_config.architecture, _GENERIC)
-    cls = getattr(importlib.import_module(module), name)
-    hf = model_config.hf_config
-    prev_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(model_config.dtype)
-    try:
-        with torch.device(device):
-            draft = cls(hf, tp)
-    finally:
-        torch.set_default_dtype(prev_dtype)
+    draft = build_model(getattr(importlib.import_module(module), name), model_config, device, tp)
     if hasattr(draft, "bind_target"):
         draft.bind_target(target)
     if model_config.load_dummy:

@@ -6,15 +6,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import xgrammar as xgr
 
 from atom.ops.penalties import unpack_bitmask
 from atom.structured_output.matcher import GrammarState
+from atom.structured_output.xgrammar_import import xgrammar
 
 
 def allocate(rows: int, vocab_size: int) -> torch.Tensor:
     """A CPU bitmask (xgrammar fills it on the host; copy it to the logits' device to apply)."""
-    return xgr.allocate_token_bitmask(rows, vocab_size)
+    return xgrammar().allocate_token_bitmask(rows, vocab_size)
 
 
 def fill(bitmask: torch.Tensor, states: Sequence[GrammarState | None]) -> bool:
@@ -36,6 +36,6 @@ def apply(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     rows, vocab = logits.shape
     bitmask = bitmask[:rows].to(logits.device, non_blocking=True)
     if logits.dtype == torch.float32 and logits.is_contiguous() and logits.device.type in ("cpu", "cuda"):
-        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab)
+        xgrammar().apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab)
     else:
         logits.masked_fill_(~unpack_bitmask(bitmask, vocab), float("-inf"))

@@ -12,10 +12,13 @@ import json
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-
-import xgrammar as xgr
+from typing import TYPE_CHECKING
 
 from atom.structured_output.spec import GrammarSpec
+from atom.structured_output.xgrammar_import import xgrammar
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 # xgrammar 0.2.8 writes the characters of a length-bounded JSON string (minLength/maxLength)
 # as this class, which lets raw control characters through: invalid JSON (RFC 8259 wants
@@ -32,7 +35,7 @@ def json_strings_without_control_chars(grammar: xgr.Grammar) -> xgr.Grammar:
     text = str(grammar)
     if _BOUNDED_STRING_CHAR not in text:
         return grammar
-    return xgr.Grammar.from_ebnf(text.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR))
+    return xgrammar().Grammar.from_ebnf(text.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR))
 
 
 class GrammarCompiler:
@@ -47,6 +50,7 @@ class GrammarCompiler:
     ):
         """``vocab_size``: the model's logits width when it exceeds the tokenizer's (padding);
         ``any_whitespace=False`` is vLLM's ``--structured-outputs-config.disable_any_whitespace``."""
+        xgr = xgrammar()
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
         self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_workers)
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="atom-grammar")
@@ -84,8 +88,9 @@ class GrammarCompiler:
         try:
             if spec.kind in ("json", "json_object"):
                 schema = spec.spec if spec.kind == "json" else json.dumps({"type": "object"})
-                grammar = xgr.Grammar.from_json_schema(
-                    schema, any_whitespace=self._any_whitespace and spec.any_whitespace,
+                grammar = xgrammar().Grammar.from_json_schema(
+                    schema,
+                    any_whitespace=self._any_whitespace and spec.any_whitespace,
                     max_whitespace_cnt=MAX_JSON_WHITESPACE,
                 )
                 return self._compiler.compile_grammar(json_strings_without_control_chars(grammar))

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
-import xgrammar as xgr
+
+from atom.structured_output.xgrammar_import import xgrammar
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 logger = logging.getLogger(__name__)
 
@@ -15,7 +20,7 @@ class GrammarState:
     def __init__(self, compiled: xgr.CompiledGrammar, stop_token_ids: Sequence[int] | None = None):
         """``stop_token_ids``: the ids that end the output once the grammar is complete
         (default: the tokenizer's EOS)."""
-        self._matcher = xgr.GrammarMatcher(
+        self._matcher = xgrammar().GrammarMatcher(
             compiled, override_stop_tokens=list(stop_token_ids) if stop_token_ids else None
         )
         self.num_accepted = 0

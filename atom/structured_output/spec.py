@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import xgrammar as xgr
+from atom.structured_output.xgrammar_import import xgrammar
 
 Kind = Literal["json", "json_object", "regex", "choice", "grammar"]
 
@@ -103,6 +103,7 @@ class GrammarSpec:
                     f"Invalid json for structured output: the schema uses {', '.join(unsupported)}, "
                     "which the grammar engine (xgrammar) cannot enforce"
                 )
+        xgr = xgrammar()
         try:
             if self.kind == "json":
                 xgr.Grammar.from_json_schema(self.spec)

@@ -16,10 +16,12 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
 )
 
 from atom.config import Config, ModelConfig
+from atom.distributed.parallel_state import SINGLE
 from atom.forward_context import AttentionMetadata, set_forward_context
 from atom.layers.mla import MLAAttention
 from atom.layers.moe_routing import grouped_topk
-from atom.models.deepseek_mtp import DeepseekMTP, load_mtp
+from atom.models.deepseek_mtp import DeepseekMTP
+from atom.spec_decode.mtp_loader import load_mtp
 from atom.worker.model_runner import ModelRunner
 
 
@@ -114,7 +116,7 @@ def _meta(q_lens, seq_lens, slots, num_decodes=0, width=2):
 def test_mtp_layer_loads_and_matches_the_formula(tiny_model):
     path = tiny_model("deepseek_v3")
     hf = AutoConfig.from_pretrained(path)
-    mtp = load_mtp(ModelConfig(path, hf, torch.float32, 256, path), torch.device("cpu"))
+    mtp = load_mtp(ModelConfig(path, hf, torch.float32, 256, path), None, torch.device("cpu"), SINGLE)
     torch.manual_seed(0)
     num = 9
     ids, positions = torch.randint(0, hf.vocab_size, (num,)), torch.arange(num)

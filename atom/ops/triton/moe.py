@@ -156,6 +156,43 @@ def _sort_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
 
 
 @triton.jit
+def _row_tile(
+    a_ptr, b_ptr, sorted_ids_ptr, expert_ids_ptr, num_pairs, N, stride_am, stride_be, stride_bn,
+    A_ROW_DIV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Where program (m, n) of the MoE GEMM kernels (``moe`` and ``moe_fp8``) starts: its pairs, which
+    of them are real (not padding), their rows of ``a``, the tile's expert, its columns and which are
+    inside ``N``, the K offsets, and the pointers of the first K tiles of ``a`` and ``b``."""
+    pairs = tl.load(sorted_ids_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))
+    a_rows = (pairs // A_ROW_DIV).to(tl.int64)
+    expert = tl.load(expert_ids_ptr + tl.program_id(0)).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
+    # b[expert] is [N_total, K] row-major; load it as [BLOCK_K, BLOCK_N] tiles.
+    b_ptrs = b_ptr + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
+    return pairs, pairs < num_pairs, a_rows, expert, offs_n, offs_n < N, offs_k, a_ptrs, b_ptrs
+
+
+@triton.jit
+def _store_tile(c_ptr, stride_cm, weights_ptr, acc, acc_up, pairs, row_ok, offs_n, n_ok, GATED: tl.constexpr,
+                MUL_WEIGHT: tl.constexpr):  # fmt: skip
+    """Store the tile of the MoE GEMM kernels: ``silu(acc) * acc_up`` when GATED, times the pairs' routing
+    weights when MUL_WEIGHT."""
+    dtype = c_ptr.dtype.element_ty
+    # Round where the reference rounds: each GEMM output, silu, and the weighted product.
+    res = acc.to(dtype).to(tl.float32)
+    if GATED:
+        up = acc_up.to(dtype).to(tl.float32)
+        res = (res / (1.0 + tl.exp(-res))).to(dtype).to(tl.float32) * up
+    if MUL_WEIGHT:
+        w = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0).to(dtype).to(tl.float32)
+        res = res * w[:, None]
+    c_ptrs = c_ptr + pairs[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, res.to(dtype), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
 def _moe_gemm_kernel(
     a_ptr,
     b_ptr,
@@ -186,23 +223,15 @@ def _moe_gemm_kernel(
     MUL_WEIGHT: c is scaled by the pair's routing weight. B_DESC: ``b`` tiles come through
     ``b_desc`` (a tensor descriptor over b as [experts * rows, K]: bulk tensor copies);
     rows past N are read but their columns are never stored."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+    if tl.program_id(0) * BLOCK_M >= tl.load(num_padded_ptr):
         return
-    pairs = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    row_ok = pairs < num_pairs
-    a_rows = (pairs // A_ROW_DIV).to(tl.int64)
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
-    # b[expert] is [N_total, K] row-major; load it as [BLOCK_K, BLOCK_N] tiles.
-    b_ptrs = b_ptr + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
+    pairs, row_ok, a_rows, expert, offs_n, n_ok, offs_k, a_ptrs, b_ptrs = _row_tile(
+        a_ptr, b_ptr, sorted_ids_ptr, expert_ids_ptr, num_pairs, N, stride_am, stride_be, stride_bn,
+        A_ROW_DIV, BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    desc_row = (expert * (2 * N if GATED else N)).to(tl.int32) + pid_n * BLOCK_N
+    desc_row = (expert * (2 * N if GATED else N)).to(tl.int32) + tl.program_id(1) * BLOCK_N
     for k0 in range(0, K, BLOCK_K):
         k_ok = offs_k < K - k0
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
@@ -219,18 +248,7 @@ def _moe_gemm_kernel(
             acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-
-    dtype = c_ptr.dtype.element_ty
-    # Round where the reference rounds: each GEMM output, silu, and the weighted product.
-    res = acc.to(dtype).to(tl.float32)
-    if GATED:
-        up = acc_up.to(dtype).to(tl.float32)
-        res = (res / (1.0 + tl.exp(-res))).to(dtype).to(tl.float32) * up
-    if MUL_WEIGHT:
-        w = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0).to(dtype).to(tl.float32)
-        res = res * w[:, None]
-    c_ptrs = c_ptr + pairs[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
-    tl.store(c_ptrs, res.to(dtype), mask=row_ok[:, None] & n_ok[None, :])
+    _store_tile(c_ptr, stride_cm, weights_ptr, acc, acc_up, pairs, row_ok, offs_n, n_ok, GATED, MUL_WEIGHT)
 
 
 def _gemm_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> dict:

@@ -12,7 +12,7 @@ import triton.language as tl
 
 from atom.ops.triton.fp8_configs import moe_config
 from atom.ops.triton.fp8_gemm import per_token_group_quant_fp8
-from atom.ops.triton.moe import _sort_by_expert
+from atom.ops.triton.moe import _row_tile, _sort_by_expert, _store_tile
 
 
 @triton.jit
@@ -26,19 +26,12 @@ def _moe_fp8_gemm_kernel(
     """``c[pair] = dequant(a[pair // A_ROW_DIV]) @ dequant(b[expert]).T`` for one row tile;
     GATED: gate rows then up rows (N each), c = silu(gate) * up; MUL_WEIGHT: times the pair's
     routing weight. Block scales are read one key step ahead, as in ``fp8_gemm``."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+    if tl.program_id(0) * BLOCK_M >= tl.load(num_padded_ptr):
         return
-    pairs = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    row_ok = pairs < num_pairs
-    a_rows = (pairs // A_ROW_DIV).to(tl.int64)
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
-    b_ptrs = b_ptr + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
+    pairs, row_ok, a_rows, expert, offs_n, n_ok, offs_k, a_ptrs, b_ptrs = _row_tile(
+        a_ptr, b_ptr, sorted_ids_ptr, expert_ids_ptr, num_pairs, N, stride_am, stride_be, stride_bn,
+        A_ROW_DIV, BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
     as_ptrs = as_ptr + a_rows * stride_asm
     bs_ptrs = bs_ptr + expert * stride_bse + offs_n * stride_bsn
     up_off = N * stride_bsn
@@ -80,18 +73,7 @@ def _moe_fp8_gemm_kernel(
         acc = acc * a_s * tl.load(bs_ptrs, mask=n_ok, other=0.0)[None, :]
         if GATED:
             acc_up = acc_up * a_s * tl.load(bs_ptrs + up_off, mask=n_ok, other=0.0)[None, :]
-
-    dtype = c_ptr.dtype.element_ty
-    # Round where the reference rounds: each GEMM output, silu, and the weighted product.
-    res = acc.to(dtype).to(tl.float32)
-    if GATED:
-        up = acc_up.to(dtype).to(tl.float32)
-        res = (res / (1.0 + tl.exp(-res))).to(dtype).to(tl.float32) * up
-    if MUL_WEIGHT:
-        w = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0).to(dtype).to(tl.float32)
-        res = res * w[:, None]
-    c_ptrs = c_ptr + pairs[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
-    tl.store(c_ptrs, res.to(dtype), mask=row_ok[:, None] & n_ok[None, :])
+    _store_tile(c_ptr, stride_cm, weights_ptr, acc, acc_up, pairs, row_ok, offs_n, n_ok, GATED, MUL_WEIGHT)
 
 
 def _gemm(a, a_scale, b, b_scale, c, weights, sorted_ids, expert_ids, num_padded, n, a_row_div, gated, group_k,
