@@ -16,7 +16,7 @@ import json
 import os
 
 import torch
-from triton.testing import do_bench
+from fp8_sweep import us as graph_us  # tests/gpu/, next to this script
 
 from atom.ops import reference, reference_fp8
 from atom.ops.triton import fused_moe, paged_attention
@@ -28,8 +28,10 @@ FP8 = torch.float8_e4m3fn
 
 
 def us(fn, *args) -> float:
-    """Microseconds per call of ``fn(*args)``."""
-    return do_bench(lambda: fn(*args), warmup=25, rep=100) * 1000
+    """GPU microseconds per call of ``fn(*args)`` inside a CUDA graph, L2 flushed before each
+    call (``fp8_sweep.us``; ``do_bench`` would also time the Python launches, which dominate
+    at decode sizes)."""
+    return graph_us(lambda: fn(*args))
 
 
 def w8a8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, group_k: int) -> torch.Tensor:

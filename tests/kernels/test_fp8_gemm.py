@@ -48,3 +48,23 @@ def test_quantize_weight_block_layout():
     q, s = ref.quantize_weight(w, 128, 128)
     assert s.shape == (300, 3) and torch.equal(s[:128], s[:1].expand(128, 3)) and not torch.equal(s[0], s[128])
     assert ((ref.dequantize(q, s, 128) - w).abs() <= w.abs() / 16 + s.max() * 2**-9).all()
+
+
+# what the tile tables and the sweep may pick: split-K (an empty last split, a bias added
+# after the partial sums), a per-channel key tile narrower than K, and both scale layouts
+# (activation scales row- or column-major, weight scales K-major as the FP8 layers keep them)
+@pytest.mark.parametrize("split_k", [1, 3])
+@pytest.mark.parametrize("group_k", [32, 0])
+@pytest.mark.parametrize("column_major", [True, False])
+def test_w8a8_matmul_split_k_and_scale_layouts(split_k, group_k, column_major, assert_close):
+    m, n, k = 19, 96, 200
+    x = torch.randn(m, k)
+    w_q, w_s = ref.quantize_weight(torch.randn(n, k) * 0.1, group_k, group_k or 1)
+    a_q, a_s = per_token_group_quant_fp8(x, group_k, column_major=column_major)
+    assert (a_s.stride(0) == 1) == (column_major or a_s.shape[1] == 1)
+    a_ref, s_ref = ref.per_token_group_quant_fp8(x, group_k)
+    assert torch.equal(a_s, s_ref) and torch.equal(a_q.view(torch.uint8), a_ref.view(torch.uint8))
+    b = torch.randn(n)
+    config = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, GROUP_M=1, SPLIT_K=split_k, num_warps=4, num_stages=2)
+    out = w8a8_matmul(a_q, a_s, w_q, w_s.t().contiguous().t(), group_k, torch.float32, b, config=config)
+    assert_close(out, ref.w8a8_matmul(a_q, a_s, w_q, w_s, group_k, torch.float32, b), torch.float32)

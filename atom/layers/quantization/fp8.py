@@ -32,6 +32,12 @@ def _param(data: torch.Tensor, loader) -> nn.Parameter:
     return p
 
 
+def _k_major(scale: torch.Tensor) -> torch.Tensor:
+    """The same scales [..., N, groups] stored group-major (each group's N scales contiguous):
+    the FP8 GEMMs read one group's scale vector per key step, one contiguous read then."""
+    return scale.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
 def _expand_rows(scale: torch.Tensor, rows: int, cols: int, block_rows: int | None) -> torch.Tensor:
     """A checkpoint's scale (per tensor, per channel or per block) as one row of ``cols``
     scales per weight row."""
@@ -98,6 +104,9 @@ class Fp8LinearMethod:
             q, s = reference_fp8.quantize_weight(layer.weight.data)
             layer.weight = _param(q, layer.weight_loader)
             layer.register_parameter(self.config.scale_name, _param(s, None))
+        elif self.group_k:
+            scale = getattr(layer, self.config.scale_name).data
+            setattr(layer, self.config.scale_name, _param(_k_major(scale), None))
         self.scale = getattr(layer, self.config.scale_name)
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -166,6 +175,9 @@ class Fp8MoEMethod:
 
     def process_weights_after_loading(self, moe: FusedMoE) -> None:
         if self.config.serialized:
+            if self.group_k:
+                for scale_name in self._names():
+                    setattr(moe, scale_name, _param(_k_major(getattr(moe, scale_name).data), None))
             return
         for name, scale_name in zip(("w13_weight", "w2_weight"), self._names()):
             w = getattr(moe, name).data

@@ -5,7 +5,12 @@ weight scales are per (output row, group of ``group_k`` input columns), see
 With block scales (``group_k`` > 0) the key loop steps one scale group at a time and
 rescales each partial product in float32 (DeepSeek-V3's scheme); with per-channel scales
 (``group_k`` = 0) the whole K loop accumulates raw products and the scales apply once at
-the end. Tile sizes are a plain default, not yet swept on Hopper (tests/gpu/fp8_bench.py).
+the end. Block scales are read one key step ahead (their load latency then hides behind
+the current step's MMA) and are best stored K-major: the quantisation writes activation
+scales column-major, and the FP8 linear layer keeps weight scales K-major, so each step's
+scale vector is one contiguous read. Small batches split the key range over several
+programs (float32 partial sums, added after) to fill the GPU. Tile shapes come from
+``atom.ops.triton.fp8_configs`` (swept on an H100 with ``tests/gpu/fp8_sweep.py``).
 """
 
 from __future__ import annotations
@@ -14,9 +19,12 @@ import torch
 import triton
 import triton.language as tl
 
+from atom.ops.triton.fp8_configs import gemm_config
+
 
 @triton.jit
-def _group_quant_kernel(x_ptr, q_ptr, s_ptr, k, stride_x, stride_q, stride_s, group_k, BLOCK: tl.constexpr):
+def _group_quant_kernel(x_ptr, q_ptr, s_ptr, k, stride_x, stride_q, stride_sm, stride_sg, group_k,
+                        BLOCK: tl.constexpr):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)
     offs = group * group_k + tl.arange(0, BLOCK)
@@ -27,18 +35,25 @@ def _group_quant_kernel(x_ptr, q_ptr, s_ptr, k, stride_x, stride_q, stride_s, gr
     scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), 448.0), 1e-12)
     q = tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0)
     tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + row * stride_s + group, scale)
+    tl.store(s_ptr + row * stride_sm + group * stride_sg, scale)
 
 
-def per_token_group_quant_fp8(x: torch.Tensor, group_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def per_token_group_quant_fp8(
+    x: torch.Tensor, group_k: int, column_major: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``column_major``: the scales [M, groups] are stored group-major (strides (1, M)), the
+    layout the GEMMs read fastest; the values are the same either way."""
     m, k = x.shape
     group = group_k or k
     groups = triton.cdiv(k, group)
     q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty((m, groups), dtype=torch.float32, device=x.device)
+    if column_major:
+        s = torch.empty((groups, m), dtype=torch.float32, device=x.device).t()
+    else:
+        s = torch.empty((m, groups), dtype=torch.float32, device=x.device)
     if m:
         x = x if x.stride(-1) == 1 else x.contiguous()
-        _group_quant_kernel[(m, groups)](x, q, s, k, x.stride(0), q.stride(0), s.stride(0), group,
+        _group_quant_kernel[(m, groups)](x, q, s, k, x.stride(0), q.stride(0), s.stride(0), s.stride(1), group,
                                          BLOCK=triton.next_power_of_2(group), num_warps=4)  # fmt: skip
     return q, s
 
@@ -46,8 +61,8 @@ def per_token_group_quant_fp8(x: torch.Tensor, group_k: int) -> tuple[torch.Tens
 @triton.jit
 def _w8a8_kernel(
     a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, m, n, k,
-    stride_am, stride_asm, stride_wn, stride_wsn, stride_om,
-    PER_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+    stride_am, stride_asm, stride_ask, stride_wn, stride_wsn, stride_wsk, stride_om, stride_os,
+    PER_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     # grouped launch order: GROUP_M row tiles share their weight tiles in L2
@@ -58,46 +73,58 @@ def _w8a8_kernel(
     rows = tl.minimum(tiles_m - first_m, GROUP_M)
     pid_m = first_m + (pid % width) % rows
     pid_n = (pid % width) // rows
+    # split-K: this program sums key steps [kt_lo, kt_hi)
+    steps = tl.cdiv(k, BLOCK_K)
+    per_split = tl.cdiv(steps, SPLIT_K)
+    kt_lo = tl.program_id(1) * per_split
+    kt_hi = tl.minimum(kt_lo + per_split, steps)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_ok, n_ok = offs_m < m, offs_n < n
-    a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
-    w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :] + kt_lo * BLOCK_K
+    w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] + kt_lo * BLOCK_K
+    as_ptrs = as_ptr + offs_m * stride_asm
+    ws_ptrs = ws_ptr + offs_n * stride_wsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kt in range(tl.cdiv(k, BLOCK_K)):
+    if PER_GROUP:
+        # (step indices clamped into range: a read past the split's end is never used)
+        kt0 = tl.minimum(kt_lo, steps - 1)
+        a_s = tl.load(as_ptrs + kt0 * stride_ask, mask=m_ok, other=0.0)
+        w_s = tl.load(ws_ptrs + kt0 * stride_wsk, mask=n_ok, other=0.0)
+    for kt in range(kt_lo, kt_hi):
         k_ok = offs_k < k - kt * BLOCK_K
         a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         if PER_GROUP:
-            a_s = tl.load(as_ptr + offs_m * stride_asm + kt, mask=m_ok, other=0.0)
-            w_s = tl.load(ws_ptr + offs_n * stride_wsn + kt, mask=n_ok, other=0.0)
+            # the next step's scales, loaded while this step's MMA runs
+            nxt = tl.minimum(kt + 1, steps - 1)
+            a_s_next = tl.load(as_ptrs + nxt * stride_ask, mask=m_ok, other=0.0)
+            w_s_next = tl.load(ws_ptrs + nxt * stride_wsk, mask=n_ok, other=0.0)
             acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
+            a_s, w_s = a_s_next, w_s_next
         else:
             acc = tl.dot(a, w, acc)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if not PER_GROUP:
-        a_s = tl.load(as_ptr + offs_m * stride_asm, mask=m_ok, other=0.0)
-        w_s = tl.load(ws_ptr + offs_n * stride_wsn, mask=n_ok, other=0.0)
+        a_s = tl.load(as_ptrs, mask=m_ok, other=0.0)
+        w_s = tl.load(ws_ptrs, mask=n_ok, other=0.0)
         acc = acc * a_s[:, None] * w_s[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    out_ptrs = out_ptr + tl.program_id(1) * stride_os + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
-
-
-def _tiles(m: int, group_k: int) -> dict:
-    block_m = 16 if m <= 16 else (64 if m <= 64 else 128)
-    return dict(BLOCK_M=block_m, BLOCK_N=128 if block_m == 128 else 64, BLOCK_K=group_k or 128, GROUP_M=8,
-                num_warps=8 if block_m == 128 else 4, num_stages=3)
 
 
 def w8a8_matmul(
     a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, group_k: int,
-    out_dtype: torch.dtype, bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype, bias: torch.Tensor | None = None, config: dict | None = None,
 ) -> torch.Tensor:
+    """``config`` overrides the tile table (the sweep's candidates): BLOCK_M, BLOCK_N,
+    BLOCK_K (per-channel only; block scales step one group), GROUP_M, SPLIT_K, num_warps,
+    num_stages."""
     m, k = a.shape
     n = w.shape[0]
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
@@ -105,11 +132,21 @@ def w8a8_matmul(
         return out
     if group_k and (group_k < 16 or group_k & (group_k - 1)):
         raise ValueError(f"block-scaled FP8 GEMM needs a power-of-two group of at least 16 columns, got {group_k}")
-    cfg = _tiles(m, group_k)
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+    cfg = dict(config or gemm_config(m, n, k, group_k > 0))
+    block_k = group_k or cfg.pop("BLOCK_K", 128)
+    cfg.pop("BLOCK_K", None)
+    split_k = min(cfg.pop("SPLIT_K", 1), triton.cdiv(k, block_k))
+    # split-K: float32 partial sums [SPLIT_K, m, n], summed (and the bias added) after
+    dest = out if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=a.device)
+    has_bias = bias is not None and split_k == 1
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), split_k)
     _w8a8_kernel[grid](
-        a, a_scale, w, w_scale, bias if bias is not None else out, out, m, n, k,
-        a.stride(0), a_scale.stride(0), w.stride(0), w_scale.stride(0), out.stride(0),
-        PER_GROUP=group_k > 0, HAS_BIAS=bias is not None, **cfg,
+        a, a_scale, w, w_scale, bias if has_bias else out, dest, m, n, k,
+        a.stride(0), a_scale.stride(0), a_scale.stride(1), w.stride(0), w_scale.stride(0), w_scale.stride(1),
+        dest.stride(-2), dest.stride(0) if split_k > 1 else 0,
+        PER_GROUP=group_k > 0, HAS_BIAS=has_bias, SPLIT_K=split_k, BLOCK_K=block_k, **cfg,
     )  # fmt: skip
+    if split_k > 1:
+        summed = dest.sum(0)
+        out.copy_(summed if bias is None else summed + bias.float())
     return out

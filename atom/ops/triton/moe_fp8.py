@@ -2,7 +2,7 @@
 by expert into ``BLOCK_M`` row tiles, gate/up GEMM with ``silu_and_mul`` fused, down GEMM
 times the routing weight) with the GEMM inputs quantised per token (group) first and the
 scales of ``atom.ops.reference_fp8`` applied per key group (block weights) or at the end
-(per-channel weights). Tiles are a plain default, not yet swept on Hopper."""
+(per-channel weights). Tiles: ``atom.ops.triton.fp8_configs``."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from atom.ops.triton.fp8_configs import moe_config
 from atom.ops.triton.fp8_gemm import per_token_group_quant_fp8
 from atom.ops.triton.moe import _row_tile, _sort_by_expert, _store_tile
 
@@ -17,13 +18,14 @@ from atom.ops.triton.moe import _row_tile, _sort_by_expert, _store_tile
 @triton.jit
 def _moe_fp8_gemm_kernel(
     a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
-    N, K, num_pairs, stride_am, stride_asm, stride_be, stride_bn, stride_bse, stride_bsn, stride_cm,
+    N, K, num_pairs, stride_am, stride_asm, stride_ask, stride_be, stride_bn, stride_bse, stride_bsn, stride_bsk,
+    stride_cm,
     A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, PER_GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """``c[pair] = dequant(a[pair // A_ROW_DIV]) @ dequant(b[expert]).T`` for one row tile;
     GATED: gate rows then up rows (N each), c = silu(gate) * up; MUL_WEIGHT: times the pair's
-    routing weight."""
+    routing weight. Block scales are read one key step ahead, as in ``fp8_gemm``."""
     if tl.program_id(0) * BLOCK_M >= tl.load(num_padded_ptr):
         return
     pairs, row_ok, a_rows, expert, offs_n, n_ok, offs_k, a_ptrs, b_ptrs = _row_tile(
@@ -32,23 +34,37 @@ def _moe_fp8_gemm_kernel(
     )  # fmt: skip
     as_ptrs = as_ptr + a_rows * stride_asm
     bs_ptrs = bs_ptr + expert * stride_bse + offs_n * stride_bsn
+    up_off = N * stride_bsn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for kt in range(tl.cdiv(K, BLOCK_K)):
+    steps = tl.cdiv(K, BLOCK_K)
+    if PER_GROUP:
+        a_s = tl.load(as_ptrs, mask=row_ok, other=0.0)[:, None]
+        b_s = tl.load(bs_ptrs, mask=n_ok, other=0.0)[None, :]
+        up_s = b_s
+        if GATED:
+            up_s = tl.load(bs_ptrs + up_off, mask=n_ok, other=0.0)[None, :]
+    for kt in range(steps):
         k_ok = offs_k < K - kt * BLOCK_K
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if PER_GROUP:
-            a_s = tl.load(as_ptrs + kt, mask=row_ok, other=0.0)[:, None]
-            acc += tl.dot(a, b) * a_s * tl.load(bs_ptrs + kt, mask=n_ok, other=0.0)[None, :]
-        else:
-            acc = tl.dot(a, b, acc)
         if GATED:
             b_up = tl.load(b_ptrs + N * stride_bn, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            if PER_GROUP:
-                up_s = tl.load(bs_ptrs + N * stride_bsn + kt, mask=n_ok, other=0.0)[None, :]
+        if PER_GROUP:
+            # the next step's scales, loaded while this step's MMAs run
+            # (the index clamped into range: the value read after the last step is unused)
+            nxt = tl.minimum(kt + 1, steps - 1)
+            a_s_next = tl.load(as_ptrs + nxt * stride_ask, mask=row_ok, other=0.0)[:, None]
+            b_s_next = tl.load(bs_ptrs + nxt * stride_bsk, mask=n_ok, other=0.0)[None, :]
+            acc += tl.dot(a, b) * a_s * b_s
+            if GATED:
+                up_s_next = tl.load(bs_ptrs + up_off + nxt * stride_bsk, mask=n_ok, other=0.0)[None, :]
                 acc_up += tl.dot(a, b_up) * a_s * up_s
-            else:
+                up_s = up_s_next
+            a_s, b_s = a_s_next, b_s_next
+        else:
+            acc = tl.dot(a, b, acc)
+            if GATED:
                 acc_up = tl.dot(a, b_up, acc_up)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
@@ -56,7 +72,7 @@ def _moe_fp8_gemm_kernel(
         a_s = tl.load(as_ptrs, mask=row_ok, other=0.0)[:, None]
         acc = acc * a_s * tl.load(bs_ptrs, mask=n_ok, other=0.0)[None, :]
         if GATED:
-            acc_up = acc_up * a_s * tl.load(bs_ptrs + N * stride_bsn, mask=n_ok, other=0.0)[None, :]
+            acc_up = acc_up * a_s * tl.load(bs_ptrs + up_off, mask=n_ok, other=0.0)[None, :]
     _store_tile(c_ptr, stride_cm, weights_ptr, acc, acc_up, pairs, row_ok, offs_n, n_ok, GATED, MUL_WEIGHT)
 
 
@@ -65,17 +81,20 @@ def _gemm(a, a_scale, b, b_scale, c, weights, sorted_ids, expert_ids, num_padded
     grid = (expert_ids.shape[0], triton.cdiv(n, cfg["BLOCK_N"]))
     _moe_fp8_gemm_kernel[grid](
         a, a_scale, b, b_scale, c, weights, sorted_ids, expert_ids, num_padded, n, b.shape[2], c.shape[0],
-        a.stride(0), a_scale.stride(0), b.stride(0), b.stride(1), b_scale.stride(0), b_scale.stride(1), c.stride(0),
+        a.stride(0), a_scale.stride(0), a_scale.stride(1), b.stride(0), b.stride(1),
+        b_scale.stride(0), b_scale.stride(1), b_scale.stride(2), c.stride(0),
         A_ROW_DIV=a_row_div, GATED=gated, MUL_WEIGHT=not gated, PER_GROUP=group_k > 0,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=group_k or 128,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=group_k or cfg.get("BLOCK_K", 128),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
 
 
 def fused_moe_fp8(
     x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
-    topk_weights: torch.Tensor, topk_ids: torch.Tensor, group_k: int,
+    topk_weights: torch.Tensor, topk_ids: torch.Tensor, group_k: int, config: dict | None = None,
 ) -> torch.Tensor:
+    """``config`` overrides the tile table (the sweep's candidates), for both GEMMs; its
+    ``down`` entry, if any, overrides keys for the down GEMM (same BLOCK_M)."""
     num_tokens, hidden = x.shape
     num_experts, two_i, _ = w13.shape
     inter_size = two_i // 2
@@ -83,11 +102,10 @@ def fused_moe_fp8(
     num_pairs = num_tokens * top_k
     if num_tokens == 0:
         return torch.zeros_like(x)
-    rows = num_pairs / num_experts
-    block_m = 16 if rows <= 16 else (32 if rows <= 32 else 64)
-    cfg = dict(BLOCK_M=block_m, BLOCK_N=64 if block_m < 64 else 128, num_warps=4, num_stages=3)
+    cfg = config or moe_config(num_pairs / num_experts, group_k > 0)
+    down = {**cfg, **cfg.get("down", {})}
     weights = topk_weights.contiguous().view(-1)
-    sorted_ids, expert_ids, num_padded = _sort_by_expert(topk_ids, num_experts, block_m)
+    sorted_ids, expert_ids, num_padded = _sort_by_expert(topk_ids, num_experts, cfg["BLOCK_M"])
     a, a_scale = per_token_group_quant_fp8(x, group_k)
     inter = torch.empty(num_pairs, inter_size, dtype=x.dtype, device=x.device)
     _gemm(a, a_scale, w13, w13_scale, inter, weights, sorted_ids, expert_ids, num_padded, inter_size, top_k, True,
@@ -95,5 +113,5 @@ def fused_moe_fp8(
     a, a_scale = per_token_group_quant_fp8(inter, group_k)
     out_pairs = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     _gemm(a, a_scale, w2, w2_scale, out_pairs, weights, sorted_ids, expert_ids, num_padded, hidden, 1, False,
-          group_k, cfg)  # fmt: skip
+          group_k, down)  # fmt: skip
     return out_pairs.view(num_tokens, top_k, hidden).sum(dim=1)

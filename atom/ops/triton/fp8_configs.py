@@ -1,0 +1,62 @@
+"""Tile tables of the FP8 kernels (``fp8_gemm``, ``moe_fp8``), picked per batch-size bucket
+by ``tests/gpu/fp8_sweep.py`` on an H100 (the candidate with the lowest geometric-mean time
+over the Qwen3-8B / Qwen3-30B-A3B shapes; docs/fp8.md has the measurements).
+
+Each table is a list of (largest bucket value, config), first match wins. GEMM configs:
+BLOCK_M, BLOCK_N, BLOCK_K (per-channel only: block scales step one 128-column group),
+GROUP_M (launch-order swizzle), SPLIT_K (key-range split for small batches), num_warps,
+num_stages. MoE configs: the same without GROUP_M / SPLIT_K, by pairs per expert; ``down``
+overrides keys for the down GEMM."""
+
+from __future__ import annotations
+
+_INF = float("inf")
+
+# by m (tokens); block-scaled (per_group) and per-channel weights. Small batches are bound
+# by reading the weights: narrow column tiles and a 4-way key split fill the GPU.
+GEMM_BLOCK = [
+    (16, dict(BLOCK_M=16, BLOCK_N=32, GROUP_M=8, SPLIT_K=4, num_warps=4, num_stages=4)),
+    (64, dict(BLOCK_M=64, BLOCK_N=32, GROUP_M=8, SPLIT_K=2, num_warps=4, num_stages=4)),
+    (_INF, dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, SPLIT_K=1, num_warps=4, num_stages=3)),
+]
+GEMM_CHANNEL = [
+    (16, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, SPLIT_K=1, num_warps=4, num_stages=5)),
+    (64, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, SPLIT_K=1, num_warps=4, num_stages=4)),
+    (256, dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, SPLIT_K=1, num_warps=4, num_stages=4)),
+    (1024, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, SPLIT_K=1, num_warps=8, num_stages=3)),
+    (_INF, dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, GROUP_M=8, SPLIT_K=1, num_warps=8, num_stages=3)),
+]
+
+# by (token, expert) pairs per expert (Qwen3-30B-A3B: tokens / 16)
+MOE_BLOCK = [
+    (32, dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=3)),
+    (_INF, dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=4)),
+]
+MOE_CHANNEL = [
+    (32, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=3)),
+    (64, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)),
+    (128, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3)),
+    (_INF, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3, down=dict(BLOCK_N=256))),
+]
+
+
+def _pick(table: list[tuple[float, dict]], value: float) -> dict:
+    return next(cfg for limit, cfg in table if value <= limit)
+
+
+# A grid this large already fills the GPU (4 programs per SM of an H100's 132)
+_FULL_GRID = 512
+
+
+def gemm_config(m: int, n: int, k: int, per_group: bool) -> dict:
+    cfg = _pick(GEMM_BLOCK if per_group else GEMM_CHANNEL, m)
+    tiles = -(-m // cfg["BLOCK_M"]) * -(-n // cfg["BLOCK_N"])
+    if cfg["SPLIT_K"] > 1 and tiles >= _FULL_GRID:
+        # wide layers (Qwen3-8B's gate_up, n = 24576): no key split, 64-column tiles
+        # (m = 1: 51 us vs 57 us with the split; m = 64: 51 us vs 67 us)
+        return {**cfg, "BLOCK_N": 64, "SPLIT_K": 1}
+    return cfg
+
+
+def moe_config(pairs_per_expert: float, per_group: bool) -> dict:
+    return _pick(MOE_BLOCK if per_group else MOE_CHANNEL, pairs_per_expert)
