@@ -55,6 +55,8 @@ def _skinny_gemm_kernel(
     x_rows = x_ptr + rm_load.to(tl.int64)[:, None] * stride_xm
     w_rows = w_ptr + rn_load.to(tl.int64)[:, None] * stride_wn
     k_start = pid_k * k_per_split
+    # the weight is read once: it streams past L2 (evict_first) and leaves x and the other
+    # layers' small tensors there
     if MODE == 1:
         acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     else:
@@ -63,10 +65,10 @@ def _skinny_gemm_kernel(
         k = k_start + k0 + rk
         if EVEN_K:
             x = tl.load(x_rows + k[None, :])
-            w = tl.load(w_rows + k[None, :])
+            w = tl.load(w_rows + k[None, :], eviction_policy="evict_first")
         else:
             x = tl.load(x_rows + k[None, :], mask=k[None, :] < K, other=0.0)
-            w = tl.load(w_rows + k[None, :], mask=k[None, :] < K, other=0.0)
+            w = tl.load(w_rows + k[None, :], mask=k[None, :] < K, other=0.0, eviction_policy="evict_first")
         if MODE == 2:
             acc = tl.dot(x, tl.trans(w), acc)
         elif MODE == 1:
