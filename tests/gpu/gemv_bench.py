@@ -125,7 +125,11 @@ def measure(name: str, n: int, k: int, m: int, ws: list[torch.Tensor], bw: float
         return None
     pick = pick_config(m, n, k)
     row["pick"] = asdict(pick)
-    row["pick_us"] = graph_us(lambda w: skinny_gemm(x, w, None, pick), ws)
+    try:
+        row["pick_us"] = graph_us(lambda w: skinny_gemm(x, w, None, pick), ws)
+    except Exception as e:
+        failures.append({"shape": name, "m": m, "cfg": asdict(pick), "error": repr(e)[:300]})
+        row["pick_us"] = float("nan")
     row["configs"] = sorted(configs, key=lambda c: c["us"])
     return row
 

@@ -141,7 +141,7 @@ def pick_config(m: int, n: int, k: int) -> GemvConfig:
     """The launch configuration for an [m, k] x [n, k]^T product (m <= MAX_ROWS)."""
     if m >= 16:
         return GemvConfig(block_n=32, block_k=128, mode="dot", num_warps=4, num_stages=4)
-    block_n = 8 if m <= 2 else 16
+    block_n = 8
     block_k = 512 if m <= 2 else 128
     programs = triton.cdiv(n, block_n)
     split_k = 1 if programs >= 512 else min(4, max(1, 512 // programs))
