@@ -36,7 +36,9 @@ class GemvConfig:
     num_stages: int = 2
 
 
-@triton.jit
+# M is not specialised (M == 1 would be a variant of its own): one compiled variant per
+# power-of-two row bucket, all of which CUDA-graph capture and warm-up compile at start-up
+@triton.jit(do_not_specialize=["M"])
 def _skinny_gemm_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr,
     M, N, K, k_per_split,
@@ -138,11 +140,13 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 def pick_config(m: int, n: int, k: int) -> GemvConfig:
-    """The launch configuration for an [m, k] x [n, k]^T product (m <= MAX_ROWS)."""
-    if m >= 16:
+    """The launch configuration for an [m, k] x [n, k]^T product (m <= MAX_ROWS); it depends
+    on m only through its power-of-two bucket, as the compiled variants do."""
+    rows = triton.next_power_of_2(m)
+    if rows >= 16:
         return GemvConfig(block_n=32, block_k=128, mode="dot", num_warps=4, num_stages=4)
     block_n = 8
-    block_k = 512 if m <= 2 else 128
+    block_k = 512 if rows <= 2 else 128
     programs = triton.cdiv(n, block_n)
     split_k = 1 if programs >= 512 else min(4, max(1, 512 // programs))
     return GemvConfig(block_n=block_n, block_k=block_k, split_k=split_k, mode="sum", num_warps=4, num_stages=3)
