@@ -22,9 +22,9 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=No
     param.data.copy_(materialize(loaded))
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    # the op (skinny Triton GEMM for decode-sized batches) on CUDA; plain F.linear elsewhere,
-    # so CPU graphs keep inductor's own matmul
+def apply_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear``: through ``ops.linear`` on CUDA (the skinny Triton GEMM for decode-sized
+    batches); plain F.linear elsewhere, so CPU graphs keep inductor's own matmul."""
     return ops.linear(x, weight, bias) if x.is_cuda else F.linear(x, weight, bias)
 
 
@@ -58,7 +58,7 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant_method is not None:
             return self.quant_method.apply(self, x, self.bias)
-        return _linear(x, self.weight, self.bias)
+        return apply_linear(x, self.weight, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -123,5 +123,5 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # bias added once, after the reduction
         bias = self.bias if self.tp.rank == 0 else None
-        y = _linear(x, self.weight, bias) if self.quant_method is None else self.quant_method.apply(self, x, bias)
+        y = apply_linear(x, self.weight, bias) if self.quant_method is None else self.quant_method.apply(self, x, bias)
         return self.tp.all_reduce(y)

@@ -2,7 +2,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from atom.ops.triton.gemv import MAX_ROWS, GemvConfig, linear, pick_config, skinny_gemm
+from atom.ops.triton import gemv
+from atom.ops.triton.gemv import GemvConfig, skinny_gemm
 
 CONFIGS = [
     GemvConfig(block_n=8, block_k=32),
@@ -35,22 +36,26 @@ def test_skinny_gemm_strided_rows(assert_close):
     assert_close(out, F.linear(x.double(), w.double()), torch.bfloat16)
 
 
-@pytest.mark.parametrize("m", [1, 2, 5, 8, 16])
-def test_linear_picks_the_skinny_kernel(m, assert_close):
+@pytest.mark.parametrize("m,wide", [(1, False), (2, False), (5, True), (17, True)])
+def test_linear_picks_the_skinny_kernel(m, wide, monkeypatch, assert_close):
+    # a vocabulary-wide weight takes the kernel up to WIDE_MAX_ROWS rows: made 300 wide here
+    monkeypatch.setattr(gemv, "WIDE_N", 300 if wide else 10**9)
     dtype = torch.float16
     x = torch.randn(1, m, 96, dtype=dtype)
     w = torch.randn(300, 96, dtype=dtype) / 10
     bias = torch.randn(300, dtype=dtype)
-    out = linear(x, w, bias)
+    assert gemv.use_skinny(x, w, bias)
+    out = gemv.linear(x, w, bias)
     assert out.shape == (1, m, 300)
     assert_close(out, F.linear(x.double(), w.double(), bias.double()), dtype)
-    cfg = pick_config(m, 300, 96)
-    torch.testing.assert_close(out.view(m, 300), skinny_gemm(x.view(m, 96), w, bias, cfg), atol=0, rtol=0)
+    cfg = gemv.pick_config(m, 300, 96)
+    torch.testing.assert_close(out.view(m, 300), gemv.skinny_gemm(x.view(m, 96), w, bias, cfg), atol=0, rtol=0)
 
 
 def test_linear_falls_back_to_torch():
-    # more rows than MAX_ROWS, fp32, or empty input: F.linear itself, bit for bit
+    # more rows than MAX_ROWS (on a narrow weight), fp32, or empty input: F.linear itself
     w = torch.randn(24, 40)
-    for x in (torch.randn(MAX_ROWS + 1, 40).half(), torch.randn(3, 40), torch.randn(0, 40).half()):
+    for x in (torch.randn(gemv.MAX_ROWS + 1, 40).half(), torch.randn(2, 40), torch.randn(0, 40).half()):
         ww = w.to(x.dtype)
-        torch.testing.assert_close(linear(x, ww), F.linear(x, ww), atol=0, rtol=0)
+        assert not gemv.use_skinny(x, ww, None)
+        torch.testing.assert_close(gemv.linear(x, ww), F.linear(x, ww), atol=0, rtol=0)
