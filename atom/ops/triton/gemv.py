@@ -9,7 +9,10 @@ adds in a fixed order (deterministic, no atomics). Three ways to multiply a tile
 
 - ``sum``: broadcast-multiply and reduce over K every step;
 - ``defer``: accumulate the products elementwise and reduce over K once at the end;
-- ``dot``: ``tl.dot`` with M padded to 16 (worth it from about 16 rows).
+- ``dot``: ``tl.dot`` with M padded to 16.
+
+``pick_config`` holds the H100 sweep's winners (``sum`` at 1-2 rows, ``dot`` above); split-K
+and ``defer`` stay as options of the sweep (tests/gpu/gemv_bench.py), for other GPUs and shapes.
 """
 
 from __future__ import annotations
