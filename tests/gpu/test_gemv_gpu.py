@@ -56,6 +56,6 @@ def test_linear_compiled_dynamic_batch():
     w = torch.randn(1024, 512, device=DEV, dtype=torch.bfloat16) / 23
     bias = torch.randn(1024, device=DEV, dtype=torch.bfloat16)
     fn = torch.compile(lambda x: ops.linear(x, w, bias) * 2, dynamic=True, fullgraph=True)
-    for m in (1, MAX_ROWS, MAX_ROWS + 30):
+    for m in (MAX_ROWS, MAX_ROWS + 1, 40):
         x = torch.randn(m, 512, device=DEV, dtype=torch.bfloat16)
         torch.testing.assert_close(fn(x), ops.linear(x, w, bias) * 2, atol=0, rtol=0)

@@ -26,10 +26,10 @@ import triton.language as tl
 
 _MODES = {"sum": 0, "defer": 1, "dot": 2}
 # Where the skinny kernel beats cuBLAS (H100 sweep, tests/gpu/gemv_bench.py, CUDA-graph replay
-# over weight copies that do not fit L2): at 1-2 rows on every Qwen3 projection (8B at one row:
-# 81-97% of the copy bandwidth vs cuBLAS's 70-90%), and up to 32 rows for vocabulary-wide
-# weights (the LM head: 97-99% vs 80%). At 3-32 rows on the other shapes it only matches cuBLAS.
-MAX_ROWS = 2
+# over weight copies that do not fit L2): at one row on every Qwen3 projection (8B: 80-97% of
+# the copy bandwidth vs cuBLAS's 70-90%), and up to 32 rows for vocabulary-wide weights (the
+# LM head: 96-100% vs 80%). At 2-32 rows on the other shapes it only matches cuBLAS.
+MAX_ROWS = 1
 WIDE_MAX_ROWS = 32
 WIDE_N = 65536
 
