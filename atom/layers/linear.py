@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from atom import ops
 from atom.distributed.parallel_state import SINGLE, TPInfo
 from atom.model_loader.checkpoint_slice import materialize
 
@@ -19,6 +20,12 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=No
     if param.shape != loaded.shape:
         raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}")
     param.data.copy_(materialize(loaded))
+
+
+def apply_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear``: through ``ops.linear`` on CUDA (the skinny Triton GEMM for decode-sized
+    batches); plain F.linear elsewhere, so CPU graphs keep inductor's own matmul."""
+    return ops.linear(x, weight, bias) if x.is_cuda else F.linear(x, weight, bias)
 
 
 def _param(*shape: int, loader) -> nn.Parameter:
@@ -51,7 +58,7 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant_method is not None:
             return self.quant_method.apply(self, x, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return apply_linear(x, self.weight, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -116,5 +123,5 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # bias added once, after the reduction
         bias = self.bias if self.tp.rank == 0 else None
-        y = F.linear(x, self.weight, bias) if self.quant_method is None else self.quant_method.apply(self, x, bias)
+        y = apply_linear(x, self.weight, bias) if self.quant_method is None else self.quant_method.apply(self, x, bias)
         return self.tp.all_reduce(y)

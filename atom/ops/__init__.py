@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from atom.ops import mla, penalties, reference, reference_fp8, rejection
 
@@ -27,6 +28,7 @@ __all__ = [
     "apply_penalties",
     "fused_moe",
     "fused_moe_fp8",
+    "linear",
     "mla_decode",
     "mla_rope_store",
     "moe_topk",
@@ -180,6 +182,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     if residual is None:
         return _rms_norm(x, weight, eps)
     return _fused_add_rms_norm(x, weight, eps, residual)
+
+
+@register_op(
+    "linear",
+    triton=f"{_T}.gemv:linear",
+    fake=lambda x, weight, bias=None: x.new_empty((*x.shape[:-1], weight.shape[0])),
+)
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``; on CUDA the skinny Triton GEMM for a few rows (decode), cuBLAS otherwise."""
+    return F.linear(x, weight, bias)
 
 
 silu_and_mul = register_op(

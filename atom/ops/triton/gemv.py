@@ -1,0 +1,181 @@
+"""Skinny GEMM: ``F.linear`` for a few rows (batch-1..small-batch decode).
+
+At a handful of rows a linear layer only streams its weight, and cuBLAS reaches 50-80% of
+the copy bandwidth on decode shapes. Here each program owns ``block_n`` rows of the weight
+(contiguous along K, loaded in wide vectors) for all M input rows and walks K in
+``block_k`` steps, accumulating in fp32; when N alone gives too few programs to fill the
+GPU, K is split over ``split_k`` programs whose fp32 partial sums a second small kernel
+adds in a fixed order (deterministic, no atomics). Three ways to multiply a tile:
+
+- ``sum``: broadcast-multiply and reduce over K every step;
+- ``defer``: accumulate the products elementwise and reduce over K once at the end;
+- ``dot``: ``tl.dot`` with M padded to 16.
+
+``pick_config`` holds the H100 sweep's winners (``sum`` at 1-2 rows, ``dot`` above); split-K
+and ``defer`` stay as options of the sweep (tests/gpu/gemv_bench.py), for other GPUs and shapes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+_MODES = {"sum": 0, "defer": 1, "dot": 2}
+# Where the skinny kernel beats cuBLAS (H100 sweep, tests/gpu/gemv_bench.py, CUDA-graph replay
+# over weight copies that do not fit L2): at one row on every Qwen3 projection (8B: 80-97% of
+# the copy bandwidth vs cuBLAS's 70-90%), and up to 32 rows for vocabulary-wide weights (the
+# LM head: 96-100% vs 80%). At 2-32 rows on the other shapes it only matches cuBLAS.
+MAX_ROWS = 1
+WIDE_MAX_ROWS = 32
+WIDE_N = 65536
+
+
+@dataclass(frozen=True, slots=True)
+class GemvConfig:
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    mode: str = "sum"
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+# M is not specialised (M == 1 would be a variant of its own): one compiled variant per
+# power-of-two row bucket, all of which CUDA-graph capture and warm-up compile at start-up
+@triton.jit(do_not_specialize=["M"])
+def _skinny_gemm_kernel(
+    x_ptr, w_ptr, b_ptr, out_ptr,
+    M, N, K, k_per_split,
+    stride_xm, stride_wn, stride_om, stride_os,
+    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr, MODE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rm = tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    # out-of-range rows read a valid row (their results are never stored): no load masks on M, N
+    rm_load = tl.minimum(rm, M - 1)
+    rn_load = tl.minimum(rn, N - 1)
+    x_rows = x_ptr + rm_load.to(tl.int64)[:, None] * stride_xm
+    w_rows = w_ptr + rn_load.to(tl.int64)[:, None] * stride_wn
+    k_start = pid_k * k_per_split
+    # the weight is read once: it streams past L2 (evict_first) and leaves x and the other
+    # layers' small tensors there
+    if MODE == 1:
+        acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, k_per_split, BLOCK_K):
+        k = k_start + k0 + rk
+        if EVEN_K:
+            x = tl.load(x_rows + k[None, :])
+            w = tl.load(w_rows + k[None, :], eviction_policy="evict_first")
+        else:
+            x = tl.load(x_rows + k[None, :], mask=k[None, :] < K, other=0.0)
+            w = tl.load(w_rows + k[None, :], mask=k[None, :] < K, other=0.0, eviction_policy="evict_first")
+        if MODE == 2:
+            acc = tl.dot(x, tl.trans(w), acc)
+        elif MODE == 1:
+            acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        else:
+            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    if MODE == 1:
+        acc = tl.sum(acc3, axis=2)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    offs = rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
+    if PARTIAL:
+        tl.store(out_ptr + pid_k.to(tl.int64) * stride_os + offs, acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn_load).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _split_k_reduce_kernel(
+    part_ptr, b_ptr, out_ptr, N, stride_pm, stride_ps, stride_om,
+    SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    m = tl.program_id(0).to(tl.int64)
+    rn = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = rn < N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):  # a fixed order: the same bits on every run
+        acc += tl.load(part_ptr + s * stride_ps + m * stride_pm + rn, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m * stride_om + rn, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: GemvConfig) -> torch.Tensor:
+    """``x @ weight.T + bias`` for 2-D ``x`` [M, K] and ``weight`` [N, K], both with unit
+    stride along K; fp32 accumulation, output in ``x``'s dtype."""
+    m, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    mode = _MODES[cfg.mode]
+    block_m = max(triton.next_power_of_2(m), 16 if mode == 2 else 1)
+    split_k = min(cfg.split_k, triton.cdiv(k, cfg.block_k))
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), cfg.block_k) * cfg.block_k
+    split_k = triton.cdiv(k, k_per_split)  # no empty split
+    even_k = k % k_per_split == 0
+    partial = split_k > 1
+    target = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if partial else out
+    b = bias if bias is not None else out
+    grid = (triton.cdiv(n, cfg.block_n), split_k)
+    _skinny_gemm_kernel[grid](
+        x, weight, b, target, m, n, k, k_per_split,
+        x.stride(0), weight.stride(0), target.stride(-2), target.stride(0) if partial else 0,
+        HAS_BIAS=bias is not None, PARTIAL=partial, EVEN_K=even_k, MODE=mode,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if partial:
+        block = min(triton.next_power_of_2(n), 1024)
+        _split_k_reduce_kernel[(m, triton.cdiv(n, block))](
+            target, b, out, n, target.stride(1), target.stride(0), out.stride(0),
+            SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+def pick_config(m: int, n: int, k: int) -> GemvConfig:
+    """The launch configuration for an [m, k] x [n, k]^T product; it depends on m only
+    through its power-of-two bucket, as the compiled variants do (the sweep's best)."""
+    if triton.next_power_of_2(m) <= 2:
+        return GemvConfig(block_n=4, block_k=min(1024, triton.next_power_of_2(k)), num_warps=4, num_stages=3)
+    return GemvConfig(block_n=32, block_k=128, mode="dot", num_warps=4, num_stages=4)
+
+
+def use_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether ``linear`` takes the skinny kernel: few rows (more for a vocabulary-wide
+    weight), 16-bit activations, weight and bias of one dtype, unit stride along K."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    max_rows = WIDE_MAX_ROWS if weight.shape[0] >= WIDE_N else MAX_ROWS
+    return (
+        0 < rows <= max_rows
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and weight.dtype == x.dtype
+        and weight.stride(-1) == 1
+        and (bias is None or (bias.dtype == x.dtype and bias.stride(0) == 1))
+    )
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``; the skinny kernel for a few rows, cuBLAS (via torch) otherwise. The
+    choice is made here, inside the op, so a compiled graph does not specialise on M."""
+    if not use_skinny(x, weight, bias):
+        return F.linear(x, weight, bias)
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = skinny_gemm(x2, weight, bias, pick_config(x2.shape[0], weight.shape[0], weight.shape[1]))
+    return out.view(*x.shape[:-1], weight.shape[0])
