@@ -91,6 +91,11 @@ PREFILL_CONFIGS = {
     "m128_n64": dict(block_m=128, block_n=64, num_warps=8, num_stages=2),
     "m64_n64": dict(block_m=64, block_n=64, num_warps=4, num_stages=3),
     "m64_n16": dict(block_m=64, block_n=16, num_warps=4, num_stages=1),
+    # Packed K/V through descriptors built on the device, the packed loop warp-specialised
+    # (the interpreter runs it as a plain loop); the key range cut into segments (split-K).
+    "m64_n16_device_ws": dict(block_m=64, block_n=16, num_warps=4, num_stages=1, desc="device", ws=True),
+    "m64_n16_split3": dict(block_m=64, block_n=16, num_warps=4, num_stages=1, splits=3),
+    "m128_n32_split2_device": dict(block_m=128, block_n=32, num_warps=8, num_stages=2, splits=2, desc="device"),
 }
 
 
