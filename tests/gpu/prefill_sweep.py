@@ -57,6 +57,8 @@ VARIANTS = {
     "dev+ws m128n64w4s2": _cfg(128, 64, 4, 2, **DEV_WS),
     "dev+ws m64n64w4s3": _cfg(64, 64, 4, 3, **DEV_WS),
     "dev+ws m256n64w8s2": _cfg(256, 64, 8, 2, **DEV_WS),
+    "dev+ws m256n64w4s2": _cfg(256, 64, 4, 2, **DEV_WS),
+    "dev+ws m128n128w4s2": _cfg(128, 128, 4, 2, **DEV_WS),
     "dev m128n128w8s2": _cfg(128, 128, 8, 2, desc="device"),
 }
 SPLIT_VARIANTS = {
