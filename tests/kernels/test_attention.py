@@ -96,6 +96,8 @@ PREFILL_CONFIGS = {
     "m64_n16_device_ws": dict(block_m=64, block_n=16, num_warps=4, num_stages=1, desc="device", ws=True),
     "m64_n16_split3": dict(block_m=64, block_n=16, num_warps=4, num_stages=1, splits=3),
     "m128_n32_split2_device": dict(block_m=128, block_n=32, num_warps=8, num_stages=2, splits=2, desc="device"),
+    # the packed loop with the next tile's Q @ K^T issued before this tile's softmax
+    "m64_n16_overlap_split2": dict(block_m=64, block_n=16, num_warps=4, num_stages=1, overlap=True, splits=2),
 }
 
 

@@ -83,6 +83,13 @@ def _attend_tile(q, k, v, t, m_i, l_i, acc, qk_scale, q_pos, kv_end, BLOCK_N: tl
                  DOT_PRECISION: tl.constexpr):  # fmt: skip
     """One key tile of the online softmax; ``MASKED`` applies the causal and length mask."""
     s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
+    return _softmax_pv(s, q, v, t, m_i, l_i, acc, qk_scale, q_pos, kv_end, BLOCK_N, MASKED, DOT_PRECISION)
+
+
+@triton.jit
+def _softmax_pv(s, q, v, t, m_i, l_i, acc, qk_scale, q_pos, kv_end, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                DOT_PRECISION: tl.constexpr):  # fmt: skip
+    """The online-softmax update for scores ``s`` of key tile ``t``, then P @ V into ``acc``."""
     if MASKED:
         offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
         visible = (offs_n[None, :] <= q_pos[:, None]) & (offs_n < kv_end)[None, :]
@@ -99,6 +106,27 @@ def _attend_tile(q, k, v, t, m_i, l_i, acc, qk_scale, q_pos, kv_end, BLOCK_N: tl
     return m_new, l_i, acc
 
 
+@triton.jit
+def _attend_packed_overlapped(q, k_desc, v_desc, lo, hi, desc_row, desc_col, m_i, l_i, acc, qk_scale, q_pos, kv_end,
+                              BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
+    """Fully visible packed tiles ``lo..hi-1`` with the next tile's Q @ K^T issued before this
+    tile's softmax (FlashAttention 3's intra-warpgroup overlap): the asynchronous MMA runs
+    while the softmax occupies the other units, at the price of a second score tile in registers."""
+    if lo < hi:
+        s = tl.dot(q, tl.trans(k_desc.load([desc_row + lo * BLOCK_N, desc_col])), input_precision=DOT_PRECISION)
+        for t in range(lo, hi - 1):
+            k_next = k_desc.load([desc_row + (t + 1) * BLOCK_N, desc_col])
+            v = v_desc.load([desc_row + t * BLOCK_N, desc_col])
+            s_next = tl.dot(q, tl.trans(k_next), input_precision=DOT_PRECISION)
+            m_i, l_i, acc = _softmax_pv(s, q, v, t, m_i, l_i, acc, qk_scale, q_pos, kv_end, BLOCK_N, False,
+                                        DOT_PRECISION)  # fmt: skip
+            s = s_next
+        v = v_desc.load([desc_row + (hi - 1) * BLOCK_N, desc_col])
+        m_i, l_i, acc = _softmax_pv(s, q, v, hi - 1, m_i, l_i, acc, qk_scale, q_pos, kv_end, BLOCK_N, False,
+                                    DOT_PRECISION)  # fmt: skip
+    return m_i, l_i, acc
+
+
 # per-step values (sequence count, block-table width, metadata slice offsets) are not
 # specialized on: each new combination would compile a variant in the middle of serving
 @triton.jit(
@@ -112,7 +140,8 @@ def _prefill_attention_kernel(
     stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, PACKED_KV: tl.constexpr,
-    DEVICE_DESC: tl.constexpr, WARP_SPEC: tl.constexpr, SPLIT: tl.constexpr, HAS_SCALE: tl.constexpr,
+    DEVICE_DESC: tl.constexpr, WARP_SPEC: tl.constexpr, OVERLAP: tl.constexpr, SPLIT: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
 ):  # fmt: skip
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     kv_head = tl.program_id(0)
@@ -176,7 +205,11 @@ def _prefill_attention_kernel(
                         stride_cb, stride_ct, BLOCK_N, HEAD_DIM, PAGE_SIZE, False, False)  # fmt: skip
         m_i, l_i, acc = _attend_tile(q, k, v, t, m_i, l_i, acc, qk_scale, q_pos, kv_end, BLOCK_N, False,
                                      DOT_PRECISION)  # fmt: skip
-    if PACKED_KV:
+    if PACKED_KV and OVERLAP:
+        m_i, l_i, acc = _attend_packed_overlapped(q, k_desc, v_desc, tl.maximum(lo, paged_hi), hi, desc_row, desc_col,
+                                                  m_i, l_i, acc, qk_scale, q_pos, kv_end, BLOCK_N,
+                                                  DOT_PRECISION)  # fmt: skip
+    elif PACKED_KV:
         for t in tl.range(tl.maximum(lo, paged_hi), hi, warp_specialize=WARP_SPEC):
             k, v = _load_kv(k_cache_ptr, v_cache_ptr, k_desc, v_desc, table, kv_head_off, t, kv_end, desc_row,
                             desc_col, stride_cb, stride_ct, BLOCK_N, HEAD_DIM, PAGE_SIZE, False, True)  # fmt: skip
@@ -243,7 +276,8 @@ def prefill_attention(q, out, k_cache, v_cache, cu_seqlens_q, seq_lens, block_ta
     the same values the cache holds for them. ``kv_scales``: an fp8 cache's (k_scale, v_scale)
     tensors. ``config``: ``prefill_config``'s keys, optionally also ``desc`` ("host" or
     "device": how the packed K/V descriptors are built), ``ws`` (warp-specialise the packed
-    loop; device descriptors only) and ``splits`` (key-range segments per query tile).
+    loop; device descriptors only), ``overlap`` (the packed loop issues the next tile's Q @ K^T
+    before this tile's softmax) and ``splits`` (key-range segments per query tile).
     Returns the compiled kernel (for its resource report)."""
     num_tokens, num_q_heads, head_dim = q.shape
     _, num_kv_heads, page_size, _ = k_cache.shape
@@ -273,8 +307,8 @@ def prefill_attention(q, out, k_cache, v_cache, cu_seqlens_q, seq_lens, block_ta
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=cfg["block_n"], HEAD_DIM=head_dim,
         PAGE_SIZE=page_size, DOT_PRECISION="tf32x3" if q.element_size() == 4 else "tf32", PACKED_KV=k is not None,
-        DEVICE_DESC=device_desc, WARP_SPEC=device_desc and cfg.get("ws", False), SPLIT=splits > 1,
-        HAS_SCALE=kv_scales[0] is not None,
+        DEVICE_DESC=device_desc, WARP_SPEC=device_desc and cfg.get("ws", False),
+        OVERLAP=k is not None and cfg.get("overlap", False), SPLIT=splits > 1, HAS_SCALE=kv_scales[0] is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         maxnreg=cfg.get("maxnreg"),
     )  # fmt: skip
