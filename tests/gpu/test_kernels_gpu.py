@@ -121,15 +121,9 @@ def test_paged_attention_packed_kv(model):
 
 
 PREFILL_VARIANTS = {
-    # prefill kernel configs beside the default pick (see tests/gpu/prefill_sweep.py)
-    "device_desc": dict(block_m=128, block_n=64, num_warps=8, num_stages=2, maxnreg=128, desc="device"),
-    "device_ws": dict(block_m=128, block_n=64, num_warps=8, num_stages=2, desc="device", ws=True),
-    "device_ws_n128": dict(block_m=128, block_n=128, num_warps=8, num_stages=2, desc="device", ws=True),
-    "device_ws_m64": dict(block_m=64, block_n=64, num_warps=4, num_stages=3, desc="device", ws=True),
-    "overlap": dict(block_m=128, block_n=64, num_warps=8, num_stages=2, overlap=True),
-    "overlap_device_m64": dict(block_m=64, block_n=64, num_warps=4, num_stages=3, desc="device", overlap=True),
+    # split-K prefill configs beside the default pick (see tests/gpu/prefill_sweep.py)
+    "split2_m128": dict(block_m=128, block_n=64, num_warps=8, num_stages=2, maxnreg=128, splits=2),
     "split3_m64": dict(block_m=64, block_n=64, num_warps=4, num_stages=3, splits=3),
-    "split2_device_ws": dict(block_m=128, block_n=64, num_warps=8, num_stages=2, desc="device", ws=True, splits=2),
 }
 
 

@@ -198,7 +198,7 @@ def _attend(
     log2e = 1.4426950408889634
     if num_splits == 1 and max_seqlen_q * group_pad >= 128:
         prefill_attention(q, out, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale * log2e, k=k, v=v,
-                          kv_scales=kv_scales)  # fmt: skip
+                          kv_scales=kv_scales, max_seqlen_k=max_seqlen_k)  # fmt: skip
         return
     cfg = _config(head_dim, group_pad, max_seqlen_q, q.element_size())
     block_q = cfg["block_m"] // group_pad
@@ -294,7 +294,8 @@ def paged_attention(
         prefill = (cu_seqlens_q[n:], seq_lens[n:], block_tables[n:])
         _attend(q[:n], out[:n], k_cache, v_cache, *decode, scale, 1, max_seqlen_k, num_splits, kv_scales=scales)
         kv = tuple(t if t is None else t[n:] for t in kv)
-        _attend(q[n:], out[n:], k_cache, v_cache, *prefill, scale, max_seqlen_q, max_seqlen_k, num_splits, *kv,
+        # the batch's max_seqlen_k may be a decode row's: unknown for the chunks (no split-K)
+        _attend(q[n:], out[n:], k_cache, v_cache, *prefill, scale, max_seqlen_q, None, num_splits, *kv,
                 kv_scales=scales)  # fmt: skip
     else:
         metadata = (cu_seqlens_q, seq_lens, block_tables)

@@ -18,11 +18,9 @@ binary search over ``cu_seqlens_q``), with what makes the prefill case fast on H
   other program's MMAs fill that time (``prefill_config`` has the measured table).
 - K and V are gathered through the block table (software-pipelined loads), except that
   when the caller also passes the chunk's own K/V packed, the tiles made only of chunk
-  keys come through tensor descriptors (the bulk tensor copy engine): host-built ones, or
-  built on the device (``desc="device"``), which Triton's Hopper warp specialisation
-  (``ws``: a producer warp issues the copies while the other warps compute) needs.
-- Short chunks over a long cached prefix leave too few query tiles to fill the SMs, so the
-  key range can be cut into ``splits`` segments run by separate programs (split-K, merged
+  keys come through tensor descriptors (the bulk tensor copy engine).
+- Short chunks over a long cached prefix leave too few 128-row query tiles to fill the SMs,
+  so the key range is cut into ``splits`` segments run by separate programs (split-K, merged
   by ``atom.ops.triton.attention_merge``); segments are counted from the diagonal back, so
   the last one always holds a fully visible tile before the masked ones.
 """
@@ -83,13 +81,6 @@ def _attend_tile(q, k, v, t, m_i, l_i, acc, qk_scale, q_pos, kv_end, BLOCK_N: tl
                  DOT_PRECISION: tl.constexpr):  # fmt: skip
     """One key tile of the online softmax; ``MASKED`` applies the causal and length mask."""
     s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
-    return _softmax_pv(s, q, v, t, m_i, l_i, acc, qk_scale, q_pos, kv_end, BLOCK_N, MASKED, DOT_PRECISION)
-
-
-@triton.jit
-def _softmax_pv(s, q, v, t, m_i, l_i, acc, qk_scale, q_pos, kv_end, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                DOT_PRECISION: tl.constexpr):  # fmt: skip
-    """The online-softmax update for scores ``s`` of key tile ``t``, then P @ V into ``acc``."""
     if MASKED:
         offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
         visible = (offs_n[None, :] <= q_pos[:, None]) & (offs_n < kv_end)[None, :]
@@ -106,42 +97,19 @@ def _softmax_pv(s, q, v, t, m_i, l_i, acc, qk_scale, q_pos, kv_end, BLOCK_N: tl.
     return m_new, l_i, acc
 
 
-@triton.jit
-def _attend_packed_overlapped(q, k_desc, v_desc, lo, hi, desc_row, desc_col, m_i, l_i, acc, qk_scale, q_pos, kv_end,
-                              BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
-    """Fully visible packed tiles ``lo..hi-1`` with the next tile's Q @ K^T issued before this
-    tile's softmax (FlashAttention 3's intra-warpgroup overlap): the asynchronous MMA runs
-    while the softmax occupies the other units, at the price of a second score tile in registers."""
-    if lo < hi:
-        s = tl.dot(q, tl.trans(k_desc.load([desc_row + lo * BLOCK_N, desc_col])), input_precision=DOT_PRECISION)
-        for t in range(lo, hi - 1):
-            k_next = k_desc.load([desc_row + (t + 1) * BLOCK_N, desc_col])
-            v = v_desc.load([desc_row + t * BLOCK_N, desc_col])
-            s_next = tl.dot(q, tl.trans(k_next), input_precision=DOT_PRECISION)
-            m_i, l_i, acc = _softmax_pv(s, q, v, t, m_i, l_i, acc, qk_scale, q_pos, kv_end, BLOCK_N, False,
-                                        DOT_PRECISION)  # fmt: skip
-            s = s_next
-        v = v_desc.load([desc_row + (hi - 1) * BLOCK_N, desc_col])
-        m_i, l_i, acc = _softmax_pv(s, q, v, hi - 1, m_i, l_i, acc, qk_scale, q_pos, kv_end, BLOCK_N, False,
-                                    DOT_PRECISION)  # fmt: skip
-    return m_i, l_i, acc
-
-
 # per-step values (sequence count, block-table width, metadata slice offsets) are not
 # specialized on: each new combination would compile a variant in the middle of serving
 @triton.jit(
-    do_not_specialize=["num_seqs", "num_splits", "num_tokens", "stride_bt"],
+    do_not_specialize=["num_seqs", "num_splits", "stride_bt"],
     do_not_specialize_on_alignment=["cu_seqlens_q_ptr", "seq_lens_ptr", "block_tables_ptr"],
 )
 def _prefill_attention_kernel(
     out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, q_ptr, k_cache_ptr, v_cache_ptr, k_desc, v_desc,
     cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr, k_scale_ptr, v_scale_ptr, qk_scale, num_seqs, num_splits,
-    num_tokens, stride_kt, stride_vt, stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ch, stride_ct,
-    stride_bt,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ch, stride_ct, stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, PACKED_KV: tl.constexpr,
-    DEVICE_DESC: tl.constexpr, WARP_SPEC: tl.constexpr, OVERLAP: tl.constexpr, SPLIT: tl.constexpr,
-    HAS_SCALE: tl.constexpr,
+    SPLIT: tl.constexpr, HAS_SCALE: tl.constexpr,
 ):  # fmt: skip
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     kv_head = tl.program_id(0)
@@ -191,10 +159,6 @@ def _prefill_attention_kernel(
     paged_hi = tl.minimum(full_hi, tl.cdiv(context_len, BLOCK_N)) if PACKED_KV else full_hi
     desc_row = q_start - context_len
     desc_col = kv_head * HEAD_DIM
-    if DEVICE_DESC:  # k_desc / v_desc are the packed tensors' base pointers
-        kv_width = tl.num_programs(0) * HEAD_DIM
-        k_desc = tl.make_tensor_descriptor(k_desc, [num_tokens, kv_width], [stride_kt, 1], [BLOCK_N, HEAD_DIM])
-        v_desc = tl.make_tensor_descriptor(v_desc, [num_tokens, kv_width], [stride_vt, 1], [BLOCK_N, HEAD_DIM])
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -205,12 +169,8 @@ def _prefill_attention_kernel(
                         stride_cb, stride_ct, BLOCK_N, HEAD_DIM, PAGE_SIZE, False, False)  # fmt: skip
         m_i, l_i, acc = _attend_tile(q, k, v, t, m_i, l_i, acc, qk_scale, q_pos, kv_end, BLOCK_N, False,
                                      DOT_PRECISION)  # fmt: skip
-    if PACKED_KV and OVERLAP:
-        m_i, l_i, acc = _attend_packed_overlapped(q, k_desc, v_desc, tl.maximum(lo, paged_hi), hi, desc_row, desc_col,
-                                                  m_i, l_i, acc, qk_scale, q_pos, kv_end, BLOCK_N,
-                                                  DOT_PRECISION)  # fmt: skip
-    elif PACKED_KV:
-        for t in tl.range(tl.maximum(lo, paged_hi), hi, warp_specialize=WARP_SPEC):
+    if PACKED_KV:
+        for t in range(tl.maximum(lo, paged_hi), hi):
             k, v = _load_kv(k_cache_ptr, v_cache_ptr, k_desc, v_desc, table, kv_head_off, t, kv_end, desc_row,
                             desc_col, stride_cb, stride_ct, BLOCK_N, HEAD_DIM, PAGE_SIZE, False, True)  # fmt: skip
             m_i, l_i, acc = _attend_tile(q, k, v, t, m_i, l_i, acc, qk_scale, q_pos, kv_end, BLOCK_N, False,
@@ -232,22 +192,27 @@ def _prefill_attention_kernel(
 
 
 def prefill_config(head_dim: int, group_pad: int, elem_bytes: int, programs_per_sm: float = 2.0,
-                   packed: bool = False) -> dict:  # fmt: skip
+                   packed: bool = False, max_seqlen_k: int = 0) -> dict:  # fmt: skip
     """Tile shape of the prefill kernel. ``programs_per_sm``: (query tiles x KV heads) / SMs
-    at 128 query rows per tile; ``packed``: the chunk's own K/V come through descriptors.
+    at 128 query rows per tile; ``packed``: the chunk's own K/V come through descriptors;
+    ``max_seqlen_k``: the longest sequence (0: unknown).
     Measured on an H100 at head_dim 128 in 16 bits (docs/performance.md, kernel section):
     the kernel is bound by the softmax between its two MMAs, which a second program on the
     SM overlaps, so 128 rows over 8 warps capped at 128 registers (two programs per SM, a
     few spills) beat every one-program config; short chunks over a long cached prefix leave
-    too few 128-row tiles and run 64 rows over 4 warps. Wide rows (head_dim 256, float32)
+    too few 128-row tiles, so their key range is split in two (q=512 after 4096 cached: 5%
+    faster than 64-row tiles, which the shorter ones keep). Wide rows (head_dim 256, float32)
     get narrow key tiles to fit registers and shared memory."""
     row_bytes = head_dim * elem_bytes
     if row_bytes > 256:
         return dict(block_m=max(64, group_pad), block_n=32, num_warps=4, num_stages=1 if elem_bytes == 4 else 2)
     if row_bytes < 256:
         return dict(block_m=max(128, group_pad), block_n=128, num_warps=8, num_stages=2)
-    if programs_per_sm >= 1.5 and group_pad <= 128:
-        return dict(block_m=128, block_n=64, num_warps=8, num_stages=2 if packed else 3, maxnreg=128)
+    capped = dict(block_m=128, block_n=64, num_warps=8, num_stages=2 if packed else 3, maxnreg=128)
+    if group_pad <= 128 and programs_per_sm >= 1.5:
+        return capped
+    if group_pad <= 128 and programs_per_sm >= 0.75 and max_seqlen_k >= 4096:
+        return {**capped, "splits": 2}
     return dict(block_m=max(64, group_pad), block_n=64, num_warps=4, num_stages=3)
 
 
@@ -263,21 +228,14 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count if torch.cuda.is_available() else 1
 
 
-def _scratch(device: torch.device, size: int, alignment: int, stream) -> torch.Tensor:
-    """Global scratch for descriptors built on the device (Triton asks for it at launch)."""
-    return torch.empty(size, dtype=torch.int8, device=device)
-
-
 def prefill_attention(q, out, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, config=None,
-                      k=None, v=None, kv_scales=(None, None)):  # fmt: skip
+                      k=None, v=None, kv_scales=(None, None), max_seqlen_k=0):  # fmt: skip
     """Launch over a contiguous slice of the batch (q, out and the metadata sliced alike);
     ``scale`` already includes log2(e). ``k``/``v``: optionally the slice's own new keys and
     values, packed [tokens, kv_heads, head_dim] (last dim contiguous, rows 16-byte aligned),
     the same values the cache holds for them. ``kv_scales``: an fp8 cache's (k_scale, v_scale)
-    tensors. ``config``: ``prefill_config``'s keys, optionally also ``desc`` ("host" or
-    "device": how the packed K/V descriptors are built), ``ws`` (warp-specialise the packed
-    loop; device descriptors only), ``overlap`` (the packed loop issues the next tile's Q @ K^T
-    before this tile's softmax) and ``splits`` (key-range segments per query tile).
+    tensors. ``config``: ``prefill_config``'s keys (``splits``: key-range segments per query
+    tile, default 1); ``max_seqlen_k`` (0: unknown) lets the default split long key ranges.
     Returns the compiled kernel (for its resource report)."""
     num_tokens, num_q_heads, head_dim = q.shape
     _, num_kv_heads, page_size, _ = k_cache.shape
@@ -285,16 +243,13 @@ def prefill_attention(q, out, k_cache, v_cache, cu_seqlens_q, seq_lens, block_ta
     group = num_q_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     programs_per_sm = (num_tokens * group_pad / 128 + num_seqs) * num_kv_heads / _num_sms(q.device.index or 0)
-    cfg = config or prefill_config(head_dim, group_pad, q.element_size(), programs_per_sm, k is not None)
+    cfg = config or prefill_config(head_dim, group_pad, q.element_size(), programs_per_sm, k is not None,
+                                   max_seqlen_k or 0)  # fmt: skip
     block_q = cfg["block_m"] // group_pad
     splits = cfg.get("splits", 1)
     grid = (num_kv_heads, num_tokens // block_q + num_seqs, splits)
-    device_desc = k is not None and cfg.get("desc") == "device"
     k_desc = v_desc = None
-    if device_desc:
-        triton.set_allocator(functools.partial(_scratch, q.device))
-        k_desc, v_desc = k, v
-    elif k is not None:
+    if k is not None:
         block = [cfg["block_n"], head_dim]
         k_desc, v_desc = (TensorDescriptor(t, [num_tokens, num_kv_heads * head_dim], [t.stride(0), 1], block)
                           for t in (k, v))  # fmt: skip
@@ -302,13 +257,11 @@ def prefill_attention(q, out, k_cache, v_cache, cu_seqlens_q, seq_lens, block_ta
     kernel = _prefill_attention_kernel[grid](
         out, *parts, q, k_cache, v_cache, k_desc, v_desc, cu_seqlens_q, seq_lens, block_tables,
         q if kv_scales[0] is None else kv_scales[0], q if kv_scales[1] is None else kv_scales[1], scale, num_seqs,
-        splits, num_tokens, 0 if k is None else k.stride(0), 0 if v is None else v.stride(0),
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        splits, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=cfg["block_n"], HEAD_DIM=head_dim,
         PAGE_SIZE=page_size, DOT_PRECISION="tf32x3" if q.element_size() == 4 else "tf32", PACKED_KV=k is not None,
-        DEVICE_DESC=device_desc, WARP_SPEC=device_desc and cfg.get("ws", False),
-        OVERLAP=k is not None and cfg.get("overlap", False), SPLIT=splits > 1, HAS_SCALE=kv_scales[0] is not None,
+        SPLIT=splits > 1, HAS_SCALE=kv_scales[0] is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         maxnreg=cfg.get("maxnreg"),
     )  # fmt: skip
