@@ -120,6 +120,33 @@ def test_paged_attention_packed_kv(model):
     assert_close(out, reference_attention(*args, 128**-0.5), torch.bfloat16)
 
 
+PREFILL_VARIANTS = {
+    # split-K prefill configs beside the default pick (see tests/gpu/prefill_sweep.py)
+    "split2_m128": dict(block_m=128, block_n=64, num_warps=8, num_stages=2, maxnreg=128, splits=2),
+    "split3_m64": dict(block_m=64, block_n=64, num_warps=4, num_stages=3, splits=3),
+}
+
+
+@pytest.mark.parametrize("config", PREFILL_VARIANTS.values(), ids=PREFILL_VARIANTS.keys())
+@pytest.mark.parametrize("batch", ["prefill_tile_edges", "prefill_chunk_prefix"])
+def test_prefill_variants(config, batch):
+    # Qwen3-8B heads, the chunks' own K/V packed as the engine passes them; lengths on both
+    # sides of the query- and key-tile boundaries, with and without a cached prefix.
+    from atom.ops.triton.prefill_attention import prefill_attention
+
+    q_lens, context_lens = BATCHES[batch]()
+    q, k_cache, v_cache, cu, seq_lens, tables = args = make_batch(q_lens, context_lens, 32, 8, 128, 16,
+                                                                  torch.bfloat16)  # fmt: skip
+    pos = torch.cat([torch.arange(c, c + n) for c, n in zip(context_lens, q_lens)]).to(DEV)
+    seq = torch.repeat_interleave(torch.arange(len(q_lens)), torch.tensor(q_lens)).to(DEV)
+    slots = tables[seq, pos // 16].long()
+    k, v = k_cache[slots, :, pos % 16], v_cache[slots, :, pos % 16]
+    out = torch.full_like(q, float("nan"))  # every element must be written
+    prefill_attention(q, out, k_cache, v_cache, cu, seq_lens, tables, 128**-0.5 * 1.4426950408889634, config, k=k,
+                      v=v)  # fmt: skip
+    assert_close(out, reference_attention(*args, 128**-0.5), torch.bfloat16)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_paged_attention_dtypes(dtype):
     args = make_batch([1] * 4 + [300], [5000, 20, 700, 64, 200], 32, 8, 128, 16, dtype)

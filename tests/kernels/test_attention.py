@@ -91,6 +91,9 @@ PREFILL_CONFIGS = {
     "m128_n64": dict(block_m=128, block_n=64, num_warps=8, num_stages=2),
     "m64_n64": dict(block_m=64, block_n=64, num_warps=4, num_stages=3),
     "m64_n16": dict(block_m=64, block_n=16, num_warps=4, num_stages=1),
+    # the key range cut into segments (split-K), merged afterwards
+    "m64_n16_split3": dict(block_m=64, block_n=16, num_warps=4, num_stages=1, splits=3),
+    "m128_n32_split2": dict(block_m=128, block_n=32, num_warps=8, num_stages=2, splits=2),
 }
 
 
@@ -141,3 +144,14 @@ def test_paged_attention_packed_kv(strided, assert_close):
     out = paged_attention(q, k_cache, v_cache, cu, seq_lens, tables, 0.125, num_decode_tokens=2, k=k, v=v)
     ref = reference.paged_attention(q.float(), k_cache.float(), v_cache.float(), cu, seq_lens, tables, 0.125)
     assert_close(out, ref, torch.bfloat16)
+
+
+def test_prefill_config_splits_long_keys_only():
+    # Split-K (128-row tiles, two key segments) only where too few 128-row tiles face a long
+    # key range: q=512 after 4096 cached at Qwen3-8B heads on 132 SMs is ~1 tile per SM.
+    from atom.ops.triton.prefill_attention import prefill_config
+
+    assert prefill_config(128, 4, 2, 1.03, True, 4608).get("splits") == 2
+    assert "splits" not in prefill_config(128, 4, 2, 1.03, True, 512)  # fresh short prompt
+    assert "splits" not in prefill_config(128, 4, 2, 1.03, True, 0)  # key range unknown
+    assert "splits" not in prefill_config(128, 4, 2, 4.0, True, 8192)  # enough tiles

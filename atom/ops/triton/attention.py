@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from atom.ops.triton.attention_merge import merge_splits, split_partials
 from atom.ops.triton.prefill_attention import _find_seq, _num_sms, descriptor_ready, prefill_attention
 
 
@@ -151,35 +152,6 @@ def _paged_attention_kernel(
         )
 
 
-@triton.jit(do_not_specialize=["num_splits"])
-def _merge_splits_kernel(
-    out_ptr,
-    part_out_ptr,
-    part_max_ptr,
-    part_sum_ptr,
-    num_heads,
-    num_splits,
-    stride_ot,
-    stride_oh,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-):
-    tok = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, HEAD_DIM)
-    s_ok = offs_s < num_splits
-    row = (tok * num_heads + head) * num_splits + offs_s
-    m = tl.load(part_max_ptr + row, mask=s_ok, other=float("-inf"))
-    l = tl.load(part_sum_ptr + row, mask=s_ok, other=0.0)
-    acc = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None], other=0.0)
-    m_max = tl.max(m, axis=0)
-    # Splits that saw no key have m = -inf and l = 0, so they get weight 0.
-    w = tl.exp2(m - m_max)
-    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
-    tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
-
-
 def _num_splits(q: torch.Tensor, num_seqs: int, num_kv_heads: int, max_seqlen_q: int, max_seqlen_k: int) -> int:
     """Key-range splits for a decode-only batch whose (sequence, KV head) programs would not
     fill the GPU: the largest power of two that keeps the programs within four per SM,
@@ -226,7 +198,7 @@ def _attend(
     log2e = 1.4426950408889634
     if num_splits == 1 and max_seqlen_q * group_pad >= 128:
         prefill_attention(q, out, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale * log2e, k=k, v=v,
-                          kv_scales=kv_scales)  # fmt: skip
+                          kv_scales=kv_scales, max_seqlen_k=max_seqlen_k)  # fmt: skip
         return
     cfg = _config(head_dim, group_pad, max_seqlen_q, q.element_size())
     if k_cache.element_size() == 1 and num_splits == 1 and cfg["block_n"] == 64:
@@ -238,9 +210,7 @@ def _attend(
     num_tiles = num_tokens // block_q + num_seqs
     split = num_splits > 1
     if split:
-        part_out = torch.empty(num_tokens, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
-        part_max = torch.empty(num_tokens, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
-        part_sum = torch.empty_like(part_max)
+        part_out, part_max, part_sum = split_partials(num_tokens, num_q_heads, num_splits, head_dim, q.device)
     else:
         part_out = part_max = part_sum = out  # unused: SPLIT is False
     _paged_attention_kernel[(num_tiles, num_kv_heads, num_splits)](
@@ -280,19 +250,7 @@ def _attend(
         num_stages=cfg["num_stages"],
     )
     if split:
-        _merge_splits_kernel[(num_tokens, num_q_heads)](
-            out,
-            part_out,
-            part_max,
-            part_sum,
-            num_q_heads,
-            num_splits,
-            out.stride(0),
-            out.stride(1),
-            HEAD_DIM=head_dim,
-            BLOCK_S=triton.next_power_of_2(num_splits),
-            num_warps=4,
-        )
+        merge_splits(out, part_out, part_max, part_sum)
 
 
 def paged_attention(
@@ -341,7 +299,8 @@ def paged_attention(
         prefill = (cu_seqlens_q[n:], seq_lens[n:], block_tables[n:])
         _attend(q[:n], out[:n], k_cache, v_cache, *decode, scale, 1, max_seqlen_k, num_splits, kv_scales=scales)
         kv = tuple(t if t is None else t[n:] for t in kv)
-        _attend(q[n:], out[n:], k_cache, v_cache, *prefill, scale, max_seqlen_q, max_seqlen_k, num_splits, *kv,
+        # the batch's max_seqlen_k may be a decode row's: unknown for the chunks (no split-K)
+        _attend(q[n:], out[n:], k_cache, v_cache, *prefill, scale, max_seqlen_q, None, num_splits, *kv,
                 kv_scales=scales)  # fmt: skip
     else:
         metadata = (cu_seqlens_q, seq_lens, block_tables)
