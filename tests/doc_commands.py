@@ -1,7 +1,8 @@
 """The commands and code blocks of README.md and docs/*.md, as the docs tests read them.
 
 ``tests/unit/test_docs_commands.py`` checks every atom command's flags and that a command that
-cannot run on a CPU machine says so; ``tests/e2e/test_docs_run.py`` runs all the others.
+cannot run on a CPU machine says so; ``tests/e2e/test_docs_run.py`` runs all the others, except
+the few in ``NOT_RUN_HERE``.
 
 A command is *marked* (not run, flags checked only) when "GPU" or "hub" stands in its block or
 in the paragraph just before it, or when its doc is a GPU log (``GPU_DOCS``).
@@ -113,18 +114,22 @@ def python_blocks() -> list[Block]:
     return [b for b in blocks() if b.lang in ("python", "py")]
 
 
-# Commands run by another test instead (what runs it): lm-eval over whole data sets with the
-# transformers reference takes minutes on a CPU, so these run there on a few documents.
+# Commands not run by tests/e2e/test_docs_run.py, and why: lm-eval over whole data sets with the
+# transformers reference takes minutes on a CPU (the named test runs the same path on a few
+# documents), and a command that talks to vLLM's server needs vLLM's own environment.
 LM_EVAL_TEST = "tests/e2e/test_lm_eval.py::test_arc_easy_through_the_server_matches_hf"
-RUN_ELSEWHERE = {
+NOT_RUN_HERE = {
     "python -m atom.eval.accuracy --tasks all --backends completions,hf": LM_EVAL_TEST,
     "python -m atom.eval.accuracy --tasks arc_easy --limit 30 --backends completions,hf": LM_EVAL_TEST,
     "python -m atom.eval.accuracy --tasks gsm8k --backends completions,chat,hf": LM_EVAL_TEST,
+    "python -m atom.eval.accuracy --base-url http://127.0.0.1:8000 --tasks all --backends completions,chat "
+    "--workdir /tmp/acc-vllm-atom": "against vLLM's server (.venv-vllm, docs/plugin.md); against atom's, "
+    "accuracy.md's `--base-url http://127.0.0.1:8000 --tasks all` runs in tests/e2e/test_docs_run.py",
 }
 
 
 def plan(command: Command) -> str:
-    """One of "marked" (GPU/hub: flags checked only), "elsewhere" (RUN_ELSEWHERE) or "run"."""
+    """One of "marked" (GPU/hub: flags checked only), "not run" (NOT_RUN_HERE) or "run"."""
     if command.block.marked:
         return "marked"
-    return "elsewhere" if command.text in RUN_ELSEWHERE else "run"
+    return "not run" if command.text in NOT_RUN_HERE else "run"

@@ -1,7 +1,7 @@
 """Every command of README.md and docs/*.md that runs on a CPU machine, run (doctest-like).
 
 ``tests/doc_commands.py`` extracts the commands; each one that is not marked GPU/hub (those have
-their flags checked in ``tests/unit/test_docs_commands.py``) and not in its ``RUN_ELSEWHERE``
+their flags checked in ``tests/unit/test_docs_commands.py``) and not in its ``NOT_RUN_HERE``
 table runs here, with the docs' sizes made small (``SIZES``, ``JSON_SIZES``) and their
 placeholders filled (``PLACEHOLDERS``):
 

@@ -6,8 +6,8 @@
 * a command that cannot run on this CPU machine says so where it stands: one naming a hub id
   (``org/name``) or a GPU-only setting (``--device cuda``, ``-tp``/``--tensor-parallel-size`` > 1)
   has "GPU" or "hub" in its block or in the paragraph just before it;
-* every other command runs in ``tests/e2e/test_docs_run.py``, or is named with the test that runs it
-  in ``RUN_ELSEWHERE`` (``tests/doc_commands.py``, which extracts the commands for both files);
+* every other command runs in ``tests/e2e/test_docs_run.py``, or is in ``NOT_RUN_HERE`` with the
+  reason (``tests/doc_commands.py``, which extracts the commands for both files);
 * every python block compiles, and its ``from atom... import`` names exist.
 
 Placeholders in the docs (``[--api-key KEY]``, ``...``, ``{a,b}``, ``$VAR``) are read as such.
@@ -91,15 +91,16 @@ def test_commands_that_need_a_gpu_or_the_hub_say_so(cmd):
 
 
 def test_every_command_is_run_or_marked():
-    """A command not marked GPU/hub runs in tests/e2e/test_docs_run.py, or is named in RUN_ELSEWHERE
-    with the test that runs it; an entry there that the docs no longer have is stale."""
+    """A command not marked GPU/hub runs in tests/e2e/test_docs_run.py, or is in NOT_RUN_HERE with
+    the reason (a test named there exists); an entry there that the docs no longer have is stale."""
     plans = {c.text: docs.plan(c) for c in COMMANDS}
-    assert {"run", "marked", "elsewhere"} == set(plans.values())
-    stale = set(docs.RUN_ELSEWHERE) - {t for t, p in plans.items() if p == "elsewhere"}
-    assert not stale, f"RUN_ELSEWHERE names commands the docs no longer have: {stale}"
-    for test in set(docs.RUN_ELSEWHERE.values()):
-        path, name = test.split("::")
-        assert f"def {name}(" in (docs.ROOT / path).read_text(), test
+    assert {"run", "marked", "not run"} == set(plans.values())
+    stale = set(docs.NOT_RUN_HERE) - {t for t, p in plans.items() if p == "not run"}
+    assert not stale, f"NOT_RUN_HERE names commands the docs no longer have: {stale}"
+    for why in docs.NOT_RUN_HERE.values():
+        if "::" in why:
+            path, name = why.split("::")
+            assert f"def {name}(" in (docs.ROOT / path).read_text(), why
 
 
 PYTHON_BLOCKS = docs.python_blocks()
