@@ -33,7 +33,7 @@ import pytest
 from server_process import ServerProcess, free_port
 
 from atom.entrypoints.openai_server import DEFAULT_MODEL_NAME
-from atom.model_loader.default_model import INSTALL_HINT, default_gguf_file
+from atom.model_loader.default_model import INSTALL_HINT, default_gguf_file, default_model_path
 
 # the docs' sizes -> test sizes (a flag absent from a command is not added)
 SIZES = {
@@ -284,7 +284,8 @@ def test_curl_lines(block, served):
 @pytest.mark.parametrize("block", PYTHON, ids=[f"{b.doc}: {b.body.splitlines()[0]}"[:80] for b in PYTHON])
 def test_python_block(block, served, placeholders, tmp_path):
     code = DOCS_PORT.sub(f"127.0.0.1:{served.port}", block.body)
-    for placeholder, actual in placeholders.items():
+    # the README's LLMEngine(model=..., max_model_len=4096) needs a model that long: the default one's directory
+    for placeholder, actual in (placeholders | {"/path/to/hf-model-dir": default_model_path()}).items():
         code = code.replace(f'"{placeholder}"', repr(actual))
     run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0 and run.stdout.strip(), f"{block.doc}:\n{code}\n{run.stdout}{run.stderr[-3000:]}"
