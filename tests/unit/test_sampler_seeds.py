@@ -1,5 +1,6 @@
-"""The sampler's frequency test over 1,000 random seeds (``-m slow``): its expectation does not
-depend on the seed or on float rounding, so every seed passes. The default run keeps seed 0
+"""The sampler's frequency test over 1,000 random seeds (``-m slow``), for the top-p cases that sit
+on a float rounding boundary: their expectation does not depend on the seed or on the rounding,
+so every seed passes. The default run keeps seed 0
 (``ATOM_TEST_SEED`` replays one)."""
 
 import random
@@ -7,7 +8,8 @@ import random
 import pytest
 from test_sampler import test_filters_keep_only_allowed_tokens_with_right_frequencies as check_filters
 
-CASES = [mark.args for mark in check_filters.pytestmark if mark.name == "parametrize"][0][1]
+ALL_CASES = [mark.args for mark in check_filters.pytestmark if mark.name == "parametrize"][0][1]
+CASES = ALL_CASES[2:4]  # top_p on the float rounding boundary, and one ulp above: the case that was flaky
 
 
 @pytest.mark.slow
