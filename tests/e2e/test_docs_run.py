@@ -288,4 +288,5 @@ def test_python_block(block, served, placeholders, tmp_path):
     for placeholder, actual in (placeholders | {"/path/to/hf-model-dir": default_model_path()}).items():
         code = code.replace(f'"{placeholder}"', repr(actual))
     run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0 and run.stdout.strip(), f"{block.doc}:\n{code}\n{run.stdout}{run.stderr[-3000:]}"
+    assert run.returncode == 0, f"{block.doc}:\n{code}\n{run.stdout}{run.stderr[-3000:]}"
+    assert run.stdout.strip() or "print(" not in code, f"{block.doc}: printed nothing\n{run.stderr[-3000:]}"
