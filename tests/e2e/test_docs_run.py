@@ -266,6 +266,7 @@ def curl(argv: list[str], srv: ServerProcess) -> str:
 
 @pytest.mark.parametrize("block", CURL_BLOCKS, ids=[b.doc for b in CURL_BLOCKS])
 def test_curl_lines(block, served):
+    traces = set(glob.glob(str(served.profiler_dir / "**" / "*.json*"), recursive=True))
     for b, argv in docs.curls():
         if b is not block:
             continue
@@ -278,7 +279,7 @@ def test_curl_lines(block, served):
         else:
             assert json.loads(body)["choices"][0]["message"]["content"], body
     if "start_profile" in block.body:
-        assert glob.glob(str(served.profiler_dir / "**" / "*.json*"), recursive=True), "no trace written"
+        assert set(glob.glob(str(served.profiler_dir / "**" / "*.json*"), recursive=True)) > traces, "no new trace"
 
 
 @pytest.mark.parametrize("block", PYTHON, ids=[f"{b.doc}: {b.body.splitlines()[0]}"[:80] for b in PYTHON])
