@@ -27,7 +27,8 @@ def per_token_group_quant_fp8(x: torch.Tensor, group_k: int) -> tuple[torch.Tens
     group_k = group_k or k
     groups = -(-k // group_k)
     padded = torch.nn.functional.pad(x.float(), (0, groups * group_k - k)).view(m, groups, group_k)
-    scale = (padded.abs().amax(dim=-1) / FP8_MAX).clamp(min=SCALE_MIN)
+    # times the float32 reciprocal (what CUDA's division by a scalar does), the same on every device
+    scale = (padded.abs().amax(dim=-1) * (1.0 / FP8_MAX)).clamp(min=SCALE_MIN)
     q = (padded / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q.view(m, groups * group_k)[:, :k], scale
 

@@ -62,10 +62,10 @@ def _moe_fp8_gemm_kernel(
                 acc_up += tl.dot(a, b_up) * a_s * up_s
                 up_s = up_s_next
             a_s, b_s = a_s_next, b_s_next
-        else:
-            acc = tl.dot(a, b, acc)
+        else:  # float32 promotion once per step, as in fp8_gemm
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
             if GATED:
-                acc_up = tl.dot(a, b_up, acc_up)
+                acc_up = tl.dot(a, b_up, acc_up, max_num_imprecise_acc=BLOCK_K)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     if not PER_GROUP:
