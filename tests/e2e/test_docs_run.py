@@ -136,7 +136,7 @@ def server_commands() -> dict[tuple[str, ...], list[str]]:
 
 SERVERS = server_commands()
 OTHERS = [c for c in docs.commands() if docs.plan(c) == "run" and c.module != "atom.entrypoints.openai_server"]
-CURL_BLOCKS = [b for b in docs.blocks() if not b.marked and any(blk is b for blk, _ in docs.curls())]
+CURL_BLOCKS = [b for b in docs.blocks() if not b.marked and any(blk == b for blk, _ in docs.curls())]
 PYTHON = [b for b in docs.python_blocks() if not b.marked and (b.doc, b.body.split("(")[0].strip()) not in SKETCHES]
 
 
@@ -247,8 +247,9 @@ CHECKS = {
 @pytest.mark.parametrize("cmd", OTHERS, ids=[f"{c.block.doc}: {c.text}"[:120] for c in OTHERS])
 def test_command(cmd, served, placeholders, tmp_path):
     assert cmd.module in CHECKS, f"{cmd.block.doc}: add a check of {cmd.module}'s output to CHECKS"
-    args = at_server(fill(cmd.args, placeholders), served, cmd.module)
-    args = [a.removeprefix("/tmp/") for a in args]  # the docs' scratch directories: under tmp_path
+    # the docs' scratch directories (/tmp/...) go under tmp_path; placeholders are filled after,
+    # since the stand-in checkpoints live under /tmp themselves
+    args = at_server(fill([a.removeprefix("/tmp/") for a in cmd.args], placeholders), served, cmd.module)
     code, output = run_module(cmd.module, args, tmp_path)
     assert code == 0, f"{cmd.text} exited with {code}:\n{output[-3000:]}"
     CHECKS[cmd.module](args, output, tmp_path, served)
@@ -268,7 +269,7 @@ def curl(argv: list[str], srv: ServerProcess) -> str:
 def test_curl_lines(block, served):
     traces = set(glob.glob(str(served.profiler_dir / "**" / "*.json*"), recursive=True))
     for b, argv in docs.curls():
-        if b is not block:
+        if b != block:
             continue
         body = curl(argv, served)
         if "/v1/" not in " ".join(argv):
