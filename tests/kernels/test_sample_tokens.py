@@ -5,28 +5,9 @@ near-tie of the race."""
 import pytest
 import torch
 
-from atom.ops import reference, sampling
+from atom.ops import sampling
 from atom.ops.triton import sample_tokens
-from atom.testing.sampling_checks import rounding_sensitive
-
-
-def check_tokens(logits, temps, top_k, top_p, min_p, seeds):
-    out = sample_tokens(logits, temps, top_k, top_p, min_p, seeds)
-    expect = sampling.sample_tokens(logits, temps, top_k, top_p, min_p, seeds)
-    greedy = temps <= 0
-    assert torch.equal(out[greedy], logits[greedy].argmax(dim=-1))
-    # Where they differ, the kernel's token must be kept (or at a rounding-sensitive cut) and
-    # score within rounding of the reference's winner.
-    scaled = logits.float() / torch.where(greedy, 1.0, temps)[:, None]
-    kept = ~reference.top_k_top_p_min_p(scaled, top_k, top_p, min_p).isinf()
-    sensitive = rounding_sensitive(scaled, top_k, top_p, min_p)
-    score = scaled + sampling.gumbel_from_bits(sampling.philox_bits(seeds, logits.shape[-1]))
-    for row in torch.nonzero(out != expect).flatten().tolist():
-        tok = int(out[row])
-        assert kept[row, tok] or sensitive[row, tok], f"row {row}: token {tok} is filtered out"
-        best = score[row][kept[row] & ~sensitive[row]].max()
-        assert score[row, tok] >= best - 1e-4 * (1 + best.abs()), f"row {row}: {tok} instead of {int(expect[row])}"
-    return out
+from atom.testing.sampling_checks import check_tokens
 
 
 def mixed_params(rows, vocab):
@@ -48,6 +29,7 @@ def test_matches_reference_mixed_rows(filters, dtype):
     temps, top_k, top_p, min_p = mixed_params(rows, vocab)
     names = filters.split("_")
     check_tokens(
+        sample_tokens,
         logits,
         temps,
         top_k if "k" in names else None,
@@ -64,7 +46,7 @@ def test_ties_and_masked_tokens():
     logits[7, 10:] = float("-inf")
     temps, top_k, top_p, min_p = mixed_params(rows, vocab)
     temps[5] = 1.0  # u == x: ties exactly as given
-    check_tokens(logits, temps, top_k, top_p, min_p, torch.randint(1 << 62, (rows,)))
+    check_tokens(sample_tokens, logits, temps, top_k, top_p, min_p, torch.randint(1 << 62, (rows,)))
 
 
 def test_same_seed_same_token_any_batch():
