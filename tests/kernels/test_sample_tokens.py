@@ -86,3 +86,15 @@ def test_philox_matches_triton():
     out = torch.empty(5, 64, dtype=torch.int64)
     bits_kernel[(5,)](seeds, out, 64)
     assert torch.equal(out, sampling.philox_bits(seeds, 64))
+
+
+def test_several_blocks():
+    # Rows longer than one block (1024): blocks without a token in the search bracket, or
+    # without a kept token, take the shortcut.
+    rows, vocab = 8, 2500
+    logits = 3 * torch.randn(rows, vocab)
+    logits[1] = (logits[1] * 2).round() / 2  # ties
+    temps, top_k, top_p, min_p = mixed_params(rows, vocab)
+    seeds = torch.randint(1 << 62, (rows,))
+    check_tokens(sample_tokens, logits, temps, top_k, top_p, min_p, seeds)
+    check_tokens(sample_tokens, logits, temps, None, top_p, None, seeds)

@@ -69,3 +69,9 @@ def test_ties():
     check(logits, top_k, top_p, min_p)
     check(logits, top_k, None, None)
     check(logits, None, top_p, None)
+
+
+def test_several_blocks():
+    logits = (2 * torch.randn(4, 2500)).round(decimals=2)
+    top_k, top_p, min_p = params(4, 2500)
+    check(logits, top_k, top_p, min_p)

@@ -57,18 +57,26 @@ def _threshold(
         pivots = tl.where(offs_p == NUM_PIVOTS - 1, hi, pivots)
         g = tl.zeros([BLOCK, NUM_PIVOTS], tl.float32)
         above = tl.full([BLOCK, NUM_PIVOTS], float("inf"), tl.float32)
+        # Tokens above hi count for every pivot and tokens at or below lo for none, so only
+        # blocks with a token inside (lo, hi] (after the first pass: few) pay per pivot.
+        g_hi = tl.zeros([BLOCK], tl.float32)
+        above_hi = tl.full([BLOCK], float("inf"), tl.float32)
         for start in range(0, vocab, BLOCK):
-            offs = start + tl.arange(0, BLOCK)[:, None]
+            offs = start + tl.arange(0, BLOCK)
             u = tl.load(row_ptr + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
             if USE_MASS:
                 w = tl.where(u >= floor, tl.exp((u - row_max) * inv_temp), 0.0)
             else:
                 w = tl.where(u >= floor, 1.0, 0.0)
-            gt = u > pivots[None, :]
-            g += tl.where(gt, w, 0.0)
-            above = tl.minimum(above, tl.where(gt, u, float("inf")))
-        g = tl.sum(g, axis=0)
-        above = tl.min(above, axis=0)
+            g_hi += tl.where(u > hi, w, 0.0)
+            above_hi = tl.minimum(above_hi, tl.where(u > hi, u, float("inf")))
+            inside = (u > lo) & (u <= hi)
+            if tl.max(inside.to(tl.int32), axis=0) > 0:
+                gt = inside[:, None] & (u[:, None] > pivots[None, :])
+                g += tl.where(gt, w[:, None], 0.0)
+                above = tl.minimum(above, tl.where(gt, u[:, None], float("inf")))
+        g = tl.sum(g, axis=0) + tl.sum(g_hi, axis=0)
+        above = tl.minimum(tl.min(above, axis=0), tl.min(above_hi, axis=0))
         # Pivots [0, j) have G >= limit, so their tokens (and all below) are dropped; from
         # pivot j up, all tokens are kept. The threshold lies in (pivot[j-1], pivot[j]].
         j = tl.sum((g >= limit).to(tl.int32), axis=0)
@@ -212,15 +220,16 @@ def _sample_kernel(
             offs = start + tl.arange(0, BLOCK)
             u = tl.div_rn(tl.load(row_ptr + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32), temp)
             keep = (u >= threshold) & (tl.exp(u - u_max) >= min_p)
-            # Four tokens per Philox counter: token t takes word t % 4 at counter t // 4.
-            r0, r1, r2, r3 = tl.randint4x(seed, start // 4 + tl.arange(0, BLOCK // 4))
-            bits = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), [BLOCK])
-            # U = (top 23 bits + 1/2) / 2^23: exact, strictly inside (0, 1).
-            unif = ((bits.to(tl.uint32, bitcast=True) >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
-            score = tl.where(keep, u - tl.log(-tl.log(unif)), float("-inf"))
-            better = score > best
-            best = tl.where(better, score, best)
-            best_idx = tl.where(better, offs, best_idx)
+            if tl.max(keep.to(tl.int32), axis=0) > 0:  # with top-k / top-p most blocks keep nothing
+                # Four tokens per Philox counter: token t takes word t % 4 at counter t // 4.
+                r0, r1, r2, r3 = tl.randint4x(seed, start // 4 + tl.arange(0, BLOCK // 4))
+                bits = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), [BLOCK])
+                # U = (top 23 bits + 1/2) / 2^23: exact, strictly inside (0, 1).
+                unif = ((bits.to(tl.uint32, bitcast=True) >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
+                score = tl.where(keep, u - tl.log(-tl.log(unif)), float("-inf"))
+                better = score > best
+                best = tl.where(better, score, best)
+                best_idx = tl.where(better, offs, best_idx)
         _, token = _argmax(best, best_idx, vocab)
     tl.store(out_ptr + row, token.to(tl.int64))
 
