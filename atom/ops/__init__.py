@@ -221,7 +221,7 @@ top_k_top_p_min_p = register_op(
 )(reference.top_k_top_p_min_p)
 sample_tokens = register_op(
     "sample_tokens",
-    triton=f"{_T}.sampling:sample_tokens",
+    triton=f"{_T}.sampling_fused:sample_tokens",
     fake=lambda logits, *args: logits.new_empty(logits.shape[:1], dtype=torch.int64),
 )(sampling.sample_tokens)
 apply_penalties = register_op(

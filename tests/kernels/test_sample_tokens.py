@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from atom.ops import sampling
-from atom.ops.triton import sample_tokens
+from atom.ops.triton import sample_tokens, sampling_fused
 from atom.testing.sampling_checks import check_tokens
 
 
@@ -39,7 +39,13 @@ def test_matches_reference_mixed_rows(filters, dtype):
     )
 
 
-def test_ties_and_masked_tokens():
+@pytest.fixture(params=[4096, 40], ids=["buffer", "small_buffer"])
+def capacity(request, monkeypatch):
+    """The candidate buffer's size: rows whose bound leaves more tokens search the whole row."""
+    monkeypatch.setattr(sampling_fused, "_CAPACITY", request.param)
+
+
+def test_ties_and_masked_tokens(capacity):
     # Coarse values: many equal logits at every cut; a grammar-like mask leaves few finite.
     rows, vocab = 8, 257
     logits = (2 * torch.randn(rows, vocab)).round() / 2
@@ -88,7 +94,7 @@ def test_philox_matches_triton():
     assert torch.equal(out, sampling.philox_bits(seeds, 64))
 
 
-def test_several_blocks():
+def test_several_blocks(capacity):
     # Rows longer than one block (1024): blocks without a token in the search bracket, or
     # without a kept token, take the shortcut.
     rows, vocab = 8, 2500

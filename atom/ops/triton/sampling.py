@@ -125,12 +125,13 @@ def _argmax(best, best_idx, vocab):
 
 @triton.jit
 def _filter_threshold(
-    row_ptr, vocab, row, row_max, row_min, num_finite, inv_temp, top_k_ptr, top_p_ptr,
+    row_ptr, vocab, row, row_max, row_min, num_finite, inv_temp, top_k_ptr, top_p_ptr, total_mass,
     HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, BLOCK: tl.constexpr, NUM_PIVOTS: tl.constexpr,
 ):  # fmt: skip
     """The smallest value top-k and top-p keep (-inf when they keep everything), judged on
     ``u * inv_temp`` (only the mass weights depend on the temperature: dividing by it
-    preserves the order)."""
+    preserves the order). ``total_mass``: top-p's normaliser if known, else negative (then
+    summed here over what top-k keeps)."""
     threshold = float("-inf")
     if HAS_TOP_K:
         k = tl.load(top_k_ptr + row)
@@ -142,13 +143,13 @@ def _filter_threshold(
         p = tl.load(top_p_ptr + row).to(tl.float32)
         # Top-p renormalises over what top-k kept.
         total = tl.zeros([BLOCK], tl.float32)
-        for start in range(0, tl.where(p < 1.0, vocab, 0), BLOCK):
+        for start in range(0, tl.where((p < 1.0) & (total_mass < 0), vocab, 0), BLOCK):
             offs = start + tl.arange(0, BLOCK)
             u = tl.load(row_ptr + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
             total += tl.where(u >= threshold, tl.exp((u - row_max) * inv_temp), 0.0)
         threshold = _threshold(
             row_ptr, vocab, tl.maximum(threshold, row_min), row_max, threshold, row_max, inv_temp,
-            p * tl.sum(total, axis=0), p < 1.0, True, BLOCK, NUM_PIVOTS,
+            p * tl.where(total_mass < 0, tl.sum(total, axis=0), total_mass), p < 1.0, True, BLOCK, NUM_PIVOTS,
         )  # fmt: skip
     return threshold
 
@@ -173,7 +174,7 @@ def _top_k_top_p_min_p_kernel(
     row_ptr = logits_ptr + row * stride_l
     row_max, row_min, num_finite, _ = _row_stats(row_ptr, vocab, BLOCK)
     threshold = _filter_threshold(
-        row_ptr, vocab, row, row_max, row_min, num_finite, 1.0, top_k_ptr, top_p_ptr,
+        row_ptr, vocab, row, row_max, row_min, num_finite, 1.0, top_k_ptr, top_p_ptr, -1.0,
         HAS_TOP_K, HAS_TOP_P, BLOCK, NUM_PIVOTS,
     )  # fmt: skip
     # min-p: prob >= min_p * max_prob  <=>  exp(v - max) >= min_p (the normaliser cancels).
@@ -188,50 +189,6 @@ def _top_k_top_p_min_p_kernel(
         u = x.to(tl.float32)
         keep = (u >= threshold) & (tl.exp(u - row_max) >= min_p)
         tl.store(out_row + offs, tl.where(keep, x, float("-inf")), mask=offs < vocab)
-
-
-@triton.jit
-def _sample_kernel(
-    logits_ptr, out_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, vocab, stride_l,
-    HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
-    BLOCK: tl.constexpr, NUM_PIVOTS: tl.constexpr,
-):  # fmt: skip
-    """One row: the argmax if its temperature is 0, else the Gumbel race over the kept tokens
-    (see ``atom.ops.sampling``). The kept set is decided on ``u = x / T`` rounded as torch
-    divides, from thresholds found on ``x`` (division preserves the order, ties included)."""
-    row = tl.program_id(0).to(tl.int64)
-    row_ptr = logits_ptr + row * stride_l
-    row_max, row_min, num_finite, token = _row_stats(row_ptr, vocab, BLOCK)
-    temp = tl.load(temp_ptr + row).to(tl.float32)
-    if temp > 0:
-        threshold = _filter_threshold(
-            row_ptr, vocab, row, row_max, row_min, num_finite, 1.0 / temp, top_k_ptr, top_p_ptr,
-            HAS_TOP_K, HAS_TOP_P, BLOCK, NUM_PIVOTS,
-        )  # fmt: skip
-        threshold = tl.div_rn(threshold, temp)
-        u_max = tl.div_rn(row_max, temp)
-        min_p = 0.0
-        if HAS_MIN_P:
-            min_p = tl.load(min_p_ptr + row).to(tl.float32)
-        seed = tl.load(seed_ptr + row)
-        best = tl.full([BLOCK], float("-inf"), tl.float32)
-        best_idx = tl.zeros([BLOCK], tl.int32)
-        for start in range(0, vocab, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            u = tl.div_rn(tl.load(row_ptr + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32), temp)
-            keep = (u >= threshold) & (tl.exp(u - u_max) >= min_p)
-            if tl.max(keep.to(tl.int32), axis=0) > 0:  # with top-k / top-p most blocks keep nothing
-                # Four tokens per Philox counter: token t takes word t % 4 at counter t // 4.
-                r0, r1, r2, r3 = tl.randint4x(seed, start // 4 + tl.arange(0, BLOCK // 4))
-                bits = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), [BLOCK])
-                # U = (top 23 bits + 1/2) / 2^23: exact, strictly inside (0, 1).
-                unif = ((bits.to(tl.uint32, bitcast=True) >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
-                score = tl.where(keep, u - tl.log(-tl.log(unif)), float("-inf"))
-                better = score > best
-                best = tl.where(better, score, best)
-                best_idx = tl.where(better, offs, best_idx)
-        _, token = _argmax(best, best_idx, vocab)
-    tl.store(out_ptr + row, token.to(tl.int64))
 
 
 def top_k_top_p_min_p(
@@ -262,41 +219,6 @@ def top_k_top_p_min_p(
         HAS_TOP_P=top_p is not None,
         HAS_MIN_P=min_p is not None,
         BLOCK=1024,
-        NUM_PIVOTS=16,
-        num_warps=16,
-    )
-    return out
-
-
-def sample_tokens(
-    logits: torch.Tensor,
-    temperatures: torch.Tensor,
-    top_k: torch.Tensor | None,
-    top_p: torch.Tensor | None,
-    min_p: torch.Tensor | None,
-    seeds: torch.Tensor,
-) -> torch.Tensor:
-    """See ``atom.ops.sampling.sample_tokens``: one launch, one program per row, no sort and
-    no [B, V] intermediate."""
-    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
-    num_rows, vocab = logits.shape
-    out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
-    if num_rows == 0:
-        return out
-    _sample_kernel[(num_rows,)](
-        logits,
-        out,
-        temperatures,
-        top_k if top_k is not None else temperatures,
-        top_p if top_p is not None else temperatures,
-        min_p if min_p is not None else temperatures,
-        seeds,
-        vocab,
-        logits.stride(0),
-        HAS_TOP_K=top_k is not None,
-        HAS_TOP_P=top_p is not None,
-        HAS_MIN_P=min_p is not None,
-        BLOCK=min(1024, max(16, triton.next_power_of_2(vocab))),
         NUM_PIVOTS=16,
         num_warps=16,
     )
