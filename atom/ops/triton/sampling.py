@@ -8,10 +8,10 @@ smallest token value with G(v) < W, found by a bracket search over the value ran
 each pass over the row evaluates G at NUM_PIVOTS evenly spaced pivots (and, for each, the
 smallest token above it) and narrows the bracket to one pivot interval. It stops exactly
 once no token lies strictly inside that interval, so the kept set equals the reference's
-except among tokens with equal values (which a sort orders arbitrarily).
+(equal values share one fate there too) up to float rounding of the probability sums.
 
 One program handles one row; on a GPU, batches of fewer than ``_MIN_ROWS`` rows go to the
-sort-based reference instead.
+sort-based reference instead. ``sampling_fused`` reuses these helpers for the sampler.
 """
 
 from __future__ import annotations
