@@ -110,7 +110,8 @@ def _draw(
             better = score > best
             best = tl.where(better, score, best)
             best_idx = tl.where(better, token, best_idx)
-    return _argmax(best, best_idx, 2147483647)[1]
+    _, token = _argmax(best, best_idx, 2147483647)
+    return token
 
 
 @triton.jit
