@@ -35,25 +35,29 @@ def _candidate_bound(
     count = tl.zeros([BLOCK, NUM_PIVOTS], tl.int32)
     mass = tl.zeros([BLOCK, NUM_PIVOTS], tl.float32)
     total = tl.zeros([BLOCK], tl.float32)
+    k = 0
+    if HAS_TOP_K:
+        k = tl.load(top_k_ptr + row)
+    if HAS_TOP_P:
+        p = tl.load(top_p_ptr + row).to(tl.float32)
+        # top-p renormalises over what top-k keeps, so with top-k only top-k's bound holds
+        by_mass = (p < 1.0) & (k <= 0)
     for start in range(0, vocab, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         u = tl.load(row_ptr + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
         gt = u[:, None] > pivots[None, :]
         count += gt.to(tl.int32)
         if HAS_TOP_P:
-            w = tl.exp((u - row_max) * inv_temp)
-            mass += tl.where(gt, w[:, None], 0.0)
-            total += w
+            if by_mass:
+                w = tl.exp((u - row_max) * inv_temp)
+                mass += tl.where(gt, w[:, None], 0.0)
+                total += w
     count = tl.sum(count, axis=0)
     j = tl.zeros([], tl.int32)  # pivots [0, j) bound the kept tokens
     row_total = tl.sum(total, axis=0)
     if HAS_TOP_P:
-        p = tl.load(top_p_ptr + row).to(tl.float32)
-        limit = p * row_total
-        j = tl.where(p < 1.0, tl.sum((tl.sum(mass, axis=0) >= limit).to(tl.int32), axis=0), 0)
+        j = tl.where(by_mass, tl.sum((tl.sum(mass, axis=0) >= p * row_total).to(tl.int32), axis=0), 0)
     if HAS_TOP_K:
-        k = tl.load(top_k_ptr + row)
-        # top-p renormalises over what top-k keeps, so with top-k only top-k's bound holds
         j = tl.where(k > 0, tl.sum((count >= k).to(tl.int32), axis=0), j)
         row_total = tl.where(k > 0, -1.0, row_total)
     c = tl.max(tl.where(offs_p == j - 1, pivots, float("-inf")), axis=0)
