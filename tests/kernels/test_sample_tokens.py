@@ -4,9 +4,13 @@ near-tie of the race."""
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
-from atom.ops import sampling
+from atom.ops import reference, sampling
 from atom.ops.triton import sample_tokens, sampling_fused
+from atom.ops.triton.sampling import _row_stats
+from atom.ops.triton.sampling_fused import _candidate_bound
 from atom.testing.sampling_checks import check_tokens
 
 
@@ -78,9 +82,6 @@ def test_reference_noise_is_exponential_race():
 
 
 def test_philox_matches_triton():
-    import triton
-    import triton.language as tl
-
     @triton.jit
     def bits_kernel(seed_ptr, out_ptr, N: tl.constexpr):
         seed = tl.load(seed_ptr + tl.program_id(0))
@@ -104,3 +105,32 @@ def test_several_blocks(capacity):
     seeds = torch.randint(1 << 62, (rows,))
     check_tokens(sample_tokens, logits, temps, top_k, top_p, min_p, seeds)
     check_tokens(sample_tokens, logits, temps, None, top_p, None, seeds)
+
+
+@triton.jit
+def _bound_kernel(x_ptr, k_ptr, p_ptr, out_ptr, vocab, HAS_TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    row_max, row_min, num_finite, _ = _row_stats(x_ptr + row * vocab, vocab, BLOCK)
+    c, n, total = _candidate_bound(
+        x_ptr + row * vocab, vocab, row, row_min, row_max, num_finite, 1.0, k_ptr, p_ptr, HAS_TOP_K, True, BLOCK, 16
+    )
+    tl.store(out_ptr + row * 2, c)
+    tl.store(out_ptr + row * 2 + 1, n.to(tl.float32))
+
+
+def test_candidate_bound():
+    """The bound pass: every token top-k / top-p keeps lies above c, and n counts the tokens
+    above c; with a small k, far fewer than the vocabulary (the buffer path is taken)."""
+    rows, vocab = 4, 3000
+    x = 3 * torch.randn(rows, vocab)
+    top_k = torch.tensor([5, 0, 0, 2999], dtype=torch.int32)
+    top_p = torch.tensor([0.9, 0.5, 1.0, 0.9])
+    for has_k in (True, False):
+        out = torch.empty(rows, 2)
+        _bound_kernel[(rows,)](x, top_k, top_p, out, vocab, has_k, 1024)
+        kept = ~reference.top_k_top_p_min_p(x, top_k if has_k else None, top_p, None).isinf()
+        for row in range(rows):
+            c, n = out[row, 0].item(), int(out[row, 1])
+            assert n == int((x[row] > c).sum()) and (x[row][kept[row]] > c).all()
+        if has_k:
+            assert out[0, 1] < vocab / 10  # top_k = 5: a tight bound

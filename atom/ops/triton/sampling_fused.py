@@ -61,7 +61,7 @@ def _candidate_bound(
         j = tl.where(k > 0, tl.sum((count >= k).to(tl.int32), axis=0), j)
         row_total = tl.where(k > 0, -1.0, row_total)
     c = tl.max(tl.where(offs_p == j - 1, pivots, float("-inf")), axis=0)
-    n = tl.max(tl.where(offs_p == j - 1, count, num_finite), axis=0)
+    n = tl.where(j > 0, tl.sum(tl.where(offs_p == j - 1, count, 0), axis=0), num_finite)
     return c, n, row_total
 
 
