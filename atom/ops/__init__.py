@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from atom.ops import mla, penalties, reference, reference_fp8, rejection
+from atom.ops import mla, penalties, reference, reference_fp8, rejection, sampling
 
 __all__ = [
     "apply_penalties",
@@ -38,6 +38,7 @@ __all__ = [
     "rejection_sample",
     "rms_norm",
     "rotary_embedding",
+    "sample_tokens",
     "silu_and_mul",
     "store_kv_cache",
     "top_k_top_p_min_p",
@@ -230,6 +231,11 @@ fused_moe = register_op("fused_moe", triton=f"{_T}.moe:fused_moe", fake=lambda x
 top_k_top_p_min_p = register_op(
     "top_k_top_p_min_p", triton=f"{_T}.sampling:top_k_top_p_min_p", fake=lambda logits, *args: _empty_like(logits)
 )(reference.top_k_top_p_min_p)
+sample_tokens = register_op(
+    "sample_tokens",
+    triton=f"{_T}.sampling_fused:sample_tokens",
+    fake=lambda logits, *args: logits.new_empty(logits.shape[:1], dtype=torch.int64),
+)(sampling.sample_tokens)
 apply_penalties = register_op(
     "apply_penalties",
     triton=f"{_T}.penalties:apply_penalties",

@@ -202,7 +202,10 @@ def top_k_top_p_min_p(
 ) -> torch.Tensor:
     """Mask (set to -inf) the tokens each row may not sample. Per-row parameters:
     ``top_k`` int [B] (0 = off), ``top_p`` float [B] (1 = off), ``min_p`` float [B] (0 = off).
-    ``logits`` are already temperature-scaled; returns a new tensor."""
+    ``logits`` are already temperature-scaled; returns a new tensor. Tokens of equal value
+    share one fate: top-k keeps every token at least the k-th largest value (as vLLM's top-k),
+    top-p judges a token by the mass of the tokens strictly greater than it, so a threshold
+    on the value reproduces the kept set exactly."""
     logits = logits.clone()
     if top_k is not None or top_p is not None:
         sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
@@ -210,14 +213,20 @@ def top_k_top_p_min_p(
         vocab = logits.shape[-1]
         if top_k is not None:
             k = torch.where(top_k <= 0, vocab, top_k).clamp(max=vocab)
-            ranks = torch.arange(vocab, device=logits.device)[None, :]
-            remove |= ranks >= k[:, None]
+            kth = sorted_logits.gather(1, (k - 1)[:, None].long())
+            remove |= sorted_logits < kth
         if top_p is not None:
             # top-p over what top-k kept, renormalised (vLLM's order)
             probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
             # keep a token if the mass strictly before it is below top_p (the first always stays);
             # top_p = 1 is off: the float cumsum can round up to 1 before the tail ends
             mass_before = probs.cumsum(dim=-1) - probs
+            # ties: each token takes the mass before the first of its equal values
+            ranks = torch.arange(vocab, device=logits.device).expand_as(sorted_logits)
+            starts = torch.ones_like(remove)
+            starts[:, 1:] = sorted_logits[:, 1:] != sorted_logits[:, :-1]
+            first = torch.where(starts, ranks, 0).cummax(dim=-1).values
+            mass_before = mass_before.gather(1, first)
             remove |= (mass_before >= top_p[:, None]) & (top_p[:, None] < 1)
         remove[:, 0] = False
         logits.scatter_(-1, sorted_idx, sorted_logits.masked_fill(remove, float("-inf")))

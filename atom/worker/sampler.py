@@ -1,9 +1,10 @@
 """Sample one token per row for the whole batch in one pass.
 
 Greedy rows take the argmax. Other rows divide by their temperature, drop what top-k,
-top-p and min-p exclude, and draw with the exponential race (``argmax(p / E)``, E ~ Exp(1)),
-which samples from ``p`` without a cumulative sum. A request with a ``seed`` draws its E
-from its own generator, so its tokens do not depend on what else is in the batch.
+top-p and min-p exclude, and draw with the Gumbel (exponential) race, which samples without
+a sort or a cumulative sum: ``ops.sample_tokens``, one kernel on a GPU. Each row's noise is
+Philox keyed by a seed drawn from the row's generator: a request with a ``seed`` has its own
+generator, so its tokens do not depend on what else is in the batch.
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from atom import ops
+
+# Philox keys are drawn below this bound (any 64-bit key works; torch.randint takes int64)
+_SEED_BOUND = 1 << 62
 
 
 @dataclass
@@ -25,23 +29,18 @@ class SamplingTensors:
     all_greedy: bool
 
 
-def _exponential_noise(shape: tuple[int, int], generators, device) -> torch.Tensor:
-    noise = torch.empty(shape, device=device, dtype=torch.float32).exponential_()
+def step_seeds(generators: list[torch.Generator | None], device) -> torch.Tensor:
+    """[B] int64: this step's noise key per row, from the row's own generator if it has one,
+    else from the default generator (one draw for the batch)."""
+    seeds = torch.randint(_SEED_BOUND, (len(generators),), device=device)
     for row, gen in enumerate(generators):
         if gen is not None:
-            noise[row].exponential_(generator=gen)
-    return noise
+            seeds[row] = torch.randint(_SEED_BOUND, (1,), device=device, generator=gen)[0]
+    return seeds
 
 
 def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-    logits = logits.float()
-    greedy = logits.argmax(dim=-1)
     if t.all_greedy:
-        return greedy
-    temps = torch.where(t.temperatures > 0, t.temperatures, 1.0)
-    scaled = logits / temps[:, None]
-    if t.top_k is not None or t.top_p is not None or t.min_p is not None:
-        scaled = ops.top_k_top_p_min_p(scaled, t.top_k, t.top_p, t.min_p)
-    probs = torch.softmax(scaled, dim=-1)
-    sampled = (probs / _exponential_noise(probs.shape, t.generators, probs.device)).argmax(dim=-1)
-    return torch.where(t.temperatures > 0, sampled, greedy)
+        return logits.float().argmax(dim=-1)
+    seeds = step_seeds(t.generators, logits.device)
+    return ops.sample_tokens(logits, t.temperatures, t.top_k, t.top_p, t.min_p, seeds)

@@ -7,13 +7,10 @@ from atom.testing.sampling_checks import rounding_sensitive
 
 
 def distinct_logits(rows: int, vocab: int, dtype: torch.dtype) -> torch.Tensor:
-    """Random logits with distinct values in each row: with ties the reference keeps an
-    arbitrary subset at the boundary, which a threshold cannot reproduce."""
+    """Random logits with distinct values in each row (``test_ties`` has equal ones)."""
     pool = (3 * torch.randn(50 * vocab)).to(dtype).unique()
     assert pool.numel() >= vocab
     return torch.stack([pool[torch.randperm(pool.numel())[:vocab]] for _ in range(rows)])
-
-
 
 
 def check(logits, top_k, top_p, min_p):
@@ -62,3 +59,19 @@ def test_peaked_distribution():
     logits = distinct_logits(3, 1000, torch.float32) * 0.01
     logits[:, 7] += 12.0
     check(logits, None, torch.tensor([0.5, 0.99, 0.9999]), None)
+
+
+def test_ties():
+    # Coarse values: equal logits straddle every cut; each group is kept or dropped whole.
+    logits = (2 * torch.randn(6, 400)).round() / 2
+    top_k, top_p, min_p = params(6, 400)
+    top_k[3] = 1  # several tokens may share the maximum
+    check(logits, top_k, top_p, min_p)
+    check(logits, top_k, None, None)
+    check(logits, None, top_p, None)
+
+
+def test_several_blocks():
+    logits = (2 * torch.randn(4, 2500)).round(decimals=2)
+    top_k, top_p, min_p = params(4, 2500)
+    check(logits, top_k, top_p, min_p)

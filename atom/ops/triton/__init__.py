@@ -8,6 +8,7 @@ from atom.ops.triton.moe import fused_moe, moe_topk
 from atom.ops.triton.norm import rms_norm
 from atom.ops.triton.rope_cache import qk_norm_rope_store, rotary_embedding, store_kv_cache
 from atom.ops.triton.sampling import top_k_top_p_min_p
+from atom.ops.triton.sampling_fused import sample_tokens
 
 __all__ = [
     "fused_moe",
@@ -18,6 +19,7 @@ __all__ = [
     "qk_norm_rope_store",
     "rms_norm",
     "rotary_embedding",
+    "sample_tokens",
     "silu_and_mul",
     "store_kv_cache",
     "top_k_top_p_min_p",

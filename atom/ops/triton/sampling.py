@@ -8,10 +8,10 @@ smallest token value with G(v) < W, found by a bracket search over the value ran
 each pass over the row evaluates G at NUM_PIVOTS evenly spaced pivots (and, for each, the
 smallest token above it) and narrows the bracket to one pivot interval. It stops exactly
 once no token lies strictly inside that interval, so the kept set equals the reference's
-except among tokens with equal values (which a sort orders arbitrarily).
+(equal values share one fate there too) up to float rounding of the probability sums.
 
 One program handles one row; on a GPU, batches of fewer than ``_MIN_ROWS`` rows go to the
-sort-based reference instead.
+sort-based reference instead. ``sampling_fused`` reuses these helpers for the sampler.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ def _threshold(
     hi,
     floor,
     row_max,
+    inv_temp,
     limit,
     active,
     USE_MASS: tl.constexpr,
@@ -56,18 +57,26 @@ def _threshold(
         pivots = tl.where(offs_p == NUM_PIVOTS - 1, hi, pivots)
         g = tl.zeros([BLOCK, NUM_PIVOTS], tl.float32)
         above = tl.full([BLOCK, NUM_PIVOTS], float("inf"), tl.float32)
+        # Tokens above hi count for every pivot and tokens at or below lo for none, so only
+        # blocks with a token inside (lo, hi] (after the first pass: few) pay per pivot.
+        g_hi = tl.zeros([BLOCK], tl.float32)
+        above_hi = tl.full([BLOCK], float("inf"), tl.float32)
         for start in range(0, vocab, BLOCK):
-            offs = start + tl.arange(0, BLOCK)[:, None]
+            offs = start + tl.arange(0, BLOCK)
             u = tl.load(row_ptr + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
             if USE_MASS:
-                w = tl.where(u >= floor, tl.exp(u - row_max), 0.0)
+                w = tl.where(u >= floor, tl.exp((u - row_max) * inv_temp), 0.0)
             else:
                 w = tl.where(u >= floor, 1.0, 0.0)
-            gt = u > pivots[None, :]
-            g += tl.where(gt, w, 0.0)
-            above = tl.minimum(above, tl.where(gt, u, float("inf")))
-        g = tl.sum(g, axis=0)
-        above = tl.min(above, axis=0)
+            g_hi += tl.where(u > hi, w, 0.0)
+            above_hi = tl.minimum(above_hi, tl.where(u > hi, u, float("inf")))
+            inside = (u > lo) & (u <= hi)
+            if tl.max(inside.to(tl.int32), axis=0) > 0:
+                gt = inside[:, None] & (u[:, None] > pivots[None, :])
+                g += tl.where(gt, w[:, None], 0.0)
+                above = tl.minimum(above, tl.where(gt, u[:, None], float("inf")))
+        g = tl.sum(g, axis=0) + tl.sum(g_hi, axis=0)
+        above = tl.minimum(tl.min(above, axis=0), tl.min(above_hi, axis=0))
         # Pivots [0, j) have G >= limit, so their tokens (and all below) are dropped; from
         # pivot j up, all tokens are kept. The threshold lies in (pivot[j-1], pivot[j]].
         j = tl.sum((g >= limit).to(tl.int32), axis=0)
@@ -84,6 +93,65 @@ def _threshold(
         lo = new_lo
         hi = new_hi
     return t
+
+
+@triton.jit
+def _row_stats(row_ptr, vocab, BLOCK: tl.constexpr):
+    """Max, smallest finite value, number of finite values, and the first index of the max."""
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_idx = tl.zeros([BLOCK], tl.int32)
+    row_min = tl.full([BLOCK], float("inf"), tl.float32)
+    finite = tl.zeros([BLOCK], tl.int32)
+    for start in range(0, vocab, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        u = tl.load(row_ptr + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
+        ok = u > float("-inf")
+        better = u > best
+        best = tl.where(better, u, best)
+        best_idx = tl.where(better, offs, best_idx)
+        row_min = tl.minimum(row_min, tl.where(ok, u, float("inf")))
+        finite += ok.to(tl.int32)
+    row_max, argmax = _argmax(best, best_idx, vocab)
+    return row_max, tl.min(row_min, axis=0), tl.sum(finite, axis=0), argmax
+
+
+@triton.jit
+def _argmax(best, best_idx, vocab):
+    """Reduce per-lane running maxima (each lane's first index of its max) to the row's
+    max and its first index, as ``torch.argmax``."""
+    row_max = tl.max(best, axis=0)
+    return row_max, tl.min(tl.where(best == row_max, best_idx, vocab), axis=0)
+
+
+@triton.jit
+def _filter_threshold(
+    row_ptr, vocab, row, row_max, row_min, num_finite, inv_temp, top_k_ptr, top_p_ptr, total_mass,
+    HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, BLOCK: tl.constexpr, NUM_PIVOTS: tl.constexpr,
+):  # fmt: skip
+    """The smallest value top-k and top-p keep (-inf when they keep everything), judged on
+    ``u * inv_temp`` (only the mass weights depend on the temperature: dividing by it
+    preserves the order). ``total_mass``: top-p's normaliser if known, else negative (then
+    summed here over what top-k keeps)."""
+    threshold = float("-inf")
+    if HAS_TOP_K:
+        k = tl.load(top_k_ptr + row)
+        threshold = _threshold(
+            row_ptr, vocab, row_min, row_max, float("-inf"), row_max, inv_temp, k.to(tl.float32),
+            (k > 0) & (k < num_finite), False, BLOCK, NUM_PIVOTS,
+        )  # fmt: skip
+    if HAS_TOP_P:
+        p = tl.load(top_p_ptr + row).to(tl.float32)
+        # Top-p renormalises over what top-k kept.
+        total = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, tl.where((p < 1.0) & (total_mass < 0), vocab, 0), BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            u = tl.load(row_ptr + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
+            total += tl.where(u >= threshold, tl.exp((u - row_max) * inv_temp), 0.0)
+        threshold = _threshold(
+            row_ptr, vocab, tl.maximum(threshold, row_min), row_max, threshold, row_max, inv_temp,
+            p * tl.where(total_mass < 0, tl.sum(total, axis=0), total_mass), p < 1.0, True, BLOCK, NUM_PIVOTS,
+        )  # fmt: skip
+    return threshold
 
 
 @triton.jit
@@ -104,42 +172,11 @@ def _top_k_top_p_min_p_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_l
-
-    # Pass 1: max, smallest finite value, number of finite values.
-    row_max = tl.full([BLOCK], float("-inf"), tl.float32)
-    row_min = tl.full([BLOCK], float("inf"), tl.float32)
-    finite = tl.zeros([BLOCK], tl.int32)
-    for start in range(0, vocab, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        u = tl.load(row_ptr + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
-        ok = u > float("-inf")
-        row_max = tl.maximum(row_max, u)
-        row_min = tl.minimum(row_min, tl.where(ok, u, float("inf")))
-        finite += ok.to(tl.int32)
-    row_max = tl.max(row_max, axis=0)
-    row_min = tl.min(row_min, axis=0)
-    num_finite = tl.sum(finite, axis=0)
-
-    # Keep tokens >= threshold.
-    threshold = float("-inf")
-    if HAS_TOP_K:
-        k = tl.load(top_k_ptr + row)
-        threshold = _threshold(
-            row_ptr, vocab, row_min, row_max, float("-inf"), row_max, k.to(tl.float32),
-            (k > 0) & (k < num_finite), False, BLOCK, NUM_PIVOTS,
-        )  # fmt: skip
-    if HAS_TOP_P:
-        p = tl.load(top_p_ptr + row).to(tl.float32)
-        # Top-p renormalises over what top-k kept.
-        total = tl.zeros([BLOCK], tl.float32)
-        for start in range(0, tl.where(p < 1.0, vocab, 0), BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            u = tl.load(row_ptr + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
-            total += tl.where(u >= threshold, tl.exp(u - row_max), 0.0)
-        threshold = _threshold(
-            row_ptr, vocab, tl.maximum(threshold, row_min), row_max, threshold, row_max,
-            p * tl.sum(total, axis=0), p < 1.0, True, BLOCK, NUM_PIVOTS,
-        )  # fmt: skip
+    row_max, row_min, num_finite, _ = _row_stats(row_ptr, vocab, BLOCK)
+    threshold = _filter_threshold(
+        row_ptr, vocab, row, row_max, row_min, num_finite, 1.0, top_k_ptr, top_p_ptr, -1.0,
+        HAS_TOP_K, HAS_TOP_P, BLOCK, NUM_PIVOTS,
+    )  # fmt: skip
     # min-p: prob >= min_p * max_prob  <=>  exp(v - max) >= min_p (the normaliser cancels).
     min_p = 0.0
     if HAS_MIN_P:

@@ -1,0 +1,64 @@
+"""The fused sampling kernel at real vocabularies, on CUDA: token for token against the
+reference (same Philox noise), and the frequencies of many draws against the filtered
+distribution."""
+
+import os
+
+import pytest
+import torch
+
+from atom.ops import reference
+from atom.testing.sampling_checks import check_tokens
+
+if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+    pytest.skip("needs CUDA and compiled (not interpreted) Triton", allow_module_level=True)
+
+from atom.ops.triton import sample_tokens  # noqa: E402
+
+DEV = "cuda"
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
+
+
+def mixed_params(rows, vocab):
+    temps = torch.rand(rows, device=DEV) * 1.5 + 0.2
+    top_k = torch.randint(0, 200, (rows,), device=DEV, dtype=torch.int32)
+    top_p = torch.rand(rows, device=DEV) * 0.95 + 0.05
+    min_p = torch.rand(rows, device=DEV) * 0.1
+    for i, (t, k, p, m) in enumerate(
+        [(0.0, 50, 0.9, 0.0), (1.0, 1, 1.0, 0.0), (0.7, 0, 0.999, 0.0), (1.0, 0, 1.0, 0.0)]
+    ):
+        if i < rows:
+            temps[i], top_k[i], top_p[i], min_p[i] = t, k, p, m
+    return temps, top_k, top_p, min_p
+
+
+@pytest.mark.parametrize("vocab", [151936, 128256, 49152])
+@pytest.mark.parametrize("rows", [1, 7, 64, 256])
+def test_matches_reference(rows, vocab):
+    logits = torch.randn(rows, vocab, device=DEV) * 3
+    logits[-1] = logits[-1].bfloat16().float()  # many equal values
+    seeds = torch.randint(1 << 62, (rows,), device=DEV)
+    temps, top_k, top_p, min_p = mixed_params(rows, vocab)
+    check_tokens(sample_tokens, logits, temps, top_k, top_p, min_p, seeds)
+    check_tokens(sample_tokens, logits, temps, None, top_p, None, seeds)
+    check_tokens(sample_tokens, logits, temps, top_k, None, None, seeds)
+
+
+@pytest.mark.parametrize("top_k, top_p, min_p", [(20, 0.95, 0.0), (0, 0.8, 0.0), (50, 1.0, 0.05)])
+def test_frequencies(top_k, top_p, min_p):
+    n, vocab = 32768, 151936
+    base = torch.randn(vocab, device=DEV)
+    base[:12] += torch.linspace(8, 5, 12, device=DEV)  # a head of likely tokens, a long tail
+    logits, temps = base.expand(n, -1), torch.full((n,), 0.8, device=DEV)
+    k, p, m = (torch.full((n,), v, device=DEV) for v in (top_k, top_p, min_p))
+    k = k.to(torch.int32)
+    seeds = torch.randint(1 << 62, (n,), device=DEV)
+    tokens = sample_tokens(logits, temps, k, p, m, seeds)
+    probs = reference.top_k_top_p_min_p((base / 0.8)[None], k[:1], p[:1], m[:1]).softmax(dim=-1)[0].double()
+    freq = torch.bincount(tokens, minlength=vocab).double() / n
+    assert (freq[probs == 0] == 0).all()
+    assert ((freq - probs).abs() <= 6 * (probs * (1 - probs) / n).sqrt() + 1 / n).all()

@@ -1,0 +1,136 @@
+"""The fused sampling kernel against its reference (``atom.ops.sampling``): both draw the
+same Philox noise, so they must pick the same token, up to float rounding at a cut or a
+near-tie of the race."""
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from atom.ops import reference, sampling
+from atom.ops.triton import sample_tokens, sampling_fused
+from atom.ops.triton.sampling import _row_stats
+from atom.ops.triton.sampling_fused import _candidate_bound
+from atom.testing.sampling_checks import check_tokens
+
+
+def mixed_params(rows, vocab):
+    temps = torch.rand(rows) * 1.5 + 0.2
+    temps[0] = 0.0  # greedy
+    top_k = torch.randint(0, 40, (rows,), dtype=torch.int32)
+    top_k[1], top_k[2], top_k[3] = 1, vocab, 0
+    top_p = torch.rand(rows) * 0.9 + 0.05
+    top_p[3], top_p[4], top_p[5] = 1.0, 0.999, 1 - 1e-6  # off, and near 1
+    min_p = torch.rand(rows) * 0.2
+    min_p[6] = 0.0
+    return temps, top_k, top_p, min_p
+
+
+@pytest.mark.parametrize("filters", ["none", "k", "p", "min_p", "k_p_min_p"])
+def test_matches_reference_mixed_rows(filters, dtype):
+    rows, vocab = 10, 300
+    logits = (3 * torch.randn(rows, vocab)).to(dtype)
+    temps, top_k, top_p, min_p = mixed_params(rows, vocab)
+    names = filters.split("_")
+    check_tokens(
+        sample_tokens,
+        logits,
+        temps,
+        top_k if "k" in names else None,
+        top_p if "p" in names else None,
+        min_p if "min" in names else None,
+        torch.randint(1 << 62, (rows,)),
+    )
+
+
+@pytest.fixture(params=[4096, 40], ids=["buffer", "small_buffer"])
+def capacity(request, monkeypatch):
+    """The candidate buffer's size: rows whose bound leaves more tokens search the whole row."""
+    monkeypatch.setattr(sampling_fused, "_CAPACITY", request.param)
+
+
+def test_ties_and_masked_tokens(capacity):
+    # Coarse values: many equal logits at every cut; a grammar-like mask leaves few finite.
+    rows, vocab = 8, 257
+    logits = (2 * torch.randn(rows, vocab)).round() / 2
+    logits[7, 10:] = float("-inf")
+    temps, top_k, top_p, min_p = mixed_params(rows, vocab)
+    temps[5] = 1.0  # u == x: ties exactly as given
+    check_tokens(sample_tokens, logits, temps, top_k, top_p, min_p, torch.randint(1 << 62, (rows,)))
+
+
+def test_same_seed_same_token_any_batch():
+    logits = 2 * torch.randn(4, 200)
+    temps, top_k, top_p = torch.ones(4), torch.full((4,), 30, dtype=torch.int32), torch.full((4,), 0.9)
+    seeds = torch.randint(1 << 62, (4,))
+    full = sample_tokens(logits, temps, top_k, top_p, None, seeds)
+    alone = sample_tokens(logits[2:3], temps[2:3], top_k[2:3], top_p[2:3], None, seeds[2:3])
+    assert full[2] == alone[0]
+
+
+def test_reference_noise_is_exponential_race():
+    """Statistics of the reference (which the kernel matches token for token): frequencies
+    over 40000 seeds equal the filtered distribution within 6 standard deviations."""
+    torch.manual_seed(0)
+    n, probs = 40000, torch.tensor([0.35, 0.25, 0.2, 0.1, 0.06, 0.04])
+    logits = probs.log().expand(n, -1)
+    top_k = torch.full((n,), 4, dtype=torch.int32)
+    tokens = sampling.sample_tokens(logits, torch.ones(n), top_k, None, None, torch.randint(1 << 62, (n,)))
+    freq = torch.bincount(tokens, minlength=6).double() / n
+    expect = torch.tensor([0.35, 0.25, 0.2, 0.1, 0.0, 0.0]).double() / 0.9
+    assert ((freq - expect).abs() <= 6 * (expect * (1 - expect) / n).sqrt()).all(), (freq, expect)
+
+
+def test_philox_matches_triton():
+    @triton.jit
+    def bits_kernel(seed_ptr, out_ptr, N: tl.constexpr):
+        seed = tl.load(seed_ptr + tl.program_id(0))
+        r0, r1, r2, r3 = tl.randint4x(seed, tl.arange(0, N // 4))
+        bits = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), [N])
+        tl.store(out_ptr + tl.program_id(0) * N + tl.arange(0, N), bits.to(tl.uint32, bitcast=True).to(tl.int64))
+
+    seeds = torch.cat([torch.tensor([0, (1 << 62) - 1]), torch.randint(1 << 62, (3,))])
+    out = torch.empty(5, 64, dtype=torch.int64)
+    bits_kernel[(5,)](seeds, out, 64)
+    assert torch.equal(out, sampling.philox_bits(seeds, 64))
+
+
+def test_several_blocks(capacity):
+    # Rows longer than one block (1024): blocks without a token in the search bracket, or
+    # without a kept token, take the shortcut.
+    rows, vocab = 8, 2500
+    logits = 3 * torch.randn(rows, vocab)
+    logits[1] = (logits[1] * 2).round() / 2  # ties
+    temps, top_k, top_p, min_p = mixed_params(rows, vocab)
+    seeds = torch.randint(1 << 62, (rows,))
+    check_tokens(sample_tokens, logits, temps, top_k, top_p, min_p, seeds)
+    check_tokens(sample_tokens, logits, temps, None, top_p, None, seeds)
+
+
+@triton.jit
+def _bound_kernel(x_ptr, k_ptr, p_ptr, out_ptr, vocab, HAS_TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    row_max, row_min, num_finite, _ = _row_stats(x_ptr + row * vocab, vocab, BLOCK)
+    c, n, total = _candidate_bound(
+        x_ptr + row * vocab, vocab, row, row_min, row_max, num_finite, 1.0, k_ptr, p_ptr, HAS_TOP_K, True, BLOCK, 16
+    )
+    tl.store(out_ptr + row * 2, c)
+    tl.store(out_ptr + row * 2 + 1, n.to(tl.float32))
+
+
+def test_candidate_bound():
+    """The bound pass: every token top-k / top-p keeps lies above c, and n counts the tokens
+    above c; with a small k, far fewer than the vocabulary (the buffer path is taken)."""
+    rows, vocab = 4, 3000
+    x = 3 * torch.randn(rows, vocab)
+    top_k = torch.tensor([5, 0, 0, 2999], dtype=torch.int32)
+    top_p = torch.tensor([0.9, 0.5, 1.0, 0.9])
+    for has_k in (True, False):
+        out = torch.empty(rows, 2)
+        _bound_kernel[(rows,)](x, top_k, top_p, out, vocab, has_k, 1024)
+        kept = ~reference.top_k_top_p_min_p(x, top_k if has_k else None, top_p, None).isinf()
+        for row in range(rows):
+            c, n = out[row, 0].item(), int(out[row, 1])
+            assert n == int((x[row] > c).sum()) and (x[row][kept[row]] > c).all()
+        if has_k:
+            assert out[0, 1] < vocab / 10  # top_k = 5: a tight bound
