@@ -1,5 +1,6 @@
 """Batch-1 decode latency (time per output token) against the memory-bandwidth floor: the time to read
-every weight once per token at the measured device-copy bandwidth (``weight bytes / copy bandwidth``).
+every weight once per token at the measured device-copy bandwidth (``weight bytes / copy bandwidth``;
+with ``-tp N`` each GPU reads 1/N of the weights, so the floor is divided by N).
 
     python -m atom.benchmarks.benchmark_latency --model qwen3-8b [--engine vllm] [--output-json r.json]
 """
@@ -35,8 +36,9 @@ def main(argv=None) -> dict:
     rows = [("--input-len", 128, None), ("--output-len", 256, None), ("--repeats", 3, None)]
     args = parse_offline_args(__doc__, argv, "qwen3-8b", rows)
     t, bw, weights = tpot(args), copy_bandwidth(), weight_bytes(args.model)
-    floor = weights / bw
-    result = dict(engine=args.engine, model=args.model, tpot_ms=round(t * 1e3, 3), floor_ms=round(floor * 1e3, 3))
+    floor = weights / bw / args.tensor_parallel_size
+    result = dict(engine=args.engine, model=args.model, tp=args.tensor_parallel_size, tpot_ms=round(t * 1e3, 3))
+    result |= dict(floor_ms=round(floor * 1e3, 3))
     result |= dict(fraction_of_floor=round(floor / t, 3), copy_bandwidth_gbs=round(bw / 1e9, 1))
     result["weight_gb"] = round(weights / 1e9, 3)
     columns = {"engine": args.engine, "model": args.model, "TPOT (ms)": f"{t * 1e3:.3f}"}

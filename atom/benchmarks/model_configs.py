@@ -65,6 +65,8 @@ def parse_offline_args(doc: str, argv: list[str] | None, default_model: str, row
     head.append(("--engine", "atom", "the engine to measure", dict(choices=["atom", "vllm"])))
     tail = [("--max-model-len", 4096, None), ("--enforce-eager", False, None)]
     add_arguments(p, head + rows + tail + [("--output-json", str, "write the result here")])
+    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1, help="GPUs per engine (both engines)")
+    p.add_argument("--enable-expert-parallel", action="store_true", help="MoE experts sharded over the -tp ranks")
     return p.parse_args(argv)
 
 
@@ -74,6 +76,8 @@ class Engine:
     def __init__(self, args: argparse.Namespace, **kwargs) -> None:
         self.vllm, path = args.engine == "vllm", model_dir(args.model)
         kwargs.update(skip_tokenizer_init=True, max_model_len=args.max_model_len, enforce_eager=args.enforce_eager)
+        kwargs.update(tensor_parallel_size=args.tensor_parallel_size)
+        kwargs.update(enable_expert_parallel=args.enable_expert_parallel)
         if self.vllm:
             from vllm import LLM, SamplingParams
 

@@ -7,7 +7,7 @@ and vLLM, one benchmark process per run, a short table last.
 A run is ``TREE:MODEL[:FLAG,...]`` with TREE a ``--tree`` name or ``vllm`` (vLLM native on the
 first tree's PYTHONPATH with the plugin disabled); flags: ``async`` (--async-scheduling),
 ``sync`` (--no-async-scheduling), ``eager`` (--enforce-eager), ``latency`` (benchmark_latency
-instead of benchmark_throughput).
+instead of benchmark_throughput), ``tpN`` (-tp N), ``ep`` (--enable-expert-parallel).
 Each run's log and JSON go to $OUT (or ./gpu-results).
 """
 
@@ -33,6 +33,8 @@ def run_one(spec: str, trees: dict[str, str], out: str, timeout: int) -> dict:
     cmd += ["--async-scheduling"] if "async" in flags else []
     cmd += ["--no-async-scheduling"] if "sync" in flags else []
     cmd += ["--enforce-eager"] if "eager" in flags else []
+    cmd += ["--enable-expert-parallel"] if "ep" in flags else []
+    cmd += [a for f in flags if f.startswith("tp") for a in ("-tp", f[2:])]
     env = dict(os.environ, PYTHONPATH=":".join(p for p in ("/tmp/site", path) if os.path.isdir(p)),
                ATOM_DISABLE_VLLM_PLUGIN="1", PYTHONUNBUFFERED="1")
     start = time.time()
