@@ -4,8 +4,8 @@
 group (``init_distributed``) and builds its worker with ``make_worker(tp)``. Then
 ``collective_rpc("method", *args)`` runs ``worker.method(*args)`` on every rank, in step,
 and returns rank 0's result (the other ranks reply with an acknowledgement only, so a
-batch of logits crosses the pipe once). The model runner is meant to be that worker:
-``collective_rpc("execute_model", scheduler_output)`` with a small typed message.
+batch of logits crosses the pipe once); ``post("method", *args)`` queues a call without
+waiting for it. ``rank_worker.RankWorker`` is the engine's worker.
 
 No orphans: a rank that dies or raises makes the executor kill the whole group and raise
 ``RankFailure`` in the caller; a rank whose parent disappears (SIGKILL, SIGTERM) exits on
@@ -47,6 +47,7 @@ class RpcRequest:
     method: str
     args: tuple = ()
     kwargs: dict | None = None
+    reply: bool = True  # False: posted (``post``); only a failure is answered
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,15 +103,23 @@ class MultiprocExecutor:
     def collective_rpc(self, method: str, *args, timeout_s: float | None = None, **kwargs) -> Any:
         """Run ``method`` on every rank's worker and return rank 0's result. Raises
         ``RankFailure`` (after stopping all ranks) if any rank died or raised."""
+        self._send(RpcRequest(method, args, kwargs or None))
+        return self._collect(timeout_s, method)
+
+    def post(self, method: str, *args, **kwargs) -> None:
+        """Queue ``method`` on every rank without waiting for it: the ranks run their calls
+        in order, so a later ``collective_rpc`` sees its effects; a rank that fails in it
+        answers with the error, which that ``collective_rpc`` raises."""
+        self._send(RpcRequest(method, args, kwargs or None, reply=False))
+
+    def _send(self, request: RpcRequest) -> None:
         if not self._finalizer.alive:
             raise RankFailure("the executor is shut down")
-        request = RpcRequest(method, args, kwargs or None)
         for rank, conn in enumerate(self._conns):
             try:
                 conn.send(request)
             except (BrokenPipeError, ConnectionResetError, EOFError):
-                self._fail(f"{method}: {self._gone(rank)}")
-        return self._collect(timeout_s, method)
+                self._fail(f"{request.method}: {self._gone(rank)}")
 
     def _collect(self, timeout_s: float | None, what: str) -> Any:
         """One reply per rank; watches the processes too, so a dead rank is noticed at once."""
@@ -210,7 +219,8 @@ def _serve(rank: int, worker: Any, conn: Connection) -> None:
         except Exception:
             _reply(conn, RpcReply(rank, error=traceback.format_exc()))
             return
-        _reply(conn, RpcReply(rank, value if rank == 0 else None))
+        if request.reply:
+            _reply(conn, RpcReply(rank, value if rank == 0 else None))
 
 
 def _reply(conn: Connection, reply: RpcReply) -> None:

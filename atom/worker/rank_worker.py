@@ -7,12 +7,17 @@ Each step's ``SchedulerOutput`` goes to every rank with its requests copied into
 ranks run the same steps on the same full logits (the LM head all-gathers) with the same
 seeds, so they sample the same tokens; each rank keeps its own last sampled tokens for
 the placeholders of async scheduling, and only rank 0's ``RunnerOutput`` comes back.
+
+A step is posted (``launch_step``, no answer) and collected later (``collect_step``), so
+under async scheduling the ranks queue step N+1's device work before they wait for step
+N's tokens, as the one-process runner does.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from dataclasses import dataclass
 
 from atom.config import Config
@@ -20,7 +25,32 @@ from atom.core_types import RunnerOutput, SchedulerOutput
 from atom.distributed.parallel_state import TPInfo, default_backend
 from atom.sampling_params import SamplingParams
 from atom.worker.executor import MultiprocExecutor
-from atom.worker.model_runner import ModelRunner
+from atom.worker.model_runner import ModelRunner, PendingOutput
+
+
+class TokenWindow:
+    """The tokens ``[start, stop)`` of a request's token list, indexed as the whole list
+    (whose length it keeps): a decode step sends the ranks two ids, not the history.
+    Reading outside the window is a bug in the caller and raises ``IndexError``."""
+
+    __slots__ = ("start", "tokens", "length")
+
+    def __init__(self, token_ids: list[int], start: int, stop: int):
+        self.start, self.tokens, self.length = start, token_ids[start:stop], len(token_ids)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int | slice):
+        if isinstance(i, slice):
+            lo, hi, step = i.indices(self.length)
+            if lo < hi and (step != 1 or lo < self.start or hi > self.start + len(self.tokens)):
+                raise IndexError(f"tokens {lo}:{hi} are outside the window {self.start}:+{len(self.tokens)}")
+            return self.tokens[lo - self.start : hi - self.start] if lo < hi else []
+        j = (i + self.length if i < 0 else i) - self.start
+        if not 0 <= j < len(self.tokens):
+            raise IndexError(f"token {i} is outside the window {self.start}:+{len(self.tokens)}")
+        return self.tokens[j]
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,7 +58,7 @@ class RequestState:
     """A ``ScheduledRequest`` as of one step, sent to the ranks."""
 
     request_id: str
-    token_ids: list[int]
+    token_ids: list[int] | TokenWindow
     block_table: list[int]
     num_prompt_tokens: int
     sampling_params: SamplingParams
@@ -37,10 +67,15 @@ class RequestState:
 
 def snapshot(batch: SchedulerOutput) -> SchedulerOutput:
     """The batch with its requests copied: the engine's ``Sequence`` objects do not cross
-    the process boundary. The whole token list goes each step (simple; a delta protocol
-    like vLLM's ``CachedRequestState`` would send only the new tokens)."""
-    reqs = [RequestState(r.request_id, list(r.token_ids), list(r.block_table), r.num_prompt_tokens,
-                         r.sampling_params, r.eos_token_ids) for r in batch.requests]
+    the process boundary. A step reads the tokens it computes and the next one (a prompt
+    logprob's target, a draft to verify); logits processing (penalties, bad words) reads
+    the whole history, which then goes whole."""
+    reqs = []
+    for r, start, n in zip(batch.requests, batch.starts, batch.num_new_tokens):
+        whole = r.sampling_params.processes_logits
+        tokens = list(r.token_ids) if whole else TokenWindow(r.token_ids, start, start + n + 1)
+        reqs.append(RequestState(r.request_id, tokens, list(r.block_table), r.num_prompt_tokens, r.sampling_params,
+                                 r.eos_token_ids))
     return dataclasses.replace(batch, requests=reqs)
 
 
@@ -49,6 +84,7 @@ class RankWorker:
 
     def __init__(self, config: Config, tp: TPInfo):
         self.runner = ModelRunner(config, tp)
+        self.in_flight: dict[int, PendingOutput] = {}  # launched steps by number
 
     def determine_num_blocks(self) -> int:
         return self.runner.determine_num_blocks()
@@ -62,11 +98,13 @@ class RankWorker:
     def capture_cudagraphs(self) -> None:
         self.runner.capture_cudagraphs()
 
-    def execute_model(self, batch: SchedulerOutput) -> RunnerOutput:
-        return self.runner.launch(batch).result()
+    def launch_step(self, step: int, batch: SchedulerOutput, released: list[str]) -> None:
+        for request_id in released:
+            self.runner.release(request_id)
+        self.in_flight[step] = self.runner.launch(batch)
 
-    def release(self, request_id: str) -> None:
-        self.runner.release(request_id)
+    def collect_step(self, step: int) -> RunnerOutput:
+        return self.in_flight.pop(step).result()
 
     def start_profile(self) -> None:
         self.runner.start_profile()
@@ -76,14 +114,14 @@ class RankWorker:
 
 
 @dataclass(frozen=True, slots=True)
-class DoneOutput:
-    """A step that already finished (``collective_rpc`` waits): ``ModelRunner.launch``'s
-    handle, for the engine."""
+class RankStep:
+    """A step posted to the ranks: ``ModelRunner.launch``'s handle, for the engine."""
 
-    output: RunnerOutput
+    executor: MultiprocExecutor
+    step: int
 
     def result(self) -> RunnerOutput:
-        return self.output
+        return self.executor.collective_rpc("collect_step", self.step)
 
 
 class ParallelRunner:
@@ -97,6 +135,8 @@ class ParallelRunner:
         self.executor = MultiprocExecutor(pc.tensor_parallel_size, functools.partial(RankWorker, config),
                                           backend=default_backend(config.device.type))
         self.profiler: bool | None = None  # not None while profiling, as ModelRunner's
+        self._steps = itertools.count()
+        self._released: list[str] = []  # finished requests, released with the next step
 
     def determine_num_blocks(self) -> int:
         return self.executor.collective_rpc("determine_num_blocks")
@@ -110,11 +150,13 @@ class ParallelRunner:
     def capture_cudagraphs(self) -> None:
         self.executor.collective_rpc("capture_cudagraphs")
 
-    def launch(self, batch: SchedulerOutput) -> DoneOutput:
-        return DoneOutput(self.executor.collective_rpc("execute_model", snapshot(batch)))
+    def launch(self, batch: SchedulerOutput) -> RankStep:
+        step, released, self._released = next(self._steps), self._released, []
+        self.executor.post("launch_step", step, snapshot(batch), released)
+        return RankStep(self.executor, step)
 
     def release(self, request_id: str) -> None:
-        self.executor.collective_rpc("release", request_id)
+        self._released.append(request_id)
 
     # a method that raises in a rank stops every rank: user errors are caught here first
     def start_profile(self) -> None:

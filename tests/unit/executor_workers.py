@@ -6,7 +6,13 @@ import os
 
 class EchoWorker:
     def __init__(self, tp):
-        self.rank = tp.rank
+        self.rank, self.stored = tp.rank, []
+
+    def store(self, value) -> None:
+        self.stored.append(value)
+
+    def get(self) -> list:
+        return self.stored
 
     def pid(self) -> int:
         return os.getpid()

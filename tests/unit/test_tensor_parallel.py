@@ -242,6 +242,18 @@ def test_rank_exception_raises_its_traceback_and_stops_every_rank():
     assert wait_gone(pids) == []
 
 
+def test_posted_calls_run_in_order_and_their_failure_surfaces_at_the_next_call():
+    ex = MultiprocExecutor(2, EchoWorker, backend="gloo")
+    pids = ex.pids
+    for value in range(3):
+        ex.post("store", value)
+    assert ex.collective_rpc("get", timeout_s=RPC_TIMEOUT_S) == [0, 1, 2]  # no answers were left queued
+    ex.post("fail")
+    with pytest.raises(RankFailure, match="(?s)rank ([01]) raised.*bad request on rank \\1"):
+        ex.collective_rpc("get", timeout_s=RPC_TIMEOUT_S)
+    assert wait_gone(pids) == []
+
+
 PARENT = textwrap.dedent("""
     import sys
     sys.path.insert(0, {test_dir!r})

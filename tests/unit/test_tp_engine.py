@@ -80,3 +80,30 @@ def test_killed_rank_raises_and_stops_every_rank(tiny_model):
 def test_bad_split_is_refused_before_any_rank_starts(tiny_model):
     with pytest.raises(ValueError, match="num_attention_heads .* divisible by tensor_parallel_size"):
         LLMEngine(tiny_model("qwen3"), max_model_len=256, tensor_parallel_size=4)
+
+
+def logprobs_run(engine: LLMEngine) -> list:
+    """(prompt logprobs, sampled tokens' logprobs) of each prompt: the ranks read a window
+    of each request's tokens, and a prompt logprob's target lies one past it."""
+    params = SamplingParams(temperature=0, max_tokens=4, logprobs=2, prompt_logprobs=2)
+    ids = engine.add_request([engine.tokenizer.encode(p) for p in PROMPTS], params)
+    done = {}
+    while len(done) < len(ids):
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    return [(done[i].prompt_logprobs, done[i].logprobs) for i in ids]
+
+
+def test_tp2_prompt_and_sample_logprobs_match_one_rank(tiny_model):
+    path = tiny_model("qwen3")
+    ref = logprobs_run(LLMEngine(path, max_model_len=256, max_num_batched_tokens=16))  # chunked prompts
+    engine = LLMEngine(path, max_model_len=256, max_num_batched_tokens=16, tensor_parallel_size=2)
+    try:
+        got = logprobs_run(engine)
+    finally:
+        engine.shutdown()
+    for (ref_prompt, ref_out), (prompt, out) in zip(ref, got):
+        assert len(prompt) == len(ref_prompt) > 1 and len(out) == len(ref_out) == 4
+        for a, b in zip(ref_prompt[1:] + ref_out, prompt[1:] + out):
+            assert (a.token_id, [t for t, _ in a.top]) == (b.token_id, [t for t, _ in b.top])
+            assert b.logprob == pytest.approx(a.logprob, abs=1e-4)
+            assert abs(b.rank - a.rank) <= 1  # a rank deep in the tail can swap with a float32 near-tie
