@@ -122,6 +122,7 @@ class ParallelConfig:
     data_parallel_rank: int = 0  # this replica's index; set per engine-core process
     enable_expert_parallel: bool = False
     enable_dp_attention: bool = False
+    disable_custom_all_reduce: bool = False  # GPUs: NCCL for every all-reduce (vLLM's flag)
 
     def __post_init__(self):
         for name in ("tensor_parallel_size", "data_parallel_size"):

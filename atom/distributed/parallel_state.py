@@ -28,14 +28,19 @@ class TPInfo:
     size: int = 1
     group: Any = None  # torch.distributed ProcessGroup when size > 1
     expert_parallel: bool = False
+    # small messages on GPUs: all_reduce.OneShotAllReduce (None: NCCL / gloo for all)
+    one_shot: Any = None
 
     def __post_init__(self):
         if not 0 <= self.rank < self.size:
             raise ValueError(f"tensor-parallel rank {self.rank} outside [0, {self.size})")
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.size > 1:
-            dist.all_reduce(x, group=self.group)
+        if self.size == 1:
+            return x
+        if self.one_shot is not None and self.one_shot.fits(x):
+            return self.one_shot(x)
+        dist.all_reduce(x, group=self.group)
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:

@@ -58,6 +58,7 @@ class EngineArgs:
     load_dummy: bool = ModelConfig.load_dummy
     enable_expert_parallel: bool = ParallelConfig.enable_expert_parallel
     enable_dp_attention: bool = ParallelConfig.enable_dp_attention
+    disable_custom_all_reduce: bool = ParallelConfig.disable_custom_all_reduce
     torch_profiler_dir: str | None = None
     method: str | None = SpeculativeConfig.method
     num_speculative_tokens: int = SpeculativeConfig.num_speculative_tokens
@@ -102,6 +103,8 @@ class EngineArgs:
         a("--load_dummy", "--load-dummy", action="store_true", help="random weights (no checkpoint needed)")
         a("--enable-expert-parallel", action="store_true")
         a("--enable-dp-attention", action="store_true")
+        a("--disable-custom-all-reduce", action="store_true",
+          help="GPUs: NCCL for every all-reduce, no one-shot all-reduce over symmetric memory for small messages")
         a("--torch-profiler-dir", type=str, default=None)
         a("--method", type=str, default=None, choices=list(SPECULATIVE_METHODS),
           help="speculative decoding method (shared_weights: a test mode, the target drafts for itself)")

@@ -34,21 +34,27 @@ SHAPES = {  # model_configs shape, layers kept (None: all)
     "qwen3-30b-a3b-12l": ("qwen3-30b-a3b", 12),
 }
 # (shape, tp, mode, extra): extra "ep" = --enable-expert-parallel, "dp2" = -dp 2 (a replica
-# per GPU; needs pyzmq there); mode "graphs" = CUDA graphs without torch.compile (level 0),
-# "compile" = the default level 3, "eager" = --enforce-eager
+# per GPU; needs pyzmq there), "nccl" = --disable-custom-all-reduce; mode "graphs" = CUDA
+# graphs without torch.compile (level 0), "compile" = the default level 3, "eager" =
+# --enforce-eager, "fp32" = float32 weights and activations, identity only (no timing): the
+# reference that tells TP's own error from bf16 noise
 RUNS = [
-    ("qwen3-0.6b", 1, "graphs", ""),
-    ("qwen3-0.6b", 2, "graphs", ""),
     ("qwen3-8b", 1, "graphs", ""),
     ("qwen3-8b", 2, "graphs", ""),
-    ("qwen3-8b", 1, "graphs", "dp2"),
-    ("qwen3-0.6b", 2, "compile", ""),
+    ("qwen3-8b", 1, "fp32", ""),
+    ("qwen3-8b", 2, "fp32", ""),
+    ("qwen3-8b", 2, "graphs", "nccl"),
     ("qwen3-30b-a3b-12l", 1, "graphs", ""),
     ("qwen3-30b-a3b-12l", 2, "graphs", "ep"),
+    ("qwen3-0.6b", 1, "graphs", ""),
+    ("qwen3-0.6b", 2, "graphs", ""),
+    ("qwen3-8b", 1, "graphs", "dp2"),
+    ("qwen3-0.6b", 2, "compile", ""),
     ("qwen3-0.6b", 1, "eager", ""),
     ("qwen3-0.6b", 2, "eager", ""),
 ]
 GEN_TOKENS, TF_LEN, CLEAR_GAP = 64, 256, 0.1
+MAX_LEN = int(os.environ.get("TP_CHECK_MAX_LEN", 4096))  # a CPU dry run's tiny model has less
 
 
 def run_name(shape: str, tp: int, mode: str, extra: str) -> str:
@@ -81,9 +87,11 @@ def run_one(path: str, tp: int, mode: str, extra: str, num_seqs: int) -> dict:
     from atom import LLMEngine, SamplingParams
     from atom.benchmarks.benchmark_throughput import workload
 
-    kwargs = dict(skip_tokenizer_init=True, max_model_len=4096, tensor_parallel_size=tp,
+    kwargs = dict(skip_tokenizer_init=True, max_model_len=MAX_LEN, tensor_parallel_size=tp,
                   data_parallel_size=2 if "dp2" in extra else 1, enable_expert_parallel="ep" in extra,
-                  enforce_eager=mode == "eager")
+                  enforce_eager=mode == "eager", disable_custom_all_reduce="nccl" in extra)
+    if mode == "fp32":
+        kwargs["dtype"] = "float32"
     if mode != "compile":
         kwargs["level"] = 0
     t0 = time.perf_counter()
@@ -101,6 +109,9 @@ def run_one(path: str, tp: int, mode: str, extra: str, num_seqs: int) -> dict:
     # per position: (top-1 id, top-1 minus top-2 logprob)
     result["teacher_forced"] = [[(lp.top[0][0], lp.top[0][1] - lp.top[1][1]) for lp in done[i].prompt_logprobs[1:]]
                                 for i in ids]
+    if mode == "fp32":
+        llm.shutdown()
+        return result
     prompts, max_tokens = workload(num_seqs, 1024, 1024)
     prompts = [[t % vocab for t in p] for p in prompts]  # a tiny CPU checkpoint's vocabulary
     warm = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=16)
@@ -118,17 +129,24 @@ def run_one(path: str, tp: int, mode: str, extra: str, num_seqs: int) -> dict:
     return result
 
 
+def tf_agreement(ref: dict, run: dict) -> tuple[float, float, int]:
+    """Teacher-forced top-1 agreement (%) on all positions and on those where ``ref``'s top-2 gap
+    is over CLEAR_GAP, and how many those are."""
+    pairs = [(r, s) for rr, ss in zip(ref["teacher_forced"], run["teacher_forced"]) for r, s in zip(rr, ss)]
+    clear = [(r, s) for r, s in pairs if r[1] > CLEAR_GAP]
+    agree = lambda ps: round(100.0 * sum(r[0] == s[0] for r, s in ps) / max(1, len(ps)), 2)
+    return agree(pairs), agree(clear), len(clear)
+
+
 def compare(ref: dict, run: dict) -> dict:
     """Greedy exact matches / first divergence, teacher-forced top-1 agreement."""
     first = []
     for a, b in zip(ref["greedy"], run["greedy"]):
         first.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None))
-    pairs = [(r, s) for rr, ss in zip(ref["teacher_forced"], run["teacher_forced"]) for r, s in zip(rr, ss)]
-    clear = [(r, s) for r, s in pairs if r[1] > CLEAR_GAP]
-    agree = lambda ps: round(100.0 * sum(r[0] == s[0] for r, s in ps) / max(1, len(ps)), 2)
+    every, clear, n = tf_agreement(ref, run)
     return dict(greedy_identical=sum(f is None for f in first), greedy_total=len(first),
-                first_divergence=[f for f in first if f is not None], tf_agree_pct=agree(pairs),
-                tf_clear_agree_pct=agree(clear), tf_clear_positions=len(clear))
+                first_divergence=[f for f in first if f is not None], tf_agree_pct=every,
+                tf_clear_agree_pct=clear, tf_clear_positions=n)
 
 
 def main() -> None:
@@ -207,16 +225,21 @@ def main() -> None:
         ref = one.get((r.get("shape"), r.get("mode"))) or one.get((r.get("shape"), "graphs"))
         if r is not ref and "greedy" in r and ref is not None:
             r["vs_tp1"] = dict(compare(ref, r), ref=ref["run"])
+        fp32 = one.get((r.get("shape"), "fp32"))
+        if r is not fp32 and "greedy" in r and fp32 is not None:  # bf16 (or TP) error against float32
+            r["vs_fp32_tp1"] = dict(zip(("tf_agree_pct", "tf_clear_agree_pct", "tf_clear_positions"),
+                                        tf_agreement(fp32, r)))
     summary = [{k: v for k, v in r.items() if k not in ("greedy", "teacher_forced")} for r in results]
     json.dump(summary, open(f"{out}/tp_check.json", "w"), indent=1)
-    print("\n| run | rc | start s | tok/s | b1 TPOT ms | greedy same | TF top-1 % (clear) |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| run | rc | start s | tok/s | b1 TPOT ms | greedy same | TF top-1 % (clear) | vs fp32 tp1 (clear) |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in summary:
-        v = r.get("vs_tp1", {})
+        v, f = r.get("vs_tp1", {}), r.get("vs_fp32_tp1", {})
         same = f"{v['greedy_identical']}/{v['greedy_total']}" if v else ""
         tf = f"{v['tf_agree_pct']} ({v['tf_clear_agree_pct']}, n={v['tf_clear_positions']})" if v else ""
+        tf32 = f"{f['tf_agree_pct']} ({f['tf_clear_agree_pct']}, n={f['tf_clear_positions']})" if f else ""
         print(f"| {r['run']} | {r['rc']} | {r.get('startup_s', '')} | {r.get('output_tokens_per_s', '')} | "
-              f"{r.get('batch1_tpot_ms', '')} | {same} | {tf} |")
+              f"{r.get('batch1_tpot_ms', '')} | {same} | {tf} | {tf32} |")
 
 
 if __name__ == "__main__":
