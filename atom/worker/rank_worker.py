@@ -18,6 +18,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import json
+import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -91,6 +94,7 @@ class RankWorker:
             tp = dataclasses.replace(tp, one_shot=OneShotAllReduce.create(tp.group, device))
         self.runner = ModelRunner(config, tp)
         self.in_flight: dict[int, PendingOutput] = {}  # launched steps by number
+        self.trace = RankTrace.from_env(tp.rank)
 
     def determine_num_blocks(self) -> int:
         return self.runner.determine_num_blocks()
@@ -105,18 +109,57 @@ class RankWorker:
         self.runner.capture_cudagraphs()
 
     def launch_step(self, step: int, batch: SchedulerOutput, released: list[str]) -> None:
+        start = time.perf_counter()
         for request_id in released:
             self.runner.release(request_id)
         self.in_flight[step] = self.runner.launch(batch)
+        if self.trace:
+            self.trace.launched(step, start, len(batch.requests))
 
     def collect_step(self, step: int) -> RunnerOutput:
-        return self.in_flight.pop(step).result()
+        start = time.perf_counter()
+        output = self.in_flight.pop(step).result()
+        if self.trace:
+            self.trace.collected(step, start)
+        return output
 
     def start_profile(self) -> None:
         self.runner.start_profile()
 
     def stop_profile(self) -> None:
         self.runner.stop_profile()
+
+
+class RankTrace:
+    """With ``ATOM_STEP_TRACE``, rank 0's side of each step in ``<path>.rank0.jsonl``: the
+    host time of its launch, the wait for the device, and how long the rank sat idle
+    waiting for the engine's message before each (idle ranks: the engine process is the
+    bottleneck; long waits: the device is)."""
+
+    def __init__(self, path: str):
+        self.file, self.rows, self.idle_since = open(path, "a"), {}, time.perf_counter()
+
+    @classmethod
+    def from_env(cls, rank: int) -> RankTrace | None:
+        path = os.environ.get("ATOM_STEP_TRACE")
+        return cls(f"{path}.rank{rank}.jsonl") if path and rank == 0 else None
+
+    def launched(self, step: int, start: float, rows: int) -> None:
+        now = time.perf_counter()
+        self.rows[step] = dict(step=step, rows=rows, idle_before_launch_ms=_ms(self.idle_since, start),
+                               launch_ms=_ms(start, now))
+        self.idle_since = now
+
+    def collected(self, step: int, start: float) -> None:
+        now = time.perf_counter()
+        row = self.rows.pop(step) | dict(idle_before_collect_ms=_ms(self.idle_since, start), wait_ms=_ms(start, now))
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+        self.idle_since = now
+
+
+def _ms(a: float, b: float) -> float:
+    return round((b - a) * 1e3, 3)
 
 
 @dataclass(frozen=True, slots=True)
