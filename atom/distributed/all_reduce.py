@@ -19,9 +19,11 @@ logger = logging.getLogger(__name__)
 MAX_BYTES = 1 << 20  # one-shot up to 1 MiB (a 128-token chunk of a 4096-wide bf16 model)
 
 
-@torch.library.custom_op("atom::one_shot_all_reduce", mutates_args=("buffer",))
+# An opaque op for torch.compile. ``buffer`` is written but not declared mutated, on purpose:
+# functionalization would hand the op a clone, which is not symmetric memory (vLLM's
+# all-reduce op hides its buffer the same way); nothing else in a graph reads it.
+@torch.library.custom_op("atom::one_shot_all_reduce", mutates_args=())
 def _one_shot(buffer: torch.Tensor, x: torch.Tensor, group_name: str) -> torch.Tensor:
-    # an opaque op for torch.compile: dynamo does not trace into symm_mem
     flat = buffer[: x.numel() * x.element_size()].view(x.dtype)
     return torch.ops.symm_mem.one_shot_all_reduce_copy(flat, x.reshape(-1), "sum", group_name).view(x.shape)
 
