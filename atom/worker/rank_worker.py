@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import itertools
 import json
 import os
 import time
 from dataclasses import dataclass
 
+import msgspec
 import torch
 
 from atom.config import Config
@@ -59,29 +61,31 @@ class TokenWindow:
         return self.tokens[j]
 
 
-@dataclass(frozen=True, slots=True)
-class RequestState:
-    """A ``ScheduledRequest`` as of one step, sent to the ranks."""
+class RequestState(msgspec.Struct, frozen=True, gc=False):
+    """A ``ScheduledRequest`` as of one step, sent to the ranks (a Struct: 256 of them
+    unpickle in a fraction of a frozen dataclass's time, every step, in every rank)."""
 
     request_id: str
     token_ids: list[int] | TokenWindow
     block_table: list[int]
     num_prompt_tokens: int
-    sampling_params: SamplingParams
-    eos_token_ids: tuple[int, ...]  # min_tokens masks them
+    # None once the ranks hold them (sent with a request's first step, dropped at release)
+    sampling_params: SamplingParams | None
+    eos_token_ids: tuple[int, ...] | None  # min_tokens masks them
 
 
-def snapshot(batch: SchedulerOutput) -> SchedulerOutput:
+def snapshot(batch: SchedulerOutput, known: set[str] = frozenset()) -> SchedulerOutput:
     """The batch with its requests copied: the engine's ``Sequence`` objects do not cross
     the process boundary. A step reads the tokens it computes and the next one (a prompt
     logprob's target, a draft to verify); logits processing (penalties, bad words) reads
-    the whole history, which then goes whole."""
+    the whole history, which then goes whole. The sampling parameters of the ``known``
+    requests stay behind: the ranks have them."""
     reqs = []
     for r, start, n in zip(batch.requests, batch.starts, batch.num_new_tokens):
         whole = r.sampling_params.processes_logits
         tokens = list(r.token_ids) if whole else TokenWindow(r.token_ids, start, start + n + 1)
-        reqs.append(RequestState(r.request_id, tokens, list(r.block_table), r.num_prompt_tokens, r.sampling_params,
-                                 r.eos_token_ids))
+        params, eos = (None, None) if r.request_id in known else (r.sampling_params, r.eos_token_ids)
+        reqs.append(RequestState(r.request_id, tokens, list(r.block_table), r.num_prompt_tokens, params, eos))
     return dataclasses.replace(batch, requests=reqs)
 
 
@@ -94,6 +98,7 @@ class RankWorker:
             tp = dataclasses.replace(tp, one_shot=OneShotAllReduce.create(tp.group, device))
         self.runner = ModelRunner(config, tp)
         self.in_flight: dict[int, PendingOutput] = {}  # launched steps by number
+        self.params: dict[str, tuple[SamplingParams, tuple[int, ...]]] = {}  # by request, until released
         self.trace = RankTrace.from_env(tp.rank)
 
     def determine_num_blocks(self) -> int:
@@ -107,14 +112,31 @@ class RankWorker:
 
     def capture_cudagraphs(self) -> None:
         self.runner.capture_cudagraphs()
+        # the last start-up call: the model's and graphs' objects move out of the collector's
+        # reach, so a collection scans only what steps create (vLLM freezes its engine core)
+        gc.collect()
+        gc.freeze()
 
     def launch_step(self, step: int, batch: SchedulerOutput, released: list[str]) -> None:
         start = time.perf_counter()
         for request_id in released:
             self.runner.release(request_id)
-        self.in_flight[step] = self.runner.launch(batch)
+            self.params.pop(request_id, None)
+        self.in_flight[step] = self.runner.launch(dataclasses.replace(batch, requests=self._complete(batch.requests)))
         if self.trace:
             self.trace.launched(step, start, len(batch.requests))
+
+    def _complete(self, requests: list[RequestState]) -> list[RequestState]:
+        """Fill in the sampling parameters that earlier steps brought."""
+        out = []
+        for r in requests:
+            if r.sampling_params is None:
+                r = msgspec.structs.replace(r, sampling_params=self.params[r.request_id][0],
+                                            eos_token_ids=self.params[r.request_id][1])
+            else:
+                self.params[r.request_id] = r.sampling_params, r.eos_token_ids
+            out.append(r)
+        return out
 
     def collect_step(self, step: int) -> RunnerOutput:
         start = time.perf_counter()
@@ -186,6 +208,7 @@ class ParallelRunner:
         self.profiler: bool | None = None  # not None while profiling, as ModelRunner's
         self._steps = itertools.count()
         self._released: list[str] = []  # finished requests, released with the next step
+        self._known: set[str] = set()  # requests whose sampling parameters the ranks hold
 
     def determine_num_blocks(self) -> int:
         return self.executor.collective_rpc("determine_num_blocks")
@@ -201,11 +224,13 @@ class ParallelRunner:
 
     def launch(self, batch: SchedulerOutput) -> RankStep:
         step, released, self._released = next(self._steps), self._released, []
-        self.executor.post("launch_step", step, snapshot(batch), released)
+        self.executor.post("launch_step", step, snapshot(batch, self._known), released)
+        self._known.update(r.request_id for r in batch.requests)
         return RankStep(self.executor, step)
 
     def release(self, request_id: str) -> None:
         self._released.append(request_id)
+        self._known.discard(request_id)
 
     # a method that raises in a rank stops every rank: user errors are caught here first
     def start_profile(self) -> None:

@@ -35,3 +35,11 @@ def test_snapshot_sends_the_step_window_or_the_whole_history():
     assert isinstance(sent[0].token_ids, TokenWindow) and sent[0].token_ids[4:6] == [5, 6]
     assert sent[1].token_ids == [7, 8, 9] and sent[1].token_ids is not penalised.token_ids
     assert sent[0].block_table == [3, 4] and sent[0].request_id == plain.request_id
+
+
+def test_snapshot_leaves_known_requests_sampling_params_behind():
+    seqs = [Sequence("a", [1, 2, 3], SamplingParams(max_tokens=4)), Sequence("b", [4, 5], SamplingParams(seed=3))]
+    batch = SchedulerOutput(requests=seqs, num_new_tokens=[3, 2], starts=[0, 0], samples=[True, True])
+    first, second = snapshot(batch, {"a"}).requests
+    assert first.sampling_params is None and first.eos_token_ids is None
+    assert second.sampling_params is seqs[1].sampling_params
