@@ -107,3 +107,25 @@ def test_tp2_prompt_and_sample_logprobs_match_one_rank(tiny_model):
             assert (a.token_id, [t for t, _ in a.top]) == (b.token_id, [t for t, _ in b.top])
             assert b.logprob == pytest.approx(a.logprob, abs=1e-4)
             assert abs(b.rank - a.rank) <= 1  # a rank deep in the tail can swap with a float32 near-tie
+
+
+def test_tp2_structured_output_and_seeded_sampling_match_one_rank(tiny_model):
+    """The grammar bitmask travels to the ranks with the step (pickled by value)."""
+    from atom.sampling_params import StructuredOutputsParams
+
+    choice, regex = StructuredOutputsParams(choice=["yes", "no"]), StructuredOutputsParams(regex="[a-z]{3,6}")
+    params = [
+        SamplingParams(temperature=0, max_tokens=12, structured_outputs=choice),
+        SamplingParams(temperature=0.8, seed=5, max_tokens=12),
+        SamplingParams(temperature=0.8, seed=7, max_tokens=12, structured_outputs=regex),
+    ]
+    prompts = ["Answer:", "Hello there", "Word:"]
+    path = tiny_model("qwen3")
+    ref = [o["token_ids"] for o in LLMEngine(path, max_model_len=256).generate(prompts, params, use_tqdm=False)]
+    engine = LLMEngine(path, max_model_len=256, tensor_parallel_size=2)
+    try:
+        got = engine.generate(prompts, params, use_tqdm=False)
+    finally:
+        engine.shutdown()
+    assert [o["token_ids"] for o in got] == ref
+    assert got[0]["text"] in ("yes", "no")
