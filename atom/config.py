@@ -123,6 +123,7 @@ class ParallelConfig:
     enable_expert_parallel: bool = False
     enable_dp_attention: bool = False
     disable_custom_all_reduce: bool = False  # GPUs: NCCL for every all-reduce (vLLM's flag)
+    dp_init_method: str | None = None  # data-parallel attention: the replicas' rendezvous; set per launch
 
     def __post_init__(self):
         for name in ("tensor_parallel_size", "data_parallel_size"):
@@ -187,14 +188,33 @@ class Config:
 
     def _refuse_unbuilt(self) -> None:
         """Arguments whose feature is not built yet fail loudly rather than being ignored."""
+        pc = self.parallel_config
         unbuilt = {
-            "enable_dp_attention": self.parallel_config.enable_dp_attention,
             "speculative decoding with tensor_parallel_size > 1": self.speculative_config.method is not None
-            and self.parallel_config.tensor_parallel_size > 1,
+            and pc.tensor_parallel_size > 1,
+            "enable_dp_attention with tensor_parallel_size > 1": pc.enable_dp_attention and pc.tensor_parallel_size > 1,
+            "enable_dp_attention with speculative decoding": pc.enable_dp_attention
+            and self.speculative_config.method is not None,
         }
         missing = [name for name, used in unbuilt.items() if used]
         if missing:
             raise NotImplementedError(f"not implemented yet in atom: {', '.join(missing)}")
+
+    def _check_dp_attention(self) -> None:
+        pc, hf = self.parallel_config, self.model_config.hf_config
+        experts = getattr(hf, "num_experts", None) or getattr(hf, "n_routed_experts", None)
+        if pc.data_parallel_size < 2:
+            raise ValueError("enable_dp_attention needs data_parallel_size >= 2 (-dp N): the experts are spread over "
+                             "the replicas")
+        if not experts:
+            raise ValueError("enable_dp_attention is for mixture-of-experts models; this model has no experts")
+        if experts % pc.data_parallel_size:
+            raise ValueError(f"num_experts ({experts}) must be divisible by data_parallel_size "
+                             f"({pc.data_parallel_size}) with enable_dp_attention")
+        if self.device.type == "cuda" and not (self.compilation_config.enforce_eager
+                                               and self.compilation_config.level == 0):
+            raise ValueError("enable_dp_attention runs eagerly for now: enforce_eager=True and level=0 (the "
+                             "replicas' batches differ in size and cannot share captured graphs yet)")
 
     def _check_speculative(self) -> None:
         if self.speculative_config.method == "mtp" and not getattr(self.model_config.hf_config,
@@ -211,6 +231,8 @@ class Config:
         if self.device.type == "cuda" and tp * pc.data_parallel_size > torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size x data_parallel_size ({tp} x {pc.data_parallel_size}) is larger "
                              f"than the {torch.cuda.device_count()} visible GPUs")
+        if pc.enable_dp_attention:
+            self._check_dp_attention()
         if tp == 1:
             if pc.enable_expert_parallel:
                 logger.info("enable_expert_parallel with one rank: every expert stays on it")

@@ -30,6 +30,10 @@ class TPInfo:
     expert_parallel: bool = False
     # small messages on GPUs: all_reduce.OneShotAllReduce (None: NCCL / gloo for all)
     one_shot: Any = None
+    # data-parallel attention: the MoE layers' own group (the replicas hold different
+    # tokens, gathered around each MoE layer; ``dp_attention.py``); None: this one
+    moe: TPInfo | None = None
+    gathers_tokens: bool = False  # set on ``moe``: each rank brings its own tokens
 
     def __post_init__(self):
         if not 0 <= self.rank < self.size:
@@ -51,6 +55,29 @@ class TPInfo:
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
+
+    def gather_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """Every rank's rows of ``x``, rank after rank, each padded to the longest (padding
+        is zero), and the row count of each rank."""
+        count = torch.tensor([x.shape[0]], device=x.device)
+        counts = [torch.empty_like(count) for _ in range(self.size)]
+        dist.all_gather(counts, count, group=self.group)
+        counts = [int(c) for c in counts]
+        padded = x.new_zeros((max(counts), *x.shape[1:]))
+        padded[: x.shape[0]] = x
+        return self.all_gather(padded, dim=0), counts
+
+    def reduce_scatter_rows(self, y: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """The inverse of ``gather_rows`` for a sum: every rank's partial ``y`` over all ranks'
+        padded rows, summed, and this rank's own rows of it."""
+        width = y.shape[0] // self.size
+        if dist.get_backend(self.group) == "nccl":
+            mine = y.new_empty((width, *y.shape[1:]))
+            dist.reduce_scatter_tensor(mine, y.contiguous(), group=self.group)
+        else:  # gloo has no reduce-scatter
+            dist.all_reduce(y, group=self.group)
+            mine = y[self.rank * width : (self.rank + 1) * width]
+        return mine[: counts[self.rank]]
 
     def local_experts(self, num_experts: int) -> range:
         """Global ids of the experts this rank holds (all of them without expert parallelism)."""

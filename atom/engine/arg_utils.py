@@ -42,6 +42,7 @@ class EngineArgs:
     tensor_parallel_size: int = ParallelConfig.tensor_parallel_size
     data_parallel_size: int = ParallelConfig.data_parallel_size
     data_parallel_rank: int = ParallelConfig.data_parallel_rank  # no flag: set for each replica by the engine
+    dp_init_method: str | None = ParallelConfig.dp_init_method  # no flag: set per launch by the engine
     enforce_eager: bool = CompilationConfig.enforce_eager
     enable_prefix_caching: bool = CacheConfig.enable_prefix_caching
     port: int = 8006  # the guide's flag; accepted and unused (the core talks over IPC sockets)
@@ -138,6 +139,15 @@ class EngineArgs:
 
         return default_model_path()
 
+    def _dp_attention_eager(self, device: torch.device) -> dict:
+        """Data-parallel attention runs eagerly on GPUs for now: the replicas' batches differ
+        in size, and captured graphs would need them padded to one size."""
+        if not (self.enable_dp_attention and device.type == "cuda"):
+            return {}
+        if not (self.enforce_eager and self.level == 0):
+            logger.warning("enable_dp_attention: running eagerly (no CUDA graphs, no torch.compile) for now")
+        return dict(enforce_eager=True, level=0)
+
     def create_engine_config(self) -> Config:
         model = self.resolved_model()
         hf_config = load_hf_config(model, self.trust_remote_code)
@@ -161,7 +171,8 @@ class EngineArgs:
             scheduler_config=self._section(SchedulerConfig),
             parallel_config=self._section(ParallelConfig),
             compilation_config=self._section(CompilationConfig,
-                                             cudagraph_capture_sizes=tuple(self.cudagraph_capture_sizes)),
+                                             cudagraph_capture_sizes=tuple(self.cudagraph_capture_sizes),
+                                             **self._dp_attention_eager(device)),
             speculative_config=self._speculative_section(),
             device=device,
             torch_profiler_dir=self.torch_profiler_dir or os.environ.get("ATOM_TORCH_PROFILER_DIR"),

@@ -10,6 +10,7 @@ reaches it; ``merge_stats`` and ``merge_info`` make the replicas look like one e
 from __future__ import annotations
 
 import dataclasses
+import tempfile
 from collections.abc import Iterable, Sequence
 
 from atom.config import Config
@@ -17,7 +18,10 @@ from atom.engine.outputs import CoreInfo, EngineStats
 
 
 def replica_configs(config: Config) -> list[Config]:
+    """One config per replica; with data-parallel attention they also share a rendezvous."""
     pc = config.parallel_config
+    if pc.enable_dp_attention:  # a fresh file store per launch (removed by the last replica to leave)
+        pc = dataclasses.replace(pc, dp_init_method=f"file://{tempfile.mkdtemp(prefix='atom-dp-')}/store")
     return [dataclasses.replace(config, parallel_config=dataclasses.replace(pc, data_parallel_rank=r))
             for r in range(pc.data_parallel_size)]
 

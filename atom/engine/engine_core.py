@@ -13,6 +13,7 @@ import time
 
 from atom.config import Config
 from atom.core_types import RunnerOutput, SchedulerOutput
+from atom.distributed.dp_attention import Lockstep, init_dp_attention
 from atom.engine.block_manager import BlockManager
 from atom.engine.constrained_requests import ConstrainedRequests
 from atom.engine.outputs import CoreInfo, EngineCoreOutput, EngineCoreRequest, EngineStats
@@ -30,7 +31,13 @@ class EngineCore:
         self.config = config
         # one rank runs in this process; more run in their own processes (ParallelRunner)
         tp = config.parallel_config.tensor_parallel_size
-        self.runner: ModelRunner | ParallelRunner = ModelRunner(config) if tp == 1 else ParallelRunner(config)
+        # data-parallel attention: this replica meets the others in every MoE layer
+        self.lockstep: Lockstep | None = None
+        if config.parallel_config.enable_dp_attention:
+            rank, self.lockstep = init_dp_attention(config)
+            self.runner: ModelRunner | ParallelRunner = ModelRunner(config, rank)
+        else:
+            self.runner = ModelRunner(config) if tp == 1 else ParallelRunner(config)
         num_blocks = self.runner.determine_num_blocks()
         self.runner.allocate_kv_cache(num_blocks)
         self.runner.warmup()
@@ -43,6 +50,7 @@ class EngineCore:
         self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None  # async scheduling
         self.trace = StepTrace.from_env()  # ATOM_STEP_TRACE: a per-step timeline
         self.constrained = ConstrainedRequests(config)  # structured output
+        self.ran_forward = False  # whether the last step() launched a forward
 
     def info(self) -> CoreInfo:
         bm = self.block_manager
@@ -104,6 +112,7 @@ class EngineCore:
             trace.mark("scheduled")
             start = trace.device_begin()
         launched = (batch, self.runner.launch(batch)) if not batch.is_empty else None
+        self.ran_forward = launched is not None
         if trace and launched:
             trace.launched(batch, start, len(self.scheduler.waiting), len(self.scheduler.running))
         if launched is None and self._in_flight is None and self.constrained.compiling:

@@ -24,6 +24,7 @@ import msgspec
 import zmq
 
 from atom.config import Config
+from atom.distributed.dp_attention import Lockstep
 from atom.distributed.parallel_state import select_replica_gpus
 from atom.engine.engine_core import EngineCore
 from atom.engine.outputs import (
@@ -42,6 +43,7 @@ from atom.engine.outputs import (
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 500  # how often an idle core checks that its parent is alive
+LOCKSTEP_IDLE_POLL_MS = 2  # an idle data-parallel-attention replica meets the others this often
 
 
 def _die_with_parent() -> None:
@@ -114,12 +116,10 @@ class EngineCoreProc:
 
     def run(self) -> None:
         try:
-            while self.running:
-                self._handle_inputs(block=not self.core.has_unfinished_requests())
-                if self.running and self.core.has_unfinished_requests():
-                    outputs = self.core.step()
-                    if outputs:
-                        self.out.send(self._encode(EngineCoreOutputs(outputs, self.core.stats())))
+            if self.core.lockstep is None:
+                self._run_alone()
+            else:
+                self._run_in_lockstep(self.core.lockstep)
         except SystemExit:
             logger.info("engine core: terminated by signal")
         except BaseException:
@@ -128,6 +128,37 @@ class EngineCoreProc:
             raise
         finally:
             self._stop_profiler()
+
+    def _run_alone(self) -> None:
+        while self.running:
+            self._handle_inputs(block=not self.core.has_unfinished_requests())
+            if self.running and self.core.has_unfinished_requests():
+                self._send_outputs(self.core.step())
+
+    def _run_in_lockstep(self, lockstep: Lockstep) -> None:
+        """Data-parallel attention: each iteration every replica meets the others
+        (``Lockstep.round``); when any has work, each runs exactly one forward, its own
+        step's or a padding token's, so all enter every MoE layer's collectives together."""
+        while True:
+            self._handle_inputs(block=False)
+            busy = self.running and self.core.has_unfinished_requests()
+            any_busy, stopping = lockstep.round(busy, not self.running)
+            if stopping:  # one replica leaving (shutdown, lost parent) takes all with it
+                return
+            if not any_busy:
+                if not self.inp.poll(LOCKSTEP_IDLE_POLL_MS) and os.getppid() != self.parent_pid:
+                    logger.warning("engine core: parent process is gone, exiting")
+                    self.running = False
+                continue
+            self.core.ran_forward = False
+            if busy:
+                self._send_outputs(self.core.step())
+            if not self.core.ran_forward:
+                self.core.runner.dummy_forward()
+
+    def _send_outputs(self, outputs: list) -> None:
+        if outputs:
+            self.out.send(self._encode(EngineCoreOutputs(outputs, self.core.stats())))
 
     def _handle_inputs(self, block: bool) -> None:
         if block:

@@ -22,6 +22,7 @@ class FusedMoE(nn.Module):
         renormalize: bool, tp: TPInfo = SINGLE,
     ):
         super().__init__()
+        tp = tp.moe or tp  # data-parallel attention: experts over all replicas
         self.local_experts = tp.local_experts(num_experts)
         slices = 1 if tp.expert_parallel else tp.size
         if intermediate_size % slices:
@@ -67,11 +68,16 @@ class FusedMoE(nn.Module):
     def forward_routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The experts for routes chosen elsewhere (e.g. DeepSeek's grouped top-k):
         ``weights`` float32 [T, k], ``ids`` int64 [T, k] (global expert ids)."""
+        if self.tp.gathers_tokens:  # the other replicas' tokens join (padding rows: weight 0)
+            (x, counts), weights, ids = self.tp.gather_rows(x), self.tp.gather_rows(weights)[0], \
+                self.tp.gather_rows(ids)[0]
         if len(self.local_experts) < self.num_experts:
             weights, ids = self._local_routes(weights, ids)
         if self.quant_method is not None:
-            return self.tp.all_reduce(self.quant_method.apply(self, x, weights, ids))
-        return self.tp.all_reduce(ops.fused_moe(x, self.w13_weight, self.w2_weight, weights, ids))
+            y = self.quant_method.apply(self, x, weights, ids)
+        else:
+            y = ops.fused_moe(x, self.w13_weight, self.w2_weight, weights, ids)
+        return self.tp.reduce_scatter_rows(y, counts) if self.tp.gathers_tokens else self.tp.all_reduce(y)
 
     def _local_routes(self, weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert parallelism, the simple correct scheme: every rank sees every token, routes

@@ -248,6 +248,12 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
 
+    @torch.inference_mode()
+    def dummy_forward(self) -> None:
+        """One padding token through the model (its KV goes nowhere: slot -1), so that this
+        data-parallel-attention replica joins the MoE layers of a step only others run."""
+        self.run_model(*warmup_inputs([1], [1], self.block_size, self.device))
+
     def run_model(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
         with set_forward_context(meta, positions, self.attn_layer_map):
             if self.graph_runner is not None and self.graph_runner.can_run(meta, input_ids.shape[0]):

@@ -144,9 +144,17 @@ def test_unsupported_architecture_lists_supported(tiny_model, tmp_path):
 
 def test_unbuilt_features_raise_not_implemented(tiny_model):
     path = tiny_model("qwen3")
-    for kwargs in (dict(enable_dp_attention=True), dict(method="shared_weights", tensor_parallel_size=2)):
+    for kwargs in (dict(method="shared_weights", tensor_parallel_size=2),
+                   dict(enable_dp_attention=True, data_parallel_size=2, tensor_parallel_size=2)):
         with pytest.raises(NotImplementedError):
             LLMEngine(path, **kwargs)
+
+
+def test_dp_attention_needs_replicas_and_experts(tiny_model):
+    with pytest.raises(ValueError, match="data_parallel_size >= 2"):
+        LLMEngine(tiny_model("qwen3_moe"), enable_dp_attention=True)
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        LLMEngine(tiny_model("qwen3"), enable_dp_attention=True, data_parallel_size=2)
 
 
 def test_load_dummy_needs_only_config(tiny_model, tmp_path):
