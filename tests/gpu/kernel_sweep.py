@@ -1,5 +1,5 @@
 """Alternative tile configs of atom's MoE GEMM and prefill attention kernels, timed as
-``python -m atom.benchmarks.kernel_bench`` times its cases (how the defaults in ``atom.ops.triton``
+``tests/gpu/kernel_bench.py`` times its cases (how the defaults in ``atom.ops.triton``
 were picked). GPU only:
 
     python tests/gpu/kernel_sweep.py [moe] [prefill] [--output-json sweep.json]
@@ -19,8 +19,10 @@ from collections.abc import Callable
 
 import torch
 
+# tests/gpu/kernel_bench.py: python puts this script's directory on sys.path
+from kernel_bench import attention_cost, attention_inputs, graph_ms, moe_case, new_kv, prepare, row
+
 from atom.benchmarks.benchmark_utils import write_to_json
-from atom.benchmarks.kernel_bench import attention_cost, attention_inputs, graph_ms, moe_case, new_kv, prepare, row
 from atom.ops import triton as tk
 from atom.ops.triton import moe, prefill_attention
 
@@ -111,10 +113,14 @@ def prefill_sweep() -> list[dict]:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("kernels", nargs="*", choices=["moe", "prefill"], default=["moe", "prefill"])
+    # no argparse choices: Python 3.10 rejects an empty list against them
+    parser.add_argument("kernels", nargs="*", default=["moe", "prefill"], help="moe and/or prefill (default: both)")
     parser.add_argument("--output-json", help="write every row here")
     args = parser.parse_args()
-    sweep_rows = (moe_sweep() if "moe" in args.kernels else []) + (prefill_sweep() if "prefill" in args.kernels else [])
+    if unknown := set(args.kernels) - {"moe", "prefill"}:
+        parser.error(f"unknown kernels {sorted(unknown)}: choose from moe, prefill")
+    sweeps = dict(moe=moe_sweep, prefill=prefill_sweep)
+    sweep_rows = [r for name in dict.fromkeys(args.kernels) for r in sweeps[name]()]
     print("\nsweep (best 2 per case, and the default):")
     for case in dict.fromkeys(r["case"] for r in sweep_rows):
         rows = sorted((r for r in sweep_rows if r["case"] == case), key=lambda r: r["ms"])

@@ -1,6 +1,6 @@
 """Microbenchmarks of atom's Triton kernels against the machine's measured ceilings.
 
-    python -m atom.benchmarks.kernel_bench [--output-json kernels.json] [--only attn]
+    python tests/gpu/kernel_bench.py [--output-json kernels.json] [--only attn]
 
 Memory-bound cases (decode attention, rms_norm, small-batch MoE, sampling) report GB/s of the bytes they
 must move at least once, compute-bound ones (prefill attention, large-batch MoE) TFLOP/s, next to the
