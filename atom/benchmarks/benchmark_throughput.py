@@ -49,8 +49,8 @@ def main(argv=None) -> dict:
     args = parse_offline_args(__doc__, argv, "qwen3-0.6b", rows)
     random.seed(0)  # before the engine starts, as bench.py
     elapsed, tokens = run(args)
-    result = dict(engine=args.engine, model=args.model, tp=args.tensor_parallel_size,
-                  expert_parallel=args.enable_expert_parallel, num_seqs=args.num_seqs, output_tokens=tokens)
+    result = dict(engine=args.engine, model=args.model, tp=args.tensor_parallel_size)
+    result |= dict(expert_parallel=args.enable_expert_parallel, num_seqs=args.num_seqs, output_tokens=tokens)
     result |= dict(elapsed_s=round(elapsed, 3), output_tokens_per_s=round(tokens / elapsed, 1))
     result |= dict(enforce_eager=args.enforce_eager, level=args.level, async_scheduling=args.async_scheduling)
     columns = {"engine": args.engine, "model": args.model, "output tokens": tokens, "time (s)": f"{elapsed:.2f}"}

@@ -170,7 +170,7 @@ def _config(head_dim: int, group_pad: int, max_seqlen_q: int, elem_bytes: int) -
     decode packs only the group (at least 16 rows, tl.dot's minimum); batches with long
     enough prefill chunks use large tiles. Wide rows (head_dim 256, or float32) get fewer
     keys per step and float32 no multi-stage pipelining, to fit registers and shared memory.
-    Picked by the sweep of ``atom.benchmarks.kernel_bench`` on an H200."""
+    Picked by tests/gpu/kernel_sweep.py on an H200."""
     row_bytes = head_dim * elem_bytes
     stages = 1 if elem_bytes == 4 else 2
     if max_seqlen_q * group_pad >= 128:

@@ -252,7 +252,7 @@ def _moe_gemm_kernel(
 
 
 def _gemm_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> dict:
-    """Tile shapes by rows per expert, picked by the sweep of ``atom.benchmarks.kernel_bench``
+    """Tile shapes by rows per expert, picked by tests/gpu/kernel_sweep.py
     on an H200: small (decode) batches are bound by reading the expert weights and want
     thin row tiles; large batches want square tensor-core tiles. float32 tiles are twice
     the bytes, so pipeline fewer stages to stay within shared memory."""

@@ -1,0 +1,134 @@
+"""Alternative tile configs of atom's MoE GEMM and prefill attention kernels, timed as
+``tests/gpu/kernel_bench.py`` times its cases (how the defaults in ``atom.ops.triton``
+were picked). GPU only:
+
+    python tests/gpu/kernel_sweep.py [moe] [prefill] [--output-json sweep.json]
+
+Prints the best two configs per case and the default; ``--output-json`` writes every row
+(case, config, ms, GB/s, TFLOP/s; prefill rows also the compiler's resource report and the max abs
+difference from ``paged_attention``). Configs that cannot run here (e.g. out of shared memory) are
+reported and skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+from collections.abc import Callable
+
+import torch
+
+# tests/gpu/kernel_bench.py: python puts this script's directory on sys.path
+from kernel_bench import attention_cost, attention_inputs, graph_ms, moe_case, new_kv, prepare, row
+
+from atom.benchmarks.benchmark_utils import write_to_json
+from atom.ops import triton as tk
+from atom.ops.triton import moe, prefill_attention
+
+
+def _cfgs(keys: str, rows: list[tuple]) -> list[dict]:
+    return [dict(zip(keys.split(), r)) for r in rows]
+
+
+def _timed(case: str, config, prepared: Callable, check: Callable | None = None) -> dict | None:
+    """One sweep row, or None (reported) where the config cannot run, e.g. out of shared memory."""
+    try:
+        fns, _, nbytes, flops = prepared()
+        config = {**config, **check(fns)} if check else config
+        return dict(case=case, config=config, **row(graph_ms(fns, rep=30), nbytes, flops))
+    except Exception as e:
+        print(f"  {case} {config}: {type(e).__name__}: {str(e)[:100]}")
+    finally:
+        torch.cuda.empty_cache()
+
+
+def moe_sweep() -> list[dict]:
+    """MoE GEMM tile configs (``down``: the down GEMM's own overrides; ``b_desc``: expert weight tiles
+    through tensor descriptors), each patched in as the config of every size."""
+    down = dict(BLOCK_N=256, num_warps=8, num_stages=4)
+    cfgs = _cfgs(
+        "BLOCK_M BLOCK_N BLOCK_K num_warps num_stages down b_desc",
+        [
+            (16, 64, 128, 4, 4, {}, True),
+            (16, 128, 128, 4, 4, {}, True),
+            (32, 64, 128, 4, 4, {}, True),
+            (64, 128, 64, 4, 4, down, True),
+            (128, 128, 64, 8, 4, down, True),
+            (128, 128, 64, 8, 3, down, True),
+            (128, 128, 64, 8, 4, {**down, "num_stages": 3}, True),
+            (128, 64, 64, 8, 4, down, True),
+        ],
+    )
+    rows, default = [], moe._gemm_config
+    for n in [1, 16, 512, 2048, 8192]:
+        prepared = prepare(functools.partial(moe_case, n))
+        try:
+            for cfg in [None, *cfgs]:  # None: the default
+                moe._gemm_config = default if cfg is None else (lambda *_, c=cfg: c)
+                rows.append(_timed(f"moe T={n}", cfg or "default", lambda p=prepared: p))
+        finally:
+            moe._gemm_config = default
+        del prepared
+    return [r for r in rows if r]
+
+
+def prefill_sweep() -> list[dict]:
+    """Prefill kernel variants: tile configs, register caps, and the chunk's own K/V read packed through
+    tensor descriptors instead of gathered from the cache (``packed``)."""
+    cfgs = _cfgs(
+        "block_m block_n num_warps num_stages maxnreg",
+        [
+            (128, 64, 8, 2, 128),
+            (128, 64, 8, 3, 128),
+            (128, 128, 8, 2, None),
+            (128, 128, 8, 3, None),
+            (64, 64, 4, 3, None),
+            (64, 32, 4, 3, 168),
+            (64, 64, 4, 2, 168),
+            (256, 64, 8, 3, None),
+        ],
+    )
+
+    def builder(cfg, packed, q_len, ctx):
+        q, k_cache, v_cache, cu, lens, tables = inputs = attention_inputs([q_len], [ctx])
+        kv = new_kv(k_cache, v_cache, tables, [q_len], [ctx]) if packed else {}
+        out, expect, scale = torch.empty_like(q), tk.paged_attention(*inputs, 128**-0.5), 128**-0.5 * 1.4426950408889634
+        launch = functools.partial(prefill_attention.prefill_attention, q, out, k_cache, v_cache, cu, lens, tables)
+        return lambda: (launch(scale, cfg, **kv), out, expect), None, *attention_cost(q, k_cache, [q_len], [ctx])
+
+    def check(fns) -> dict:  # the first copy's kernel and how far its output is from paged_attention's
+        kernel, out, expect = fns[0]()
+        diff = (out.float() - expect.float()).abs().max().item()
+        return dict(regs=kernel.n_regs, spills=kernel.n_spills, smem=kernel.metadata.shared, diff=diff)
+
+    rows = []
+    for q_len, ctx in [(2048, 0), (8192, 0), (512, 4096), (2048, 4096), (4096, 0), (1024, 1024)]:
+        for cfg, packed in itertools.product(cfgs, (False, True)):
+            case = functools.partial(builder, cfg, packed, q_len, ctx)
+            config = {**cfg, "packed": packed}
+            rows.append(_timed(f"prefill q={q_len} ctx={ctx}", config, functools.partial(prepare, case), check))
+    return [r for r in rows if r]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # no argparse choices: Python 3.10 rejects an empty list against them
+    parser.add_argument("kernels", nargs="*", default=["moe", "prefill"], help="moe and/or prefill (default: both)")
+    parser.add_argument("--output-json", help="write every row here")
+    args = parser.parse_args()
+    if unknown := set(args.kernels) - {"moe", "prefill"}:
+        parser.error(f"unknown kernels {sorted(unknown)}: choose from moe, prefill")
+    sweeps = dict(moe=moe_sweep, prefill=prefill_sweep)
+    sweep_rows = [r for name in dict.fromkeys(args.kernels) for r in sweeps[name]()]
+    print("\nsweep (best 2 per case, and the default):")
+    for case in dict.fromkeys(r["case"] for r in sweep_rows):
+        rows = sorted((r for r in sweep_rows if r["case"] == case), key=lambda r: r["ms"])
+        for r in rows[:2] + [r for r in rows[2:] if r["config"] == "default"]:
+            print(f"  {case:<22} {r['ms']:8.4f} ms {r['gbps']:6.0f} GB/s {r['tflops']:6.1f} TF  {r['config']}")
+    if args.output_json:
+        write_to_json(args.output_json, dict(device=torch.cuda.get_device_name(), sweep=sweep_rows), indent=2)
+
+
+if __name__ == "__main__":
+    main()
