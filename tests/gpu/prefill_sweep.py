@@ -24,6 +24,7 @@ import time
 
 import torch
 import triton
+from kernel_bench import graph_ms  # this folder: python tests/gpu/prefill_sweep.py
 
 from atom.ops.triton.prefill_attention import prefill_attention
 
@@ -86,18 +87,6 @@ def make_inputs(q_lens, ctx, num_q_heads=32, num_kv_heads=8, head_dim=128, block
 def flops(q_lens, ctx, num_q_heads=32, head_dim=128) -> int:
     visible = sum(n * ctx + n * (n + 1) // 2 for n in q_lens)
     return 4 * num_q_heads * head_dim * visible
-
-
-def graph_ms(fns) -> float:
-    """Device time per call: all ``fns`` captured in one CUDA graph, replays timed (median)."""
-    for fn in fns:
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in fns:
-            fn()
-    return triton.testing.do_bench(graph.replay, warmup=10, rep=40, return_mode="median") / len(fns)
 
 
 def main():
