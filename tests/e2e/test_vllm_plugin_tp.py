@@ -2,8 +2,10 @@
 CPU build of vLLM: two worker processes per ``vllm.LLM``, atom's layers sharded and reduced
 through vLLM's process groups (its CPU communicator). Greedy float32 output must equal atom's
 own one-rank ``LLMEngine`` token for token: Qwen3; Qwen3-MoE with every expert sliced over both
-ranks; Qwen3-MoE with ``enable_expert_parallel=True`` (three whole experts per rank). vLLM's
-own ``-tp 2`` (plugin off) on the same Qwen3 checkpoint is the second reference.
+ranks; Qwen3-MoE with ``enable_expert_parallel=True`` (three whole experts per rank). Each
+rank reports the shapes of its shards, so a run that silently kept the whole model on every
+rank fails too. (vLLM's own ``-tp 2``, plugin off, gives the same Qwen3 tokens: docs/plugin.md;
+it is not rerun here to keep the file's runtime down.)
 
 vLLM's automatic OpenMP binding wants one NUMA node per rank; this machine (and CI) has one, so
 the runs set ``VLLM_CPU_OMP_THREADS_BIND=nobind``.
@@ -57,11 +59,11 @@ SCRIPT = textwrap.dedent("""
         for run in runs:
             model, ep = run.split("|")
             llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=8,
-                      max_num_batched_tokens=64, kv_cache_memory_bytes=1 << 26, tensor_parallel_size=2,
+                      max_num_batched_tokens=128, kv_cache_memory_bytes=1 << 26, tensor_parallel_size=2,
                       enable_expert_parallel=ep == "ep")
             outs = llm.generate(json.loads(prompts), sp, use_tqdm=False)
             result[run] = {"tokens": [list(o.outputs[0].token_ids) for o in outs],
-                           "shards": llm.collective_rpc(shards) if "atom" in out_path else None}
+                           "shards": llm.collective_rpc(shards)}
             del llm
             gc.collect()
         with open(out_path, "w") as f:
@@ -73,49 +75,39 @@ SCRIPT = textwrap.dedent("""
 
 
 @pytest.fixture(scope="module")
-def tp_runs(ckpts, tmp_path_factory):  # noqa: F811
+def tp_run(ckpts, tmp_path_factory):  # noqa: F811
+    """The vLLM process, started at once: the tests build their LLMEngine references meanwhile."""
     logs = tmp_path_factory.mktemp("vllm-plugin-tp-logs")
-    prompts = json.dumps(OFFLINE_PROMPTS)
-    common = [sys.executable, "-c", SCRIPT]
-    procs = {
-        "atom": Proc("tp2_atom", [*common, str(logs / "tp2_atom.json"), prompts, str(MAX_TOKENS),
-                                  f"{ckpts['qwen3']}|tp", f"{ckpts['qwen3_moe']}|tp", f"{ckpts['qwen3_moe']}|ep"],
-                     _env(**TP_ENV), logs),
-        # vLLM's CPU MoE kernels need hidden sizes divisible by 32: its own tp=2 runs Qwen3 only
-        "vllm": Proc("tp2_vllm", [*common, str(logs / "tp2_vllm.json"), prompts, str(MAX_TOKENS),
-                                  f"{ckpts['qwen3']}|tp"],
-                     _env(**TP_ENV, ATOM_DISABLE_VLLM_PLUGIN="1"), logs),
-    }
-    deadline = time.time() + START_TIMEOUT_S
-    yield procs, deadline
-    for p in procs.values():
-        p.stop()
+    proc = Proc("tp2_atom", [sys.executable, "-c", SCRIPT, str(logs / "tp2_atom.json"), json.dumps(OFFLINE_PROMPTS),
+                             str(MAX_TOKENS), f"{ckpts['qwen3']}|tp", f"{ckpts['qwen3_moe']}|tp",
+                             f"{ckpts['qwen3_moe']}|ep"], _env(**TP_ENV), logs)
+    proc.deadline = time.time() + START_TIMEOUT_S
+    yield proc
+    proc.stop()
 
 
-def _result(tp_runs, name: str) -> dict:
-    procs, deadline = tp_runs
-    procs[name].wait_exit(deadline)
-    with open(procs[name].log_path.with_suffix(".json")) as f:
-        return json.load(f)
+def _result(proc: Proc, run: str) -> dict:
+    proc.wait_exit(proc.deadline)
+    with open(proc.log_path.with_suffix(".json")) as f:
+        return json.load(f)[run]
 
 
-def test_qwen3_tp2_matches_llm_engine_and_vllm_tp2(tp_runs, ckpts, engines):  # noqa: F811
-    ours = _result(tp_runs, "atom")[f"{ckpts['qwen3']}|tp"]
+def test_qwen3_tp2_matches_llm_engine(tp_run, ckpts, engines):  # noqa: F811
     reference = _engine_greedy(engines("qwen3"), OFFLINE_PROMPTS)
     assert all(reference)
+    ours = _result(tp_run, f"{ckpts['qwen3']}|tp")
     assert ours["tokens"] == reference
-    assert _result(tp_runs, "vllm")[f"{ckpts['qwen3']}|tp"]["tokens"] == reference
     # atom's layers really are split: 6 query + 2 KV heads of 32 become 3 + 1 per rank
     assert [(s["class"], s["rank"], s["qkv"]) for s in ours["shards"]] == [
         ("ATOMQwen3ForCausalLM", rank, [(3 + 1 + 1) * 32, 72]) for rank in (0, 1)]
 
 
 @pytest.mark.parametrize("mode", ["tp", "ep"])
-def test_qwen3_moe_tp2_matches_llm_engine(tp_runs, ckpts, engines, mode):  # noqa: F811
-    ours = _result(tp_runs, "atom")[f"{ckpts['qwen3_moe']}|{mode}"]
-    assert ours["tokens"] == _engine_greedy(engines("qwen3_moe"), OFFLINE_PROMPTS)
+def test_qwen3_moe_tp2_matches_llm_engine(tp_run, ckpts, engines, mode):  # noqa: F811
+    reference = _engine_greedy(engines("qwen3_moe"), OFFLINE_PROMPTS)
+    ours = _result(tp_run, f"{ckpts['qwen3_moe']}|{mode}")
+    assert ours["tokens"] == reference
     # 6 experts of intermediate size 40: sliced in halves over both ranks, or 3 whole ones per rank
     expected = {"tp": [([0, 6], [6, 40, 72])] * 2, "ep": [([0, 3], [3, 80, 72]), ([3, 6], [3, 80, 72])]}[mode]
     assert [(s["experts"], s["w13"]) for s in ours["shards"]] == expected
-    log = tp_runs[0]["atom"].log()
-    assert "atom model ATOMQwen3MoeForCausalLM (atom.models.qwen3_moe) built for vLLM" in log
+    assert "atom model ATOMQwen3MoeForCausalLM (atom.models.qwen3_moe) built for vLLM" in tp_run.log()
