@@ -111,3 +111,33 @@ def test_qwen3_moe_tp2_matches_llm_engine(tp_run, ckpts, engines, mode):  # noqa
     expected = {"tp": [([0, 6], [6, 40, 72])] * 2, "ep": [([0, 3], [3, 80, 72]), ([3, 6], [3, 80, 72])]}[mode]
     assert [(s["experts"], s["w13"]) for s in ours["shards"]] == expected
     assert "atom model ATOMQwen3MoeForCausalLM (atom.models.qwen3_moe) built for vLLM" in tp_run.log()
+
+
+@pytest.mark.parametrize("data_parallel_size", [1, 2])
+def test_expert_parallel_with_data_parallel_warns(data_parallel_size):
+    """atom's expert group is the tensor-parallel group: with -dp 2 as well that differs from
+    vLLM's placement over all DP x TP ranks, and the log says so."""
+    import logging
+    from types import SimpleNamespace
+
+    from atom.plugin.vllm.model_wrapper import check_supported
+
+    parallel = SimpleNamespace(pipeline_parallel_size=1, tensor_parallel_size=2, data_parallel_size=data_parallel_size,
+                               enable_expert_parallel=True)
+    config = SimpleNamespace(model_config=SimpleNamespace(hf_config=SimpleNamespace(), quantization=None),
+                             parallel_config=parallel, quant_config=None, lora_config=None)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    log = logging.getLogger("vllm.atom_plugin")
+    log.addHandler(handler)
+    try:
+        check_supported(config, "Qwen3MoeForCausalLM")
+    finally:
+        log.removeHandler(handler)
+    messages = [r.getMessage() for r in records]
+    if data_parallel_size == 1:
+        assert messages == []
+    else:
+        assert messages == ["atom's Qwen3MoeForCausalLM places experts over each data-parallel replica's "
+                            "tensor-parallel group (vLLM's own MoE layers would spread them over all 4 ranks)"]
