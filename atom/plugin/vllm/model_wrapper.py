@@ -42,13 +42,17 @@ class VllmTP(TPInfo):
         return tensor_model_parallel_all_gather(x.contiguous(), dim)
 
 
-def vllm_tp() -> TPInfo:
+def vllm_tp(parallel) -> TPInfo:
+    """This rank's place in vLLM's tensor-parallel group. ``--enable-expert-parallel`` places
+    whole experts on the ranks of that group (atom's expert group is its tensor-parallel group,
+    vLLM's too while ``-dp`` is 1)."""
     from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size, get_tp_group
 
     size = get_tensor_model_parallel_world_size()
     if size == 1:
         return SINGLE
-    return VllmTP(get_tensor_model_parallel_rank(), size, get_tp_group().device_group)
+    return VllmTP(get_tensor_model_parallel_rank(), size, get_tp_group().device_group,
+                  expert_parallel=getattr(parallel, "enable_expert_parallel", False))
 
 
 def check_supported(vllm_config, arch: str) -> None:
@@ -67,9 +71,10 @@ def check_supported(vllm_config, arch: str) -> None:
             f"atom's {arch} inside vLLM does not support {', '.join(unsupported)}; "
             "set ATOM_DISABLE_VLLM_PLUGIN=1 to run vLLM's own implementation"
         )
-    if getattr(parallel, "enable_expert_parallel", False):
-        logger.warning("atom's MoE layers shard every expert over the tensor-parallel group; "
-                       "--enable-expert-parallel does not change how atom's %s places experts", arch)
+    if getattr(parallel, "enable_expert_parallel", False) and parallel.data_parallel_size > 1:
+        logger.warning("atom's %s places experts over each data-parallel replica's tensor-parallel group "
+                       "(vLLM's own MoE layers would spread them over all %d ranks)",
+                       arch, parallel.data_parallel_size * parallel.tensor_parallel_size)
 
 
 def atom_fp8_config(vllm_config):
@@ -112,7 +117,7 @@ class VllmModelAdapter:
         # register atom's Triton custom ops now: registering them on first use would happen
         # inside Dynamo's trace
         ops.init_device_ops(vllm_config.device_config.device_type)
-        super().__init__(vllm_config.model_config.hf_config, vllm_tp())
+        super().__init__(vllm_config.model_config.hf_config, vllm_tp(vllm_config.parallel_config))
         fp8 = atom_fp8_config(vllm_config)
         if fp8 is not None:  # FP8 weights through atom's layers (docs/fp8.md)
             quantize_layers(self, fp8)
