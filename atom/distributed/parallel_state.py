@@ -56,16 +56,19 @@ class TPInfo:
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
 
-    def gather_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-        """Every rank's rows of ``x``, rank after rank, each padded to the longest (padding
-        is zero), and the row count of each rank."""
-        count = torch.tensor([x.shape[0]], device=x.device)
+    def gather_rows(self, *tensors: torch.Tensor) -> tuple[list[torch.Tensor], list[int]]:
+        """Every rank's rows of each tensor (all with this rank's row count), rank after rank,
+        each rank's padded to the longest (padding is zero), and the row count of each rank."""
+        count = torch.tensor([tensors[0].shape[0]], device=tensors[0].device)
         counts = [torch.empty_like(count) for _ in range(self.size)]
         dist.all_gather(counts, count, group=self.group)
         counts = [int(c) for c in counts]
-        padded = x.new_zeros((max(counts), *x.shape[1:]))
-        padded[: x.shape[0]] = x
-        return self.all_gather(padded, dim=0), counts
+        gathered = []
+        for x in tensors:
+            padded = x.new_zeros((max(counts), *x.shape[1:]))
+            padded[: x.shape[0]] = x
+            gathered.append(self.all_gather(padded, dim=0))
+        return gathered, counts
 
     def reduce_scatter_rows(self, y: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """The inverse of ``gather_rows`` for a sum: every rank's partial ``y`` over all ranks'

@@ -150,10 +150,9 @@ class EngineCoreProc:
                     logger.warning("engine core: parent process is gone, exiting")
                     self.running = False
                 continue
-            self.core.ran_forward = False
             if busy:
                 self._send_outputs(self.core.step())
-            if not self.core.ran_forward:
+            if not busy or not self.core.ran_forward:  # a step can schedule nothing (e.g. grammars compiling)
                 self.core.runner.dummy_forward()
 
     def _send_outputs(self, outputs: list) -> None:

@@ -69,8 +69,7 @@ class FusedMoE(nn.Module):
         """The experts for routes chosen elsewhere (e.g. DeepSeek's grouped top-k):
         ``weights`` float32 [T, k], ``ids`` int64 [T, k] (global expert ids)."""
         if self.tp.gathers_tokens:  # the other replicas' tokens join (padding rows: weight 0)
-            (x, counts), weights, ids = self.tp.gather_rows(x), self.tp.gather_rows(weights)[0], \
-                self.tp.gather_rows(ids)[0]
+            (x, weights, ids), counts = self.tp.gather_rows(x, weights, ids)
         if len(self.local_experts) < self.num_experts:
             weights, ids = self._local_routes(weights, ids)
         if self.quant_method is not None:
