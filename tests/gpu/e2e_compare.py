@@ -7,8 +7,10 @@ and vLLM, one benchmark process per run, a short table last.
 A run is ``TREE:MODEL[:FLAG,...]`` with TREE a ``--tree`` name or ``vllm`` (vLLM native on the
 first tree's PYTHONPATH with the plugin disabled); flags: ``async`` (--async-scheduling),
 ``sync`` (--no-async-scheduling), ``eager`` (--enforce-eager), ``latency`` (benchmark_latency
-instead of benchmark_throughput), ``tpN`` (-tp N), ``ep`` (--enable-expert-parallel).
-Each run's log and JSON go to $OUT (or ./gpu-results).
+instead of benchmark_throughput), ``tpN`` (-tp N), ``ep`` (--enable-expert-parallel), ``levelN`` (atom's --level N).
+Each run's log and JSON go to $OUT (or ./gpu-results). A run that times out has its whole
+process group killed (engine and rank processes included), after ``py-spy dump`` of every
+process in it where ``py-spy`` is on PATH (the stacks go to the run's log).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -35,19 +39,42 @@ def run_one(spec: str, trees: dict[str, str], out: str, timeout: int) -> dict:
     cmd += ["--enforce-eager"] if "eager" in flags else []
     cmd += ["--enable-expert-parallel"] if "ep" in flags else []
     cmd += [a for f in flags if f.startswith("tp") for a in ("-tp", f[2:])]
+    cmd += [a for f in flags if f.startswith("level") for a in ("--level", f[5:])]
     env = dict(os.environ, PYTHONPATH=":".join(p for p in ("/tmp/site", path) if os.path.isdir(p)),
                ATOM_DISABLE_VLLM_PLUGIN="1", PYTHONUNBUFFERED="1")
     start = time.time()
     with open(f"{out}/{name}.log", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=path, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
         try:
-            proc = subprocess.run(cmd, cwd=path, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
-            rc = proc.returncode
+            rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             rc = "timeout"
+            dump_stacks(proc.pid, log)
+        finally:  # the engine core and rank processes too, so that the next run gets the GPUs
+            kill_group(proc)
     result = {"run": spec, "rc": rc, "wall_s": round(time.time() - start, 1)}
     if os.path.exists(f"{out}/{name}.json"):
         result.update(json.load(open(f"{out}/{name}.json")))
     return result
+
+
+def dump_stacks(pgid: int, log) -> None:
+    """Where a hung run's processes are: py-spy's Python stacks of each, into its log."""
+    if shutil.which("py-spy") is None:
+        return
+    pids = subprocess.run(["pgrep", "-g", str(pgid)], capture_output=True, text=True).stdout.split()
+    for pid in pids:
+        log.flush()
+        subprocess.run(["py-spy", "dump", "--pid", pid], stdout=log, stderr=subprocess.STDOUT, timeout=60)
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 def main() -> None:
