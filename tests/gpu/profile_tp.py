@@ -2,9 +2,10 @@
 torch-profiler trace over a window of steps, its kernels summed by kind (GEMM, attention,
 all-reduce, MoE, norm/rope/activation, the rest), and how much of the window the GPU was busy.
 
-    PYTHONPATH=. python tests/gpu/profile_tp.py qwen3-8b --tp 2 --tp 1 --steps 300:340
+    PYTHONPATH=. python tests/gpu/profile_tp.py qwen3-8b --run 2 --run 1 --run 2:0 --steps 300:340
 
-One engine per ``--tp`` in turn, the same workload; traces under $OUT/prof_tpN.
+One engine per ``--run TP[:LEVEL]`` in turn (LEVEL: the compilation level, default 3), the same
+workload; traces under $OUT/prof_tpTP_lLEVEL.
 """
 
 from __future__ import annotations
@@ -54,14 +55,15 @@ def summarise(trace_path: str) -> dict:
                 top=[(n, v / 1e3) for n, v in top])
 
 
-def run(model: str, tp: int, window: tuple[int, int], out: str) -> dict:
+def run(model: str, spec: str, window: tuple[int, int], out: str) -> dict:
     from atom import LLMEngine, SamplingParams
     from atom.benchmarks.benchmark_throughput import workload
     from atom.benchmarks.model_configs import model_dir
 
-    prof_dir = f"{out}/prof_tp{tp}"
+    tp, level = (int(x) for x in (spec + ":3").split(":")[:2])
+    prof_dir = f"{out}/prof_tp{tp}_l{level}"
     llm = LLMEngine(model_dir(model), load_dummy=True, skip_tokenizer_init=True, max_model_len=4096,
-                    tensor_parallel_size=tp, torch_profiler_dir=prof_dir)
+                    tensor_parallel_size=tp, level=level, torch_profiler_dir=prof_dir)
     random.seed(0)
     prompts, max_tokens = workload(256, 1024, 1024)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)
@@ -83,19 +85,19 @@ def run(model: str, tp: int, window: tuple[int, int], out: str) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model")
-    p.add_argument("--tp", type=int, action="append", help="tensor-parallel sizes, one engine each")
+    p.add_argument("--run", action="append", help="TP[:LEVEL], one engine each (default 2)")
     p.add_argument("--steps", default="300:340", help="the profiled window of engine steps, FIRST:LAST")
     args = p.parse_args()
     out = os.environ.get("OUT", "gpu-results")
     window = tuple(int(x) for x in args.steps.split(":"))
-    results = {tp: run(args.model, tp, window, out) for tp in args.tp or [2]}
+    results = {spec: run(args.model, spec, window, out) for spec in args.run or ["2"]}
     json.dump(results, open(f"{out}/profile_tp.json", "w"), indent=1)
     for tp, r in results.items():
-        print(f"\n-tp {tp}: top kernels (ms over the window)")
+        print(f"\n{tp} (tp:level): top kernels (ms over the window)")
         for name, ms in r["top"]:
             print(f"  {ms:8.2f}  {name}")
     kinds = sorted({k for r in results.values() for k in r["kinds"]})
-    print("\n| tp | window ms | GPU busy ms | " + " | ".join(kinds) + " |\n|" + "---|" * (len(kinds) + 3))
+    print("\n| tp:level | window ms | GPU busy ms | " + " | ".join(kinds) + " |\n|" + "---|" * (len(kinds) + 3))
     for tp, r in results.items():
         cells = " | ".join(f"{r['kinds'].get(k, 0):.1f}" for k in kinds)
         print(f"| {tp} | {r['span_ms']:.1f} | {r['busy_ms']:.1f} | {cells} |")
