@@ -1,10 +1,11 @@
-"""All-reduce on 2+ GPUs: atom's one-shot over symmetric memory against NCCL, checked and timed.
+"""All-reduce on 2+ GPUs: atom's one-shot over symmetric memory (torch's op) and the fused
+peer kernel (``atom/distributed/peer_all_reduce.py``) against NCCL, checked and timed.
 
     python tests/gpu/allreduce_bench.py [--world-size 2]
 
-For bf16 messages of 8 KiB .. 16 MiB: the one-shot result against NCCL's (eager and replayed
-from a CUDA graph, fresh inputs each time), then the time of each inside a CUDA graph of
-50 all-reduces (as the decode graphs run them). A table on rank 0, JSON to $OUT.
+For bf16 messages of 8 KiB .. 16 MiB: each result against NCCL's (eager and replayed from a
+CUDA graph, fresh inputs each time), then the time of each inside a CUDA graph of 50
+all-reduces (as the decode graphs run them). A table on rank 0, JSON to $OUT.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-SIZES_KIB = [8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384]
+SIZES_KIB = [8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 REPS = 50
 
 
@@ -46,8 +47,37 @@ def graph_time_us(fn, x: torch.Tensor) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def nccl(x: torch.Tensor) -> torch.Tensor:
+    dist.all_reduce(x)
+    return x
+
+
+def check(fn, n: int, rank: int, device: torch.device) -> tuple[bool, bool]:
+    """``fn`` equal to NCCL eagerly, and replayed from a CUDA graph with new inputs copied into
+    the captured input buffer (three replays)."""
+    torch.manual_seed(rank * 1000 + n)
+    x = torch.randn(n, device=device, dtype=torch.bfloat16)
+    eager_ok = torch.equal(fn(x), nccl(x.clone()))
+    buf = torch.zeros_like(x)
+    g, s = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn(buf)
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(g):
+        y = fn(buf)
+    graph_ok = True
+    for i in range(3):
+        torch.manual_seed(rank * 7 + i)
+        buf.copy_(torch.randn(n, device=device, dtype=torch.bfloat16))
+        g.replay()
+        graph_ok &= torch.equal(y, nccl(buf.clone()))
+    return eager_ok, graph_ok
+
+
 def rank_main(rank: int, world: int, init: str, out: str) -> None:
     from atom.distributed.all_reduce import OneShotAllReduce
+    from atom.distributed.peer_all_reduce import PeerAllReduce
 
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world)
@@ -55,48 +85,31 @@ def rank_main(rank: int, world: int, init: str, out: str) -> None:
     comm = OneShotAllReduce.create(dist.group.WORLD, device)
     assert comm is not None, "one-shot all-reduce could not be set up"
     big = OneShotAllReduce(dist.group.WORLD, device, max(SIZES_KIB) << 10)  # to time past the threshold
-
-    def nccl(x):
-        dist.all_reduce(x)
-        return x
+    peer = PeerAllReduce(dist.group.WORLD, device, max(SIZES_KIB) << 10)
 
     rows = []
     for kib in SIZES_KIB:
         n = (kib << 10) // 2
         one = comm if comm.fits(torch.empty(n, device=device, dtype=torch.bfloat16)) else big
-        torch.manual_seed(rank * 1000 + kib)
-        x = torch.randn(n, device=device, dtype=torch.bfloat16)
-        ref = nccl(x.clone())
-        eager_ok = torch.equal(one(x), ref)
-        # graph replay with new inputs copied into the captured input buffer
-        buf = torch.zeros_like(x)
-        g = torch.cuda.CUDAGraph()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            one(buf)
-        torch.cuda.current_stream().wait_stream(s)
-        with torch.cuda.graph(g):
-            y = one(buf)
-        graph_ok = True
-        for i in range(3):
-            torch.manual_seed(rank * 7 + i)
-            buf.copy_(torch.randn(n, device=device, dtype=torch.bfloat16))
-            g.replay()
-            expected = nccl(buf.clone())
-            graph_ok &= torch.equal(y, expected)
-        t_nccl = graph_time_us(lambda v: dist.all_reduce(v), x.clone())
-        t_one = graph_time_us(one, x.clone())
-        rows.append(dict(kib=kib, eager_equal=eager_ok, graph_equal=graph_ok, nccl_us=round(t_nccl, 2),
-                         one_shot_us=round(t_one, 2), speedup=round(t_nccl / t_one, 2)))
+        row = dict(kib=kib)
+        for name, fn in (("one_shot", one), ("peer", peer)):
+            try:
+                eager, graph = check(fn, n, rank, device)
+                row[f"{name}_equal"] = f"{eager} / {graph}"
+                row[f"{name}_us"] = round(graph_time_us(fn, torch.randn(n, device=device, dtype=torch.bfloat16)), 2)
+            except Exception as e:  # one failing implementation must not hide the others
+                row[f"{name}_equal"], row[f"{name}_us"] = f"{type(e).__name__}: {e}"[:60], float("nan")
+        row["nccl_us"] = round(graph_time_us(nccl, torch.randn(n, device=device, dtype=torch.bfloat16)), 2)
+        rows.append(row)
     if rank == 0:
         json.dump(rows, open(os.path.join(out, "allreduce_bench.json"), "w"), indent=1)
         print(f"\n{world} GPUs, bf16, time per all-reduce inside a CUDA graph of {REPS}")
-        print("| KiB | one-shot == NCCL (eager / graph) | NCCL us | one-shot us | NCCL / one-shot |")
-        print("|---|---|---|---|---|")
+        print("| KiB | one-shot == NCCL (eager / graph) | peer == NCCL | NCCL us | one-shot us | peer us "
+              "| NCCL / one-shot | NCCL / peer |")
+        print("|---|---|---|---|---|---|---|---|")
         for r in rows:
-            print(f"| {r['kib']} | {r['eager_equal']} / {r['graph_equal']} | {r['nccl_us']} | {r['one_shot_us']} | "
-                  f"{r['speedup']} |")
+            print(f"| {r['kib']} | {r['one_shot_equal']} | {r['peer_equal']} | {r['nccl_us']} | {r['one_shot_us']} | "
+                  f"{r['peer_us']} | {r['nccl_us'] / r['one_shot_us']:.2f} | {r['nccl_us'] / r['peer_us']:.2f} |")
     dist.barrier()
     dist.destroy_process_group()
 
