@@ -5,7 +5,8 @@ all-reduce, MoE, norm/rope/activation, the rest), and how much of the window the
     PYTHONPATH=. python tests/gpu/profile_tp.py qwen3-8b --run 2 --run 1 --run 2:0 --steps 300:340
 
 One engine per ``--run TP[:LEVEL]`` in turn (LEVEL: the compilation level, default 3), the same
-workload; traces under $OUT/prof_tpTP_lLEVEL.
+workload; traces under $OUT/prof_tpTP_lLEVEL. ``--batch-1`` profiles one request instead (a
+32-token prompt, 512 tokens out): the batch-1 decode step of ``benchmark_latency``.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def summarise(trace_path: str) -> dict:
                 top=[(n, v / 1e3) for n, v in top])
 
 
-def run(model: str, spec: str, window: tuple[int, int], out: str) -> dict:
+def run(model: str, spec: str, window: tuple[int, int], out: str, batch_1: bool) -> dict:
     from atom import LLMEngine, SamplingParams
     from atom.benchmarks.benchmark_throughput import workload
     from atom.benchmarks.model_configs import model_dir
@@ -65,7 +66,7 @@ def run(model: str, spec: str, window: tuple[int, int], out: str) -> dict:
     llm = LLMEngine(model_dir(model), load_dummy=True, skip_tokenizer_init=True, max_model_len=4096,
                     tensor_parallel_size=tp, level=level, torch_profiler_dir=prof_dir)
     random.seed(0)
-    prompts, max_tokens = workload(256, 1024, 1024)
+    prompts, max_tokens = ([list(range(1, 33))], [512]) if batch_1 else workload(256, 1024, 1024)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)
     llm.add_request(prompts, [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens])
     step = 0
@@ -87,10 +88,11 @@ def main() -> None:
     p.add_argument("model")
     p.add_argument("--run", action="append", help="TP[:LEVEL], one engine each (default 2)")
     p.add_argument("--steps", default="300:340", help="the profiled window of engine steps, FIRST:LAST")
+    p.add_argument("--batch-1", action="store_true", help="one request (batch-1 decode) instead of the workload")
     args = p.parse_args()
     out = os.environ.get("OUT", "gpu-results")
     window = tuple(int(x) for x in args.steps.split(":"))
-    results = {spec: run(args.model, spec, window, out) for spec in args.run or ["2"]}
+    results = {spec: run(args.model, spec, window, out, args.batch_1) for spec in args.run or ["2"]}
     json.dump(results, open(f"{out}/profile_tp.json", "w"), indent=1)
     for tp, r in results.items():
         print(f"\n{tp} (tp:level): top kernels (ms over the window)")
