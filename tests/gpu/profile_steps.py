@@ -1,49 +1,143 @@
-"""Where the time of the throughput workload goes: wall time of prefill-carrying steps vs
-pure decode steps, and a torch-profiler kernel table over decode steps 300-340.
+"""Where a step's GPU time goes, for atom and vLLM: the throughput workload (or one request,
+``--batch-1``), a torch-profiler trace over a window of engine steps, its kernels summed by kind
+(GEMM, attention, all-reduce, MoE, norm/RoPE/activation, sampling, the rest) and how much of the
+window the GPU was busy (the rest: host gaps).
 
-    PYTHONPATH=. python tests/gpu/profile_steps.py qwen3-0.6b
+    PYTHONPATH=. python tests/gpu/profile_steps.py qwen3-8b --run atom:1 --run vllm:1 --steps 300:330
+    PYTHONPATH=. python tests/gpu/profile_steps.py qwen3-8b --run atom:2 --run atom:2:0   # -tp 2, level 3 / 0
+
+A run is ``ENGINE:TP[:LEVEL]`` (LEVEL: atom's compilation level, default 3); one engine per
+process is safest (an engine's memory outlives it in the process). atom profiles through its
+own ``start_profile`` (rank 0's trace under -tp); vLLM runs in-process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one GPU) under ``torch.profiler``. Traces in $OUT.
 """
+from __future__ import annotations
 
+import argparse
+import glob
+import gzip
+import json
+import os
 import random
-import sys
-import time
+import re
+from collections import defaultdict
 
-import torch
-
-from atom import LLMEngine, SamplingParams
+from atom import SamplingParams
 from atom.benchmarks.benchmark_throughput import workload
 from atom.benchmarks.model_configs import model_dir
 
+KINDS = [  # first match wins
+    ("all-reduce", r"nccl|all_reduce|allreduce|one_shot|symm|cross_device"),
+    ("attention", r"attn|attention|flash|paged|decode_kernel|merge"),
+    ("moe", r"moe|expert|fused_experts|align|topk"),
+    ("gemm", r"gemm|gemv|sm90_xmma|cutlass|cublas|nvjet|matmul|_mm_|wgmma"),
+    ("norm/rope/act", r"norm|rope|rotary|silu|gelu|act_and_mul|reshape_and_cache|triton_"),
+    ("sampling", r"sampl|argmax|softmax|gumbel|philox"),
+]
 
-def main(name: str) -> None:
-    llm = LLMEngine(model_dir(name), load_dummy=True, skip_tokenizer_init=True, max_model_len=4096)
-    random.seed(0)
-    prompts, max_tokens = workload(256, 1024, 1024)
+
+def kind(name: str) -> str:
+    low = name.lower()
+    return next((k for k, pat in KINDS if re.search(pat, low)), "other")
+
+
+def summarise(trace_path: str) -> dict:
+    """Kernel time by kind and the GPU's busy fraction of the window (union of kernel intervals)."""
+    opener = gzip.open if trace_path.endswith(".gz") else open
+    with opener(trace_path, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
+    by_kind, by_name = defaultdict(float), defaultdict(float)
+    for e in kernels:
+        by_kind[kind(e["name"])] += e["dur"]
+        by_name[e["name"][:70]] += e["dur"]
+    busy, end = 0.0, float("-inf")
+    for e in sorted(kernels, key=lambda e: e["ts"]):
+        lo, hi = max(e["ts"], end), e["ts"] + e["dur"]
+        busy += max(0.0, hi - lo)
+        end = max(end, hi)
+    span = (max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels)) if kernels else 0.0
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
+    return dict(span_ms=span / 1e3, busy_ms=busy / 1e3, kinds={k: v / 1e3 for k, v in by_kind.items()},
+                top=[(n, v / 1e3) for n, v in top])
+
+
+def atom_run(model: str, tp: int, level: int, prompts, params, window, out: str) -> str:
+    from atom import LLMEngine
+
+    prof_dir = f"{out}/prof_atom_tp{tp}_l{level}"
+    llm = LLMEngine(model_dir(model), load_dummy=True, skip_tokenizer_init=True, max_model_len=4096,
+                    tensor_parallel_size=tp, level=level, torch_profiler_dir=prof_dir)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)
-    llm.add_request(prompts, [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens])
-    times = {"prefill": [0.0, 0], "decode": [0.0, 0]}
-    prof = torch.profiler.profile(
-        activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
-    step = 0
-    while not llm.is_finished():
-        sched = llm.core.scheduler
-        kind = "prefill" if sched.waiting or any(s.num_tokens - s.num_computed_tokens > 1 for s in sched.running) \
-            else "decode"
-        if step == 300:
-            prof.start()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
+    llm.add_request(prompts, [SamplingParams(**p) for p in params])
+    for step in range(window[1]):  # the rest of the workload is not needed
+        if step == window[0]:
+            llm.start_profile()
         llm.step()
-        torch.cuda.synchronize()
-        times[kind][0] += time.perf_counter() - start
-        times[kind][1] += 1
-        if step == 340:
-            prof.stop()
-        step += 1
-    for kind, (t, n) in times.items():
-        print(f"{name}: {kind} steps {n}, {t:.2f} s ({1000 * t / max(n, 1):.2f} ms/step)")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+    llm.stop_profile()
+    llm.shutdown()
+    traces = sorted(glob.glob(f"{prof_dir}/**/*.json*", recursive=True))
+    return ([t for t in traces if "rank_0" in t] or traces)[0]
+
+
+def vllm_run(model: str, prompts, params, window, out: str) -> str:
+    import torch
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the model runs in this process: one profiler sees it
+    from vllm import LLM
+    from vllm import SamplingParams as VParams
+
+    llm = LLM(model_dir(model), load_format="dummy", skip_tokenizer_init=True, max_model_len=4096)
+    engine = llm.llm_engine
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], VParams(max_tokens=8, detokenize=False), use_tqdm=False)
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, VParams(detokenize=False, **p))
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                              torch.profiler.ProfilerActivity.CUDA])
+    for step in range(window[1]):
+        if step == window[0]:
+            prof.start()
+        engine.step()
+    torch.cuda.synchronize()
+    prof.stop()
+    path = f"{out}/prof_vllm.json"
+    prof.export_chrome_trace(path)
+    return path
+
+
+def run(model: str, spec: str, window: tuple[int, int], out: str, batch_1: bool) -> dict:
+    engine, tp, level = (spec + ":3").split(":")[:3]
+    random.seed(0)
+    prompts, max_tokens = ([list(range(1, 33))], [512]) if batch_1 else workload(256, 1024, 1024)
+    params = [dict(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
+    if engine == "vllm":
+        if int(tp) != 1:
+            raise SystemExit("vLLM runs in-process here: one GPU only")
+        return summarise(vllm_run(model, prompts, params, window, out))
+    return summarise(atom_run(model, int(tp), int(level), prompts, params, window, out))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model")
+    p.add_argument("--run", action="append", help="ENGINE:TP[:LEVEL], one engine each (default atom:1)")
+    p.add_argument("--steps", default="300:340", help="the profiled window of engine steps, FIRST:LAST")
+    p.add_argument("--batch-1", action="store_true", help="one request (batch-1 decode) instead of the workload")
+    args = p.parse_args()
+    out = os.environ.get("OUT", "gpu-results")
+    window = tuple(int(x) for x in args.steps.split(":"))
+    results = {spec: run(args.model, spec, window, out, args.batch_1) for spec in args.run or ["atom:1"]}
+    json.dump(results, open(f"{out}/profile_steps.json", "w"), indent=1)
+    for tp, r in results.items():
+        print(f"\n{tp}: top kernels (ms over the window)")
+        for name, ms in r["top"]:
+            print(f"  {ms:8.2f}  {name}")
+    kinds = sorted({k for r in results.values() for k in r["kinds"]})
+    print("\n| run | window ms | GPU busy ms | " + " | ".join(kinds) + " |\n|" + "---|" * (len(kinds) + 3))
+    for tp, r in results.items():
+        cells = " | ".join(f"{r['kinds'].get(k, 0):.1f}" for k in kinds)
+        print(f"| {tp} | {r['span_ms']:.1f} | {r['busy_ms']:.1f} | {cells} |")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main()
