@@ -150,12 +150,20 @@ def topk_sample(logits, temps, top_k, top_p, max_k=SAMPLE_TOP_K):
     return idx.gather(1, (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1, keepdim=True))[:, 0]
 
 
-def sampling_case(rows, ref, vocab=151936):
-    """float32 logits, temperature 0.8, top_k=50 top_p=0.9 (Qwen3 recommends 20 / 0.95): atom's one
-    kernel against ``ref``; the floor is reading the logits once."""
+def plain_sample(logits, temps, top_k, top_p):
+    """Temperature only (vLLM's path without top-k / top-p): softmax, exponential race."""
+    probs = (logits / temps[:, None]).softmax(dim=-1)
+    return (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1)
+
+
+def sampling_case(rows, ref, vocab=151936, plain=False):
+    """float32 logits, temperature 0.8, top_k=50 top_p=0.9 (Qwen3 recommends 20 / 0.95), or
+    temperature only (``plain``): atom's kernel against ``ref``; the floor is reading the logits once."""
     logits, temps = torch.randn(rows, vocab, device=DEV) * 3, torch.full((rows,), 0.8, device=DEV)
     top_k, top_p = torch.full((rows,), SAMPLE_TOP_K, device=DEV), torch.full((rows,), 0.9, device=DEV)
     seeds = torch.randint(1 << 62, (rows,), device=DEV)
+    if plain:
+        top_k = top_p = None
     fn = functools.partial(tk.sample_tokens, logits, temps, top_k, top_p, None, seeds)
     return fn, functools.partial(ref, logits, temps, top_k, top_p), logits.nbytes, 0
 
@@ -185,6 +193,8 @@ def cases() -> list[tuple[str, str, Callable]]:
     for rows, vocab in [(1, 151936), (8, 151936), (64, 151936), (256, 151936), (256, 128256), (256, 49152)]:
         out.append(("sample", f"B={rows} V={vocab} vs sort", case(sampling_case, rows, sort_sample, vocab)))
         out.append(("sample", "  vs torch.topk", case(sampling_case, rows, topk_sample, vocab)))
+    for rows in [1, 4, 8, 64]:
+        out.append(("sample", f"B={rows} temperature only", case(sampling_case, rows, plain_sample, plain=True)))
     return out
 
 

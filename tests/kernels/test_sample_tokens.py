@@ -134,3 +134,34 @@ def test_candidate_bound():
             assert n == int((x[row] > c).sum()) and (x[row][kept[row]] > c).all()
         if has_k:
             assert out[0, 1] < vocab / 10  # top_k = 5: a tight bound
+
+
+@pytest.mark.parametrize("splits", [2, 4, 8])
+@pytest.mark.parametrize("vocab", [3000, 4097])
+def test_split_rows_same_tokens(splits, vocab, dtype):
+    """A few rows without top-k / top-p / min-p, each split over programs: the same tokens as
+    one program per row (exactly: same noise, same scores, first index on ties) and as the
+    reference; greedy rows, a row with ties, a row masked to a few tokens, slices past the end."""
+    rows = 3
+    logits = (3 * torch.randn(rows, vocab)).to(dtype)
+    logits[1] = (logits[1] * 2).round() / 2  # many exact ties, across slices too
+    logits[2, :] = float("-inf")
+    logits[2, [5, vocab - 1]] = 1.0  # two finite tokens, in the first and last slices
+    temps = torch.tensor([0.0, 0.7, 1.3])
+    seeds = torch.randint(1 << 62, (rows,))
+    split = sampling_fused.split_sample(logits, temps, seeds, splits)
+    assert torch.equal(split, sampling_fused.split_sample(logits, temps, seeds, 1))
+    assert torch.equal(split, sample_tokens(logits, temps, None, None, None, seeds))
+    check_tokens(lambda *a: split, logits, temps, None, None, None, seeds)
+    greedy = torch.zeros(rows)
+    assert torch.equal(sampling_fused.split_sample(logits, greedy, seeds, splits), logits.float().argmax(dim=-1))
+
+
+def test_split_chosen_only_for_few_plain_rows(monkeypatch):
+    calls = []
+    monkeypatch.setattr(sampling_fused, "split_sample", lambda *a: calls.append(a[-1]) or torch.zeros(1).long())
+    logits, temps, seeds = torch.randn(1, 20000), torch.ones(1), torch.randint(1 << 62, (1,))
+    sample_tokens(logits, temps, None, None, None, seeds)
+    assert calls == [4]  # 8 "SMs" off the GPU: min(16, 20000 // 4096) -> 4
+    sample_tokens(logits, temps, torch.full((1,), 5, dtype=torch.int32), None, None, seeds)  # top-k: one program
+    assert calls == [4]

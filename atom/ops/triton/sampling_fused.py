@@ -8,6 +8,12 @@ searches (``sampling._filter_threshold``) and the draw then run on that buffer. 
 whose bound leaves more than ``_CAPACITY`` tokens (no top-k and a flat distribution) runs
 them on the whole row instead. The kept set is decided on ``u = x / T`` rounded as torch
 divides, from thresholds found on ``x`` (division preserves the order, ties included).
+
+A few rows with no top-k, top-p or min-p (plain temperature or greedy: batch-1 decode) would
+leave all but a few SMs idle, one SM reading a whole vocabulary row four times: such rows are
+split over programs instead (``_split_kernel``), each racing its slice of the vocabulary once,
+and a second launch takes the best of the slices. The Gumbel race is decomposable, and each
+token's noise depends on its index only, so the tokens are the same.
 """
 
 from __future__ import annotations
@@ -158,6 +164,67 @@ def _sample_kernel(
     tl.store(out_ptr + row, token.to(tl.int64))
 
 
+@triton.jit
+def _split_kernel(logits_ptr, temp_ptr, seed_ptr, score_ptr, index_ptr, vocab, stride_l, chunk,
+                  SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """The best (score, first index) of one slice of one row: the argmax of ``x`` for a greedy
+    row, of ``x / T - log(E)`` (``_draw``'s noise) otherwise."""
+    row, split = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    row_ptr = logits_ptr + row * stride_l
+    temp = tl.load(temp_ptr + row).to(tl.float32)
+    seed = tl.load(seed_ptr + row)
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, vocab)
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_idx = tl.zeros([BLOCK], tl.int32)
+    for start in range(lo, hi, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        x = tl.load(row_ptr + offs, mask=offs < hi, other=float("-inf")).to(tl.float32)
+        score = x
+        if temp > 0:
+            r0, r1, r2, r3 = tl.randint4x(seed, offs // 4)
+            word = offs % 4
+            bits = tl.where(word == 0, r0, tl.where(word == 1, r1, tl.where(word == 2, r2, r3)))
+            unif = ((bits.to(tl.uint32, bitcast=True) >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
+            score = tl.div_rn(x, temp) - tl.log(-tl.log(unif))
+        better = score > best
+        best = tl.where(better, score, best)
+        best_idx = tl.where(better, offs, best_idx)
+    best_score, token = _argmax(best, best_idx, 2147483647)
+    tl.store(score_ptr + row * SPLITS + split, best_score)
+    tl.store(index_ptr + row * SPLITS + split, token)
+
+
+@triton.jit
+def _best_split_kernel(score_ptr, index_ptr, out_ptr, SPLITS: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = row * SPLITS + tl.arange(0, SPLITS)
+    _, token = _argmax(tl.load(score_ptr + offs), tl.load(index_ptr + offs), 2147483647)
+    tl.store(out_ptr + row, token.to(tl.int64))
+
+
+def split_sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, splits: int) -> torch.Tensor:
+    """``sample_tokens`` without top-k / top-p / min-p, each row over ``splits`` programs (a power of two)."""
+    num_rows, vocab = logits.shape
+    block = 1024
+    chunk = triton.cdiv(triton.cdiv(vocab, splits), block) * block
+    scores = torch.empty(num_rows, splits, dtype=torch.float32, device=logits.device)
+    index = torch.empty(num_rows, splits, dtype=torch.int32, device=logits.device)
+    _split_kernel[(num_rows, splits)](logits, temperatures, seeds, scores, index, vocab, logits.stride(0), chunk,
+                                      SPLITS=splits, BLOCK=block, num_warps=4)
+    out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+    _best_split_kernel[(num_rows,)](scores, index, out, SPLITS=splits, num_warps=1)
+    return out
+
+
+def _splits(num_rows: int, vocab: int, device: torch.device) -> int:
+    """Programs per row: about two per SM over the batch, each slice at least 4,096 tokens;
+    1 (one program per row) once the rows alone fill the GPU."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    want = min(2 * sms // max(num_rows, 1), vocab // 4096, 64)
+    return 1 << (want.bit_length() - 1) if want >= 2 else 1
+
+
 def sample_tokens(
     logits: torch.Tensor,
     temperatures: torch.Tensor,
@@ -166,9 +233,14 @@ def sample_tokens(
     min_p: torch.Tensor | None,
     seeds: torch.Tensor,
 ) -> torch.Tensor:
-    """See ``atom.ops.sampling.sample_tokens``: one launch, one program per row, no sort."""
+    """See ``atom.ops.sampling.sample_tokens``: no sort; one program per row, or, for a few
+    rows without top-k / top-p / min-p, ``split_sample``."""
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
     num_rows, vocab = logits.shape
+    if num_rows > 0 and top_k is None and top_p is None and min_p is None:
+        splits = _splits(num_rows, vocab, logits.device)
+        if splits > 1:
+            return split_sample(logits, temperatures, seeds, splits)
     out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
     if num_rows == 0:
         return out
