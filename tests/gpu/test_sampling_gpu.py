@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from atom.ops import reference
-from atom.testing.sampling_checks import check_tokens
+from atom.testing.sampling_checks import check_tokens, rounding_sensitive
 
 if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("needs CUDA and compiled (not interpreted) Triton", allow_module_level=True)
@@ -76,5 +76,8 @@ def test_frequencies(top_k, top_p, min_p):
     tokens = sample_tokens(logits, temps, k, p, m, seeds)
     probs = reference.top_k_top_p_min_p((base / 0.8)[None], k[:1], p[:1], m[:1]).softmax(dim=-1)[0].double()
     freq = torch.bincount(tokens, minlength=vocab).double() / n
-    assert (freq[probs == 0] == 0).all()
+    # a token whose fate hinges on float rounding at the top-p / min-p cut (tail tokens of
+    # ~5e-6 probability each, the mass summed in a different order) may go either way
+    sensitive = rounding_sensitive((base / 0.8)[None], k[:1], p[:1], m[:1])[0]
+    assert (freq[(probs == 0) & ~sensitive] == 0).all()
     assert ((freq - probs).abs() <= 6 * (probs * (1 - probs) / n).sqrt() + 1 / n).all()
