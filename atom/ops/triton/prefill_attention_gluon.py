@@ -140,6 +140,7 @@ if _HAVE_GLUON:
         m_i = gl.full([_HALF], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
         l_i = gl.zeros([_HALF], gl.float32, gl.SliceLayout(1, s_layout))
         p, m_i, l_i, alpha = _softmax(s, m_i, l_i, 0, qk_scale, q_pos, mask_from, BLOCK_N, s_layout)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)  # carried in 16 bits: P of the previous tile
         acc = gl.zeros([_HALF, HEAD_DIM], gl.float32, o_layout)
         for t in range(1, n_tiles):
             st = t % STAGES
@@ -150,7 +151,6 @@ if _HAVE_GLUON:
             s = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), gl.zeros([_HALF, BLOCK_N], gl.float32, s_layout),
                               use_acc=False, is_async=True)  # fmt: skip
             mbarrier.wait(v_ready.index(prev), ((t - 1) // STAGES) & 1)
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
             acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
             if PINGPONG:
                 mbarrier.arrive(turn.index(1 - H))
@@ -158,13 +158,14 @@ if _HAVE_GLUON:
             p, m_i, l_i, alpha = _softmax(s, m_i, l_i, t, qk_scale, q_pos, mask_from, BLOCK_N, s_layout)
             acc, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
             mbarrier.arrive(kv_empty.index(prev))
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         # PV of the last tile
         last = (n_tiles - 1) % STAGES
         if PINGPONG:
             mbarrier.wait(turn.index(H), n_tiles & 1)
         mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // STAGES) & 1)
-        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(last), acc, is_async=True)
+        acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
         if PINGPONG:
             mbarrier.arrive(turn.index(1 - H))
         acc = warpgroup_mma_wait(0, deps=[acc])
