@@ -28,7 +28,6 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
 
 try:  # Gluon and its Hopper module exist from Triton 3.5; the API used here is 3.6's
     from triton.experimental import gluon
