@@ -26,6 +26,7 @@ share K/V through L2.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -47,8 +48,6 @@ DEFAULT_CONFIG = dict(block_n=128, stages=2, pingpong=True, consumer_regs=240, l
 def available(device: torch.device | None = None) -> bool:
     """Whether the Gluon kernel can run here: Triton with Gluon's Hopper module, a CUDA
     device of compute capability 9.x, and not the interpreter."""
-    import os
-
     if not _HAVE_GLUON or os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
         return False
     index = device.index if device is not None and device.index is not None else torch.cuda.current_device()
