@@ -16,7 +16,8 @@ import sys
 import triton  # the Triton under test, imported before any extra site
 
 CONFIGS = [
-    dict(block_n=128, stages=2, pingpong=True),
+    dict(),  # the default
+    dict(block_n=128, stages=2, pingpong=True, consumer_regs=240),
     dict(block_n=128, stages=2, pingpong=False),
     dict(block_n=64, stages=3, pingpong=True),
     dict(block_n=128, stages=2, pingpong=True, head_dim=64),
@@ -35,10 +36,11 @@ def compile_config(mod, cfg: dict):
         "q_desc": desc.format(mod.HALF, head_dim, lay(mod.HALF)),
         "k_desc": desc.format(full["block_n"], head_dim, lay(full["block_n"])),
         "v_desc": desc.format(full["block_n"], head_dim, lay(full["block_n"])),
-        "out_ptr": "*bf16", "cu_seqlens_ptr": "*i32", "qk_scale": "fp32", "num_seqs": "i32",
+        "out_ptr": "*bf16", "cu_seqlens_ptr": "*i32", "qk_scale": "fp32", "num_seqs": "i32", "num_slots": "i32",
+        "num_items": "i32",
         "stride_ot": "i32", "stride_oh": "i32",
     }  # fmt: skip
-    constexprs = dict(GROUP=4, HEAD_DIM=head_dim, BLOCK_N=full["block_n"], STAGES=full["stages"],
+    constexprs = dict(GROUP=4, NUM_Q_HEADS=32, HEAD_DIM=head_dim, BLOCK_N=full["block_n"], STAGES=full["stages"],
                       PINGPONG=full["pingpong"], CONSUMER_REGS=full["consumer_regs"],
                       LOADER_REGS=full["loader_regs"])  # fmt: skip
     signature.update({k: "constexpr" for k in constexprs})

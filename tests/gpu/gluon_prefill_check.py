@@ -24,11 +24,12 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # the repo's atom
 
-CONFIGS = {
-    "n128_s2_pp": dict(block_n=128, stages=2, pingpong=True),
-    "n128_s2": dict(block_n=128, stages=2, pingpong=False),
-    "n64_s3_pp": dict(block_n=64, stages=3, pingpong=True),
-    "n128_s3_pp": dict(block_n=128, stages=3, pingpong=True, consumer_regs=232),
+CONFIGS = {  # over DEFAULT_CONFIG of atom.ops.triton.prefill_attention_gluon
+    "default": {},  # persistent, 3 stages of 128 keys, ping-pong
+    "s3_pp_nonpersist": dict(persistent=False),  # run 1's best
+    "s2_pp": dict(stages=2, consumer_regs=240),
+    "s3_nopp": dict(pingpong=False),
+    "s2_nopp_nonpersist": dict(stages=2, pingpong=False, persistent=False, consumer_regs=240),
 }
 CHECK_SHAPES = {"q=1": [1], "q=17": [17], "q=512": [512], "q=1000": [1000], "q=2048": [2048], "q=3001": [3001],
                 "q=8192": [8192], "8x2048": [2048] * 8, "varlen": [1, 17, 1000, 3001, 128, 129, 64]}  # fmt: skip

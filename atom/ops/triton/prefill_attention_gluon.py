@@ -42,7 +42,8 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 
 HALF = 64  # query rows per consumer warpgroup
 BLOCK_M = 2 * HALF
-DEFAULT_CONFIG = dict(block_n=128, stages=2, pingpong=True, consumer_regs=240, loader_regs=24)
+# measured on an H100 (docs/kernels.md): 3 stages of 128 keys, ping-pong, persistent
+DEFAULT_CONFIG = dict(block_n=128, stages=3, pingpong=True, persistent=True, consumer_regs=232, loader_regs=24)
 
 
 def available(device: torch.device | None = None) -> bool:
@@ -82,19 +83,44 @@ if _HAVE_GLUON:
         return lo - 1
 
     @gluon.jit
-    def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, q_row, q_col,
-                kv_row, kv_col, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
-        mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem.index(0))
-        tma.async_copy_global_to_shared(q_desc, [q_row + _HALF, q_col], q_bar, q_smem.index(1))
-        for t in range(n_tiles):
-            s = t % STAGES
-            # a stage is reused once both consumers have released its previous tile
-            mbarrier.wait(kv_empty.index(s), ((t // STAGES) & 1) ^ 1, pred=t >= STAGES)
-            mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [kv_row + t * BLOCK_N, kv_col], k_ready.index(s), k_smem.index(s))
-            mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [kv_row + t * BLOCK_N, kv_col], v_ready.index(s), v_smem.index(s))
+    def _work_item(w, cu_seqlens_ptr, num_seqs, num_q_heads, num_slots):
+        """Work item ``w`` -> (query head, first token of its sequence, sequence length, first
+        query row): query tiles heaviest (last) first, query heads fastest."""
+        tile = num_slots - 1 - w // num_q_heads
+        seq = _find_seq(cu_seqlens_ptr, tile, num_seqs, _BLOCK_M)
+        tok0 = gl.load(cu_seqlens_ptr + seq)
+        q_len = gl.load(cu_seqlens_ptr + seq + 1) - tok0
+        return w % num_q_heads, tok0, q_len, (tile - (tok0 // _BLOCK_M + seq)) * _BLOCK_M
+
+    @gluon.jit
+    def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
+                cu_seqlens_ptr, num_seqs, num_q_heads, num_slots, num_items, GROUP: gl.constexpr,
+                HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+        c = 0  # key tiles loaded so far (ring position and phase)
+        it = 0  # work items loaded so far
+        for w in range(gl.program_id(0), num_items, gl.num_programs(0)):
+            head, tok0, q_len, first_q = _work_item(w, cu_seqlens_ptr, num_seqs, num_q_heads, num_slots)
+            if first_q < q_len:
+                n_tiles = gl.cdiv(gl.minimum(first_q + _BLOCK_M, q_len), BLOCK_N)
+                # Q is reused once both consumers are past the previous item's last QK^T
+                mbarrier.wait(q_empty, (it & 1) ^ 1, pred=it > 0)
+                mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(q_desc, [tok0 + first_q, head * HEAD_DIM], q_ready, q_smem.index(0))
+                tma.async_copy_global_to_shared(q_desc, [tok0 + first_q + _HALF, head * HEAD_DIM], q_ready,
+                                                q_smem.index(1))  # fmt: skip
+                kv_col = (head // GROUP) * HEAD_DIM
+                for t in range(n_tiles):
+                    s = c % STAGES
+                    # a stage is reused once both consumers have released its previous tile
+                    mbarrier.wait(kv_empty.index(s), ((c // STAGES) & 1) ^ 1, pred=c >= STAGES)
+                    mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(k_desc, [tok0 + t * BLOCK_N, kv_col], k_ready.index(s),
+                                                    k_smem.index(s))  # fmt: skip
+                    mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(v_desc, [tok0 + t * BLOCK_N, kv_col], v_ready.index(s),
+                                                    v_smem.index(s))  # fmt: skip
+                    c += 1
+                it += 1
 
     @gluon.jit
     def _softmax(s, m_i, l_i, t, qk_scale, q_pos, mask_from, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
@@ -103,35 +129,37 @@ if _HAVE_GLUON:
         if t >= mask_from:  # tiles on the causal diagonal
             offs_n = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             s = gl.where(offs_n[None, :] <= q_pos[:, None], s * qk_scale, float("-inf"))
-        else:
-            s = s * qk_scale
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        p = gl.exp2(s - m_new[:, None])
+            m_new = gl.maximum(m_i, gl.max(s, axis=1))
+            p = gl.exp2(s - m_new[:, None])
+        else:  # scale folded into one FMA per score
+            m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+            p = gl.exp2(s * qk_scale - m_new[:, None])
         alpha = gl.exp2(m_i - m_new)
         return p, m_new, l_i * alpha + gl.sum(p, axis=1), alpha
 
     @gluon.jit
-    def _consumer(out_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn, qk_scale, first_q, q_len,
-                  tok0, head, stride_ot, stride_oh, n_tiles, H: gl.constexpr, HEAD_DIM: gl.constexpr,
-                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr):  # fmt: skip
+    def _consume_item(out_ptr, q, k_smem, v_smem, q_empty, k_ready, v_ready, kv_empty, turn, qk_scale, first_q, q_len,
+                      tok0, head, stride_ot, stride_oh, c, tc, H: gl.constexpr, HEAD_DIM: gl.constexpr,
+                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr):  # fmt: skip
+        """One work item for warpgroup ``H``; ``c``: key tiles consumed before it (ring
+        position), ``tc``: MMA turns taken before it. Returns the key tiles it used."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])  # fmt: skip
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, HEAD_DIM, 16])  # fmt: skip
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        dtype: gl.constexpr = q_smem.dtype
+        dtype: gl.constexpr = q.dtype
+        n_tiles = gl.cdiv(gl.minimum(first_q + _BLOCK_M, q_len), BLOCK_N)
         row0 = first_q + H * _HALF
         q_pos = row0 + gl.arange(0, _HALF, layout=gl.SliceLayout(1, s_layout))
         mask_from = (row0 + 1) // BLOCK_N  # key tiles below this are visible to every row
-        q = q_smem.index(H)
-        mbarrier.wait(q_bar, 0)
 
         # tile 0: its QK^T alone
         if PINGPONG:
-            mbarrier.wait(turn.index(H), 0)
-        mbarrier.wait(k_ready.index(0), 0)
-        s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), gl.zeros([_HALF, BLOCK_N], gl.float32, s_layout),
-                          use_acc=False, is_async=True)  # fmt: skip
+            mbarrier.wait(turn.index(H), tc & 1)
+        mbarrier.wait(k_ready.index(c % STAGES), (c // STAGES) & 1)
+        s = warpgroup_mma(q, k_smem.index(c % STAGES).permute((1, 0)),
+                          gl.zeros([_HALF, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)  # fmt: skip
         if PINGPONG:
             mbarrier.arrive(turn.index(1 - H))
         s = warpgroup_mma_wait(0, deps=[s])
@@ -141,14 +169,14 @@ if _HAVE_GLUON:
         p_op = gl.convert_layout(p.to(dtype), p_layout)  # carried in 16 bits: P of the previous tile
         acc = gl.zeros([_HALF, HEAD_DIM], gl.float32, o_layout)
         for t in range(1, n_tiles):
-            st = t % STAGES
-            prev = (t - 1) % STAGES
+            st = (c + t) % STAGES
+            prev = (c + t - 1) % STAGES
             if PINGPONG:
-                mbarrier.wait(turn.index(H), t & 1)
-            mbarrier.wait(k_ready.index(st), (t // STAGES) & 1)
+                mbarrier.wait(turn.index(H), (tc + t) & 1)
+            mbarrier.wait(k_ready.index(st), ((c + t) // STAGES) & 1)
             s = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), gl.zeros([_HALF, BLOCK_N], gl.float32, s_layout),
                               use_acc=False, is_async=True)  # fmt: skip
-            mbarrier.wait(v_ready.index(prev), ((t - 1) // STAGES) & 1)
+            mbarrier.wait(v_ready.index(prev), ((c + t - 1) // STAGES) & 1)
             acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
             if PINGPONG:
                 mbarrier.arrive(turn.index(1 - H))
@@ -158,11 +186,12 @@ if _HAVE_GLUON:
             mbarrier.arrive(kv_empty.index(prev))
             p_op = gl.convert_layout(p.to(dtype), p_layout)
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        mbarrier.arrive(q_empty)  # every QK^T of the item is done: the loader may refill Q
         # PV of the last tile
-        last = (n_tiles - 1) % STAGES
+        last = (c + n_tiles - 1) % STAGES
         if PINGPONG:
-            mbarrier.wait(turn.index(H), n_tiles & 1)
-        mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // STAGES) & 1)
+            mbarrier.wait(turn.index(H), (tc + n_tiles) & 1)
+        mbarrier.wait(v_ready.index(last), ((c + n_tiles - 1) // STAGES) & 1)
         acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
         if PINGPONG:
             mbarrier.arrive(turn.index(1 - H))
@@ -174,31 +203,43 @@ if _HAVE_GLUON:
         cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
         offs = (tok0 + rows).to(gl.int64)[:, None] * stride_ot + head * stride_oh + cols[None, :]
         gl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=(rows < q_len)[:, None])
+        return n_tiles
 
-    @gluon.jit(do_not_specialize=["num_seqs"])
-    def _prefill_gluon_kernel(q_desc, k_desc, v_desc, out_ptr, cu_seqlens_ptr, qk_scale, num_seqs, stride_ot,
-                              stride_oh, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                              STAGES: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    @gluon.jit
+    def _consumer(out_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, qk_scale,
+                  cu_seqlens_ptr, num_seqs, num_q_heads, num_slots, num_items, stride_ot, stride_oh,
+                  H: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                  PINGPONG: gl.constexpr):  # fmt: skip
+        c = 0  # key tiles consumed so far
+        it = 0  # work items done so far
+        for w in range(gl.program_id(0), num_items, gl.num_programs(0)):
+            head, tok0, q_len, first_q = _work_item(w, cu_seqlens_ptr, num_seqs, num_q_heads, num_slots)
+            if first_q < q_len:
+                mbarrier.wait(q_ready, it & 1)
+                # an item takes one MMA turn per key tile plus one: c + it turns before this one
+                c += _consume_item(out_ptr, q_smem.index(H), k_smem, v_smem, q_empty, k_ready, v_ready, kv_empty,
+                                   turn, qk_scale, first_q, q_len, tok0, head, stride_ot, stride_oh, c, c + it, H,
+                                   HEAD_DIM, BLOCK_N, STAGES, PINGPONG)  # fmt: skip
+                it += 1
+
+    @gluon.jit(do_not_specialize=["num_seqs", "num_slots", "num_items"])
+    def _prefill_gluon_kernel(q_desc, k_desc, v_desc, out_ptr, cu_seqlens_ptr, qk_scale, num_seqs, num_slots,
+                              num_items, stride_ot, stride_oh, GROUP: gl.constexpr, NUM_Q_HEADS: gl.constexpr,
+                              HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                              PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                               LOADER_REGS: gl.constexpr):  # fmt: skip
-        head = gl.program_id(0)
-        tile = gl.num_programs(1) - 1 - gl.program_id(1)  # heaviest (last) tiles first
-        seq = _find_seq(cu_seqlens_ptr, tile, num_seqs, _BLOCK_M)
-        tok0 = gl.load(cu_seqlens_ptr + seq)
-        q_len = gl.load(cu_seqlens_ptr + seq + 1) - tok0
-        first_q = (tile - (tok0 // _BLOCK_M + seq)) * _BLOCK_M
-        if first_q >= q_len:
-            return
-        n_tiles = gl.cdiv(gl.minimum(first_q + _BLOCK_M, q_len), BLOCK_N)
         dtype: gl.constexpr = q_desc.dtype
         q_smem = gl.allocate_shared_memory(dtype, [2, _HALF, HEAD_DIM], q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_bar, count=1)
+        mbarrier.init(q_ready, count=1)
+        mbarrier.init(q_empty, count=2)
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
@@ -209,19 +250,24 @@ if _HAVE_GLUON:
         # (argument tuples are spelled out: concatenating tuples would unwrap the constexprs)
         gl.warp_specialize(
             [
-                (_consumer, (out_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn, qk_scale,
-                             first_q, q_len, tok0, head, stride_ot, stride_oh, n_tiles, gl.constexpr(0), HEAD_DIM,
-                             BLOCK_N, STAGES, PINGPONG)),
-                (_consumer, (out_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn, qk_scale,
-                             first_q, q_len, tok0, head, stride_ot, stride_oh, n_tiles, gl.constexpr(1), HEAD_DIM,
-                             BLOCK_N, STAGES, PINGPONG)),
-                (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
-                           tok0 + first_q, head * HEAD_DIM, tok0, (head // GROUP) * HEAD_DIM, n_tiles, BLOCK_N,
-                           STAGES)),
+                (_consumer, (out_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn,
+                             qk_scale, cu_seqlens_ptr, num_seqs, NUM_Q_HEADS, num_slots, num_items, stride_ot,
+                             stride_oh, gl.constexpr(0), HEAD_DIM, BLOCK_N, STAGES, PINGPONG)),
+                (_consumer, (out_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn,
+                             qk_scale, cu_seqlens_ptr, num_seqs, NUM_Q_HEADS, num_slots, num_items, stride_ot,
+                             stride_oh, gl.constexpr(1), HEAD_DIM, BLOCK_N, STAGES, PINGPONG)),
+                (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                           kv_empty, cu_seqlens_ptr, num_seqs, NUM_Q_HEADS, num_slots, num_items, GROUP, HEAD_DIM,
+                           BLOCK_N, STAGES)),
             ],
             [4, 1],
             [CONSUMER_REGS, LOADER_REGS],
         )  # fmt: skip
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 @functools.cache
@@ -245,9 +291,12 @@ def prefill_attention_gluon(q, k, v, out, cu_seqlens, scale, config=None):
     cfg = {**DEFAULT_CONFIG, **(config or {})}
     tokens, q_heads, head_dim = q.shape
     num_seqs = cu_seqlens.shape[0] - 1
-    grid = (q_heads, tokens // BLOCK_M + num_seqs)
+    num_slots = tokens // BLOCK_M + num_seqs  # query tiles, one spare per sequence (skipped when empty)
+    num_items = num_slots * q_heads
+    grid = (min(num_items, _num_sms(q.device.index or 0)) if cfg["persistent"] else num_items,)
     return _prefill_gluon_kernel[grid](
-        *descriptors(q, k, v, cfg["block_n"]), out, cu_seqlens, scale, num_seqs, out.stride(0), out.stride(1),
-        GROUP=q_heads // k.shape[1], HEAD_DIM=head_dim, BLOCK_N=cfg["block_n"], STAGES=cfg["stages"],
-        PINGPONG=cfg["pingpong"], CONSUMER_REGS=cfg["consumer_regs"], LOADER_REGS=cfg["loader_regs"], num_warps=4,
+        *descriptors(q, k, v, cfg["block_n"]), out, cu_seqlens, scale, num_seqs, num_slots, num_items, out.stride(0),
+        out.stride(1), GROUP=q_heads // k.shape[1], NUM_Q_HEADS=q_heads, HEAD_DIM=head_dim, BLOCK_N=cfg["block_n"],
+        STAGES=cfg["stages"], PINGPONG=cfg["pingpong"], CONSUMER_REGS=cfg["consumer_regs"],
+        LOADER_REGS=cfg["loader_regs"], num_warps=4,
     )  # fmt: skip
