@@ -144,7 +144,7 @@ def worker(kind: str, cfg: dict | None, seed: int) -> dict:
     """``baseline``: time atom's Triton kernel and FA3; ``gluon``: check then time one config."""
     import torch
 
-    from atom.ops.triton.prefill_attention_gluon import available
+    from atom.ops.triton.prefill_attention_gluon import available, prefill_attention_gluon
 
     res = dict(kind=kind, cfg=cfg, check={}, ms={})
     if kind == "baseline":
@@ -162,6 +162,14 @@ def worker(kind: str, cfg: dict | None, seed: int) -> dict:
         err = (out - ref).abs().max().item() if not out.isnan().any() else float("nan")
         tol = 2e-2 * max(1.0, ref.abs().max().item())
         res["check"][shape] = dict(err=err, ok=err <= tol, vs_triton=(out - fns["triton"]().float()).abs().max().item())
+    # metadata sliced past the first sequence (cu_seqlens not starting at 0), as after decode rows
+    d = inputs(CHECK_SHAPES["varlen"], seed)
+    a = int(d["cu"][1])
+    out = torch.empty_like(d["q"][a:])
+    prefill_attention_gluon(d["q"][a:], d["k"][a:], d["v"][a:], out, d["cu"][1:], HEAD_DIM**-0.5 * LOG2E, cfg)
+    ref = reference(d)[a:]
+    err = (out.float() - ref).abs().max().item()
+    res["check"]["sliced"] = dict(err=err, ok=err <= 2e-2 * max(1.0, ref.abs().max().item()), vs_triton=0.0)
     if all(c["ok"] for c in res["check"].values()):
         for shape, q_lens in TIME_SHAPES.items():
             res["ms"][shape] = {"gluon": timed("gluon", q_lens, seed, cfg)}

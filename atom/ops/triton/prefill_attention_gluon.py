@@ -69,14 +69,14 @@ if _HAVE_GLUON:
     _BLOCK_M = gl.constexpr(BLOCK_M)
 
     @gluon.jit
-    def _find_seq(cu_seqlens_ptr, tile, num_seqs, BLOCK: gl.constexpr):
-        """Largest ``i`` with ``cu_seqlens[i] // BLOCK + i <= tile`` (tiles of each sequence
-        are numbered after those of the sequences before it, one spare tile per sequence)."""
+    def _find_seq(cu_seqlens_ptr, q_base, tile, num_seqs, BLOCK: gl.constexpr):
+        """Largest ``i`` with ``(cu_seqlens[i] - q_base) // BLOCK + i <= tile`` (tiles of each
+        sequence are numbered after those of the sequences before it, one spare per sequence)."""
         lo = 0
         hi = num_seqs
         while lo < hi:
             mid = (lo + hi) // 2
-            if gl.load(cu_seqlens_ptr + mid) // BLOCK + mid <= tile:
+            if (gl.load(cu_seqlens_ptr + mid) - q_base) // BLOCK + mid <= tile:
                 lo = mid + 1
             else:
                 hi = mid
@@ -87,9 +87,10 @@ if _HAVE_GLUON:
         """Work item ``w`` -> (query head, first token of its sequence, sequence length, first
         query row): query tiles heaviest (last) first, query heads fastest."""
         tile = num_slots - 1 - w // num_q_heads
-        seq = _find_seq(cu_seqlens_ptr, tile, num_seqs, _BLOCK_M)
-        tok0 = gl.load(cu_seqlens_ptr + seq)
-        q_len = gl.load(cu_seqlens_ptr + seq + 1) - tok0
+        q_base = gl.load(cu_seqlens_ptr)  # a slice of the batch's metadata may not start at 0
+        seq = _find_seq(cu_seqlens_ptr, q_base, tile, num_seqs, _BLOCK_M)
+        tok0 = gl.load(cu_seqlens_ptr + seq) - q_base
+        q_len = gl.load(cu_seqlens_ptr + seq + 1) - q_base - tok0
         return w % num_q_heads, tok0, q_len, (tile - (tok0 // _BLOCK_M + seq)) * _BLOCK_M
 
     @gluon.jit
@@ -286,7 +287,7 @@ def descriptors(q, k, v, block_n: int):
 def prefill_attention_gluon(q, k, v, out, cu_seqlens, scale, config=None):
     """Causal attention of fresh sequences packed along tokens: ``q`` [tokens, q_heads, d],
     ``k``/``v`` [tokens, kv_heads, d] (the same tokens), ``cu_seqlens`` int32 [seqs + 1]
-    starting at 0, ``out`` [tokens, q_heads, d]; ``scale`` already includes log2(e).
+    (offsets from its first element), ``out`` [tokens, q_heads, d]; ``scale`` already includes log2(e).
     Returns the compiled kernel (for its resource report)."""
     cfg = {**DEFAULT_CONFIG, **(config or {})}
     tokens, q_heads, head_dim = q.shape
