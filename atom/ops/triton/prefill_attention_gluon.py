@@ -51,8 +51,15 @@ def available(device: torch.device | None = None) -> bool:
     device of compute capability 9.x, and not the interpreter."""
     if not _HAVE_GLUON or os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
         return False
+    if device is not None and device.type != "cuda":
+        return False
     index = device.index if device is not None and device.index is not None else torch.cuda.current_device()
-    return torch.cuda.get_device_capability(index)[0] == 9
+    return _capability(index)[0] == 9
+
+
+@functools.cache
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
 
 
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
