@@ -28,7 +28,6 @@ import torch
 import triton
 import triton.language as tl
 
-from atom.ops.triton import prefill_attention_gluon as gluon_prefill
 from atom.ops.triton.attention_merge import merge_splits, split_partials
 from atom.ops.triton.prefill_attention import _find_seq, _num_sms, descriptor_ready, prefill_attention
 
@@ -198,12 +197,6 @@ def _attend(
     group_pad = triton.next_power_of_2(group)
     log2e = 1.4426950408889634
     if num_splits == 1 and max_seqlen_q * group_pad >= 128:
-        # one fresh prompt (its keys are all in the packed K/V): the Hopper Gluon kernel; with
-        # several sequences the host cannot tell without a sync whether one has a cached prefix
-        if (k is not None and num_seqs == 1 and max_seqlen_k == max_seqlen_q and gluon_prefill.available(q.device)
-                and gluon_prefill.supported(q, k, v)):  # fmt: skip
-            gluon_prefill.prefill_attention_gluon(q, k, v, out, cu_seqlens_q, scale * log2e)
-            return
         prefill_attention(q, out, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale * log2e, k=k, v=v,
                           kv_scales=kv_scales, max_seqlen_k=max_seqlen_k)  # fmt: skip
         return

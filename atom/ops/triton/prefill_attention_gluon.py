@@ -15,6 +15,10 @@ Each program owns 128 query rows of one query head and runs three partitions:
   ``PINGPONG`` the two warpgroups also take turns issuing their MMAs (a pair of mbarriers
   passes the turn), so one warpgroup's softmax overlaps the other's MMAs.
 
+Programs are persistent (one per SM, work items in a static round robin): the loader fills
+Q and the K/V ring for a program's next item while its consumers finish the last PV.
+Opt-in: ``paged_attention`` does not call it (docs/kernels.md has the measurements).
+
 Key tiles are visited from the first; tiles that every row of a warpgroup sees skip the
 causal mask, and every row sees key 0 of tile 0, so the running max is finite from the
 first tile on. Tiles on the diagonal may read rows past the sequence (the next sequence's
