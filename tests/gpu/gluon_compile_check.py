@@ -11,6 +11,7 @@ memory per config. Exit status 1 if a config fails to compile or spills.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 import triton  # the Triton under test, imported before any extra site
@@ -90,7 +91,10 @@ def main() -> int:
             bad += 1
             continue
         regs, spills = resources(k)
-        print(f"{cfg}: regs={regs} spill_bytes={spills} smem={k.metadata.shared} warps={k.metadata.num_warps}")
+        # the kernel-wide register cap; warp_specialize moves each partition to its own count
+        setmax = sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", k.asm["ptx"])})
+        print(f"{cfg}: regs={regs} (setmaxnreg {setmax}) spill_bytes={spills} smem={k.metadata.shared} "
+              f"warps={k.metadata.num_warps}")  # fmt: skip
         bad += spills > 0
         if args.dump and cfg is CONFIGS[0]:
             open(args.dump, "w").write(k.asm["ptx"])
