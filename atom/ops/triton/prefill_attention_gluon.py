@@ -1,0 +1,314 @@
+"""Causal prefill attention for Hopper written in Gluon, FlashAttention-3 style.
+
+Scope: fresh prompts (no cached prefix) whose own K/V are packed ``[tokens, kv_heads,
+head_dim]``, several sequences per launch (``cu_seqlens``), head_dim 64/128, 16-bit inputs,
+sm_90. Everything else stays on ``atom.ops.triton.prefill_attention``.
+
+Each program owns 128 query rows of one query head and runs three partitions:
+
+- a one-warp **loader** that issues bulk tensor copies (TMA) of Q once and of every K and V
+  tile into a ``STAGES``-deep shared-memory ring, tracked by mbarriers (``k_ready``,
+  ``v_ready`` per stage; ``kv_empty`` released by both consumers);
+- two **consumer** warpgroups of 64 rows each (the default partition and a worker). Within
+  a warpgroup, the QK^T of tile ``t`` and the PV of tile ``t - 1`` are issued as one async
+  batch and the softmax of tile ``t`` runs while PV is on the tensor cores. With
+  ``PINGPONG`` the two warpgroups also take turns issuing their MMAs (a pair of mbarriers
+  passes the turn), so one warpgroup's softmax overlaps the other's MMAs.
+
+Programs are persistent (one per SM, work items in a static round robin): the loader fills
+Q and the K/V ring for a program's next item while its consumers finish the last PV.
+Opt-in: ``paged_attention`` does not call it (docs/kernels.md has the measurements).
+
+Key tiles are visited from the first; tiles that every row of a warpgroup sees skip the
+causal mask, and every row sees key 0 of tile 0, so the running max is finite from the
+first tile on. Tiles on the diagonal may read rows past the sequence (the next sequence's
+keys, or zeros past the tensor): the causal mask hides them from every real query row.
+Programs run heaviest (last) tiles first, query heads fastest, so the heads of one KV head
+share K/V through L2.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+try:  # Gluon and its Hopper module exist from Triton 3.5; the API used here is 3.6's
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    _HAVE_GLUON = hasattr(gl, "warp_specialize") and hasattr(tma, "async_copy_global_to_shared")
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    _HAVE_GLUON = False
+
+HALF = 64  # query rows per consumer warpgroup
+BLOCK_M = 2 * HALF
+# measured on an H100 (docs/kernels.md): 3 stages of 128 keys, ping-pong, persistent
+DEFAULT_CONFIG = dict(block_n=128, stages=3, pingpong=True, persistent=True, consumer_regs=232, loader_regs=24)
+
+
+def available(device: torch.device | None = None) -> bool:
+    """Whether the Gluon kernel can run here: Triton with Gluon's Hopper module, a CUDA
+    device of compute capability 9.x, and not the interpreter."""
+    if not _HAVE_GLUON or os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
+        return False
+    if device is not None and device.type != "cuda":
+        return False
+    index = device.index if device is not None and device.index is not None else torch.cuda.current_device()
+    return _capability(index)[0] == 9
+
+
+@functools.cache
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Shapes and dtypes the kernel handles (packed K/V that can back a descriptor)."""
+    tokens, q_heads, head_dim = q.shape
+    return (q.dtype in (torch.bfloat16, torch.float16) and k.dtype == q.dtype and v.dtype == q.dtype
+            and head_dim in (64, 128) and k.shape[0] == tokens and q_heads % k.shape[1] == 0
+            and all(t.stride(2) == 1 and t.stride(1) == head_dim and (t.stride(0) * t.element_size()) % 16 == 0
+                    and t.data_ptr() % 16 == 0 for t in (q, k, v)))  # fmt: skip
+
+
+if _HAVE_GLUON:
+    _HALF = gl.constexpr(HALF)  # kernels read module constants only as constexpr
+    _BLOCK_M = gl.constexpr(BLOCK_M)
+
+    @gluon.jit
+    def _find_seq(cu_seqlens_ptr, q_base, tile, num_seqs, BLOCK: gl.constexpr):
+        """Largest ``i`` with ``(cu_seqlens[i] - q_base) // BLOCK + i <= tile`` (tiles of each
+        sequence are numbered after those of the sequences before it, one spare per sequence)."""
+        lo = 0
+        hi = num_seqs
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if (gl.load(cu_seqlens_ptr + mid) - q_base) // BLOCK + mid <= tile:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo - 1
+
+    @gluon.jit
+    def _work_item(w, cu_seqlens_ptr, num_seqs, num_q_heads, num_slots):
+        """Work item ``w`` -> (query head, first token of its sequence, sequence length, first
+        query row): query tiles heaviest (last) first, query heads fastest."""
+        tile = num_slots - 1 - w // num_q_heads
+        q_base = gl.load(cu_seqlens_ptr)  # a slice of the batch's metadata may not start at 0
+        seq = _find_seq(cu_seqlens_ptr, q_base, tile, num_seqs, _BLOCK_M)
+        tok0 = gl.load(cu_seqlens_ptr + seq) - q_base
+        q_len = gl.load(cu_seqlens_ptr + seq + 1) - q_base - tok0
+        return w % num_q_heads, tok0, q_len, (tile - (tok0 // _BLOCK_M + seq)) * _BLOCK_M
+
+    @gluon.jit
+    def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
+                cu_seqlens_ptr, num_seqs, num_q_heads, num_slots, num_items, GROUP: gl.constexpr,
+                HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+        c = 0  # key tiles loaded so far (ring position and phase)
+        it = 0  # work items loaded so far
+        for w in range(gl.program_id(0), num_items, gl.num_programs(0)):
+            head, tok0, q_len, first_q = _work_item(w, cu_seqlens_ptr, num_seqs, num_q_heads, num_slots)
+            if first_q < q_len:
+                n_tiles = gl.cdiv(gl.minimum(first_q + _BLOCK_M, q_len), BLOCK_N)
+                # Q is reused once both consumers are past the previous item's last QK^T
+                mbarrier.wait(q_empty, (it & 1) ^ 1, pred=it > 0)
+                mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(q_desc, [tok0 + first_q, head * HEAD_DIM], q_ready, q_smem.index(0))
+                tma.async_copy_global_to_shared(q_desc, [tok0 + first_q + _HALF, head * HEAD_DIM], q_ready,
+                                                q_smem.index(1))  # fmt: skip
+                kv_col = (head // GROUP) * HEAD_DIM
+                for t in range(n_tiles):
+                    s = c % STAGES
+                    # a stage is reused once both consumers have released its previous tile
+                    mbarrier.wait(kv_empty.index(s), ((c // STAGES) & 1) ^ 1, pred=c >= STAGES)
+                    mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(k_desc, [tok0 + t * BLOCK_N, kv_col], k_ready.index(s),
+                                                    k_smem.index(s))  # fmt: skip
+                    mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(v_desc, [tok0 + t * BLOCK_N, kv_col], v_ready.index(s),
+                                                    v_smem.index(s))  # fmt: skip
+                    c += 1
+                it += 1
+
+    @gluon.jit
+    def _softmax(s, m_i, l_i, t, qk_scale, q_pos, mask_from, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+        """Online-softmax step on the scores of key tile ``t``: returns P (unnormalised),
+        the new running max and sum, and the factor that rescales the old accumulator."""
+        if t >= mask_from:  # tiles on the causal diagonal
+            offs_n = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            s = gl.where(offs_n[None, :] <= q_pos[:, None], s * qk_scale, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, axis=1))
+            p = gl.exp2(s - m_new[:, None])
+        else:  # scale folded into one FMA per score
+            m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+            p = gl.exp2(s * qk_scale - m_new[:, None])
+        alpha = gl.exp2(m_i - m_new)
+        return p, m_new, l_i * alpha + gl.sum(p, axis=1), alpha
+
+    @gluon.jit
+    def _consume_item(out_ptr, q, k_smem, v_smem, q_empty, k_ready, v_ready, kv_empty, turn, qk_scale, first_q, q_len,
+                      tok0, head, stride_ot, stride_oh, c, tc, H: gl.constexpr, HEAD_DIM: gl.constexpr,
+                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr):  # fmt: skip
+        """One work item for warpgroup ``H``; ``c``: key tiles consumed before it (ring
+        position), ``tc``: MMA turns taken before it. Returns the key tiles it used."""
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])  # fmt: skip
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEAD_DIM, 16])  # fmt: skip
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        dtype: gl.constexpr = q.dtype
+        n_tiles = gl.cdiv(gl.minimum(first_q + _BLOCK_M, q_len), BLOCK_N)
+        row0 = first_q + H * _HALF
+        q_pos = row0 + gl.arange(0, _HALF, layout=gl.SliceLayout(1, s_layout))
+        mask_from = (row0 + 1) // BLOCK_N  # key tiles below this are visible to every row
+
+        # tile 0: its QK^T alone
+        if PINGPONG:
+            mbarrier.wait(turn.index(H), tc & 1)
+        mbarrier.wait(k_ready.index(c % STAGES), (c // STAGES) & 1)
+        s = warpgroup_mma(q, k_smem.index(c % STAGES).permute((1, 0)),
+                          gl.zeros([_HALF, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)  # fmt: skip
+        if PINGPONG:
+            mbarrier.arrive(turn.index(1 - H))
+        s = warpgroup_mma_wait(0, deps=[s])
+        m_i = gl.full([_HALF], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([_HALF], gl.float32, gl.SliceLayout(1, s_layout))
+        p, m_i, l_i, alpha = _softmax(s, m_i, l_i, 0, qk_scale, q_pos, mask_from, BLOCK_N, s_layout)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)  # carried in 16 bits: P of the previous tile
+        acc = gl.zeros([_HALF, HEAD_DIM], gl.float32, o_layout)
+        for t in range(1, n_tiles):
+            st = (c + t) % STAGES
+            prev = (c + t - 1) % STAGES
+            if PINGPONG:
+                mbarrier.wait(turn.index(H), (tc + t) & 1)
+            mbarrier.wait(k_ready.index(st), ((c + t) // STAGES) & 1)
+            s = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), gl.zeros([_HALF, BLOCK_N], gl.float32, s_layout),
+                              use_acc=False, is_async=True)  # fmt: skip
+            mbarrier.wait(v_ready.index(prev), ((c + t - 1) // STAGES) & 1)
+            acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+            if PINGPONG:
+                mbarrier.arrive(turn.index(1 - H))
+            s = warpgroup_mma_wait(1, deps=[s])  # QK^T done, PV may still run
+            p, m_i, l_i, alpha = _softmax(s, m_i, l_i, t, qk_scale, q_pos, mask_from, BLOCK_N, s_layout)
+            acc, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
+            mbarrier.arrive(kv_empty.index(prev))
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        mbarrier.arrive(q_empty)  # every QK^T of the item is done: the loader may refill Q
+        # PV of the last tile
+        last = (c + n_tiles - 1) % STAGES
+        if PINGPONG:
+            mbarrier.wait(turn.index(H), (tc + n_tiles) & 1)
+        mbarrier.wait(v_ready.index(last), ((c + n_tiles - 1) // STAGES) & 1)
+        acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(turn.index(1 - H))
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        mbarrier.arrive(kv_empty.index(last))
+
+        out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
+        rows = row0 + gl.arange(0, _HALF, layout=gl.SliceLayout(1, o_layout))
+        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        offs = (tok0 + rows).to(gl.int64)[:, None] * stride_ot + head * stride_oh + cols[None, :]
+        gl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=(rows < q_len)[:, None])
+        return n_tiles
+
+    @gluon.jit
+    def _consumer(out_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, qk_scale,
+                  cu_seqlens_ptr, num_seqs, num_q_heads, num_slots, num_items, stride_ot, stride_oh,
+                  H: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                  PINGPONG: gl.constexpr):  # fmt: skip
+        c = 0  # key tiles consumed so far
+        it = 0  # work items done so far
+        for w in range(gl.program_id(0), num_items, gl.num_programs(0)):
+            head, tok0, q_len, first_q = _work_item(w, cu_seqlens_ptr, num_seqs, num_q_heads, num_slots)
+            if first_q < q_len:
+                mbarrier.wait(q_ready, it & 1)
+                # an item takes one MMA turn per key tile plus one: c + it turns before this one
+                c += _consume_item(out_ptr, q_smem.index(H), k_smem, v_smem, q_empty, k_ready, v_ready, kv_empty,
+                                   turn, qk_scale, first_q, q_len, tok0, head, stride_ot, stride_oh, c, c + it, H,
+                                   HEAD_DIM, BLOCK_N, STAGES, PINGPONG)  # fmt: skip
+                it += 1
+
+    @gluon.jit(do_not_specialize=["num_seqs", "num_slots", "num_items"])
+    def _prefill_gluon_kernel(q_desc, k_desc, v_desc, out_ptr, cu_seqlens_ptr, qk_scale, num_seqs, num_slots,
+                              num_items, stride_ot, stride_oh, GROUP: gl.constexpr, NUM_Q_HEADS: gl.constexpr,
+                              HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                              PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                              LOADER_REGS: gl.constexpr):  # fmt: skip
+        dtype: gl.constexpr = q_desc.dtype
+        q_smem = gl.allocate_shared_memory(dtype, [2, _HALF, HEAD_DIM], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+        q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_ready, count=1)
+        mbarrier.init(q_empty, count=2)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(kv_empty.index(i), count=2)
+        for i in gl.static_range(2):
+            mbarrier.init(turn.index(i), count=1)
+        mbarrier.arrive(turn.index(0))  # warpgroup 0 issues first
+        # (argument tuples are spelled out: concatenating tuples would unwrap the constexprs)
+        gl.warp_specialize(
+            [
+                (_consumer, (out_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn,
+                             qk_scale, cu_seqlens_ptr, num_seqs, NUM_Q_HEADS, num_slots, num_items, stride_ot,
+                             stride_oh, gl.constexpr(0), HEAD_DIM, BLOCK_N, STAGES, PINGPONG)),
+                (_consumer, (out_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn,
+                             qk_scale, cu_seqlens_ptr, num_seqs, NUM_Q_HEADS, num_slots, num_items, stride_ot,
+                             stride_oh, gl.constexpr(1), HEAD_DIM, BLOCK_N, STAGES, PINGPONG)),
+                (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                           kv_empty, cu_seqlens_ptr, num_seqs, NUM_Q_HEADS, num_slots, num_items, GROUP, HEAD_DIM,
+                           BLOCK_N, STAGES)),
+            ],
+            [4, 1],
+            [CONSUMER_REGS, LOADER_REGS],
+        )  # fmt: skip
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.cache
+def _layout(rows: int, head_dim: int, bits: int):
+    return gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl.float16 if bits == 16 else gl.float32)
+
+
+def descriptors(q, k, v, block_n: int):
+    """Host descriptors over Q, K, V viewed as [tokens, heads * head_dim]."""
+    head_dim = q.shape[2]
+    return tuple(TensorDescriptor(t, [t.shape[0], t.shape[1] * head_dim], [t.stride(0), 1], [rows, head_dim],
+                                  _layout(rows, head_dim, 16))
+                 for t, rows in ((q, HALF), (k, block_n), (v, block_n)))  # fmt: skip
+
+
+def prefill_attention_gluon(q, k, v, out, cu_seqlens, scale, config=None):
+    """Causal attention of fresh sequences packed along tokens: ``q`` [tokens, q_heads, d],
+    ``k``/``v`` [tokens, kv_heads, d] (the same tokens), ``cu_seqlens`` int32 [seqs + 1]
+    (offsets from its first element), ``out`` [tokens, q_heads, d]; ``scale`` already includes log2(e).
+    Returns the compiled kernel (for its resource report)."""
+    cfg = {**DEFAULT_CONFIG, **(config or {})}
+    tokens, q_heads, head_dim = q.shape
+    num_seqs = cu_seqlens.shape[0] - 1
+    num_slots = tokens // BLOCK_M + num_seqs  # query tiles, one spare per sequence (skipped when empty)
+    num_items = num_slots * q_heads
+    grid = (min(num_items, _num_sms(q.device.index or 0)) if cfg["persistent"] else num_items,)
+    return _prefill_gluon_kernel[grid](
+        *descriptors(q, k, v, cfg["block_n"]), out, cu_seqlens, scale, num_seqs, num_slots, num_items, out.stride(0),
+        out.stride(1), GROUP=q_heads // k.shape[1], NUM_Q_HEADS=q_heads, HEAD_DIM=head_dim, BLOCK_N=cfg["block_n"],
+        STAGES=cfg["stages"], PINGPONG=cfg["pingpong"], CONSUMER_REGS=cfg["consumer_regs"],
+        LOADER_REGS=cfg["loader_regs"], num_warps=4,
+    )  # fmt: skip

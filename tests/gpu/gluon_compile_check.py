@@ -1,0 +1,105 @@
+"""Compile the Gluon prefill kernel for sm_90 without a GPU and print its resource use.
+
+    PYTHONPATH=$PWD /path/to/triton-3.6-venv/bin/python tests/gpu/gluon_compile_check.py \
+        [--extra-site DIR]   # a site-packages that provides torch, appended after Triton's
+
+Triton bundles ptxas, so ``triton.compile`` of a ``GluonASTSource`` for ``GPUTarget("cuda",
+90, 32)`` runs on the CPU; the compiled kernel's metadata gives registers, spills and shared
+memory per config. Exit status 1 if a config fails to compile or spills.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+
+import triton  # the Triton under test, imported before any extra site
+
+CONFIGS = [
+    dict(),  # the default
+    dict(block_n=128, stages=2, pingpong=True, consumer_regs=240),
+    dict(block_n=128, stages=2, pingpong=False),
+    dict(block_n=64, stages=3, pingpong=True),
+    dict(block_n=128, stages=2, pingpong=True, head_dim=64),
+]
+
+
+def compile_config(mod, cfg: dict):
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    head_dim = cfg.get("head_dim", 128)
+    full = {**mod.DEFAULT_CONFIG, **cfg}
+    desc = "tensordesc<bf16[{}, {}],{!r}>"
+    lay = lambda rows: mod._layout(rows, head_dim, 16)  # noqa: E731
+    signature = {
+        "q_desc": desc.format(mod.HALF, head_dim, lay(mod.HALF)),
+        "k_desc": desc.format(full["block_n"], head_dim, lay(full["block_n"])),
+        "v_desc": desc.format(full["block_n"], head_dim, lay(full["block_n"])),
+        "out_ptr": "*bf16", "cu_seqlens_ptr": "*i32", "qk_scale": "fp32", "num_seqs": "i32", "num_slots": "i32",
+        "num_items": "i32",
+        "stride_ot": "i32", "stride_oh": "i32",
+    }  # fmt: skip
+    constexprs = dict(GROUP=4, NUM_Q_HEADS=32, HEAD_DIM=head_dim, BLOCK_N=full["block_n"], STAGES=full["stages"],
+                      PINGPONG=full["pingpong"], CONSUMER_REGS=full["consumer_regs"],
+                      LOADER_REGS=full["loader_regs"])  # fmt: skip
+    signature.update({k: "constexpr" for k in constexprs})
+    src = GluonASTSource(mod._prefill_gluon_kernel, signature, constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+
+
+def resources(kernel) -> tuple[int, int]:
+    """Registers per thread and spill stores (bytes) of the compiled cubin, read with the
+    cuobjdump that Triton bundles (the driver, which would report them, is absent here)."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        text = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    regs = int(re.search(r"REG:(\d+)", text).group(1))
+    spills = int(re.search(r"STACK:(\d+)", text).group(1))
+    return regs, spills
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--extra-site", help="site-packages providing torch (appended after Triton's)")
+    ap.add_argument("--traceback", action="store_true")
+    ap.add_argument("--dump", help="write the PTX of the default config here")
+    args = ap.parse_args()
+    if args.extra_site:
+        sys.path.append(args.extra_site)
+    from atom.ops.triton import prefill_attention_gluon as mod
+
+    print(f"triton {triton.__version__}; gluon available: {mod._HAVE_GLUON}")
+    bad = 0
+    for cfg in CONFIGS:
+        try:
+            k = compile_config(mod, cfg)
+        except Exception as e:  # report and go on to the next config
+            print(f"{cfg}: FAILED {type(e).__name__}: {str(e)[-1500:]}")
+            if args.traceback:
+                import traceback
+
+                traceback.print_exception(e.__cause__ or e)
+            bad += 1
+            continue
+        regs, spills = resources(k)
+        # the kernel-wide register cap; warp_specialize moves each partition to its own count
+        setmax = sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", k.asm["ptx"])})
+        print(f"{cfg}: regs={regs} (setmaxnreg {setmax}) spill_bytes={spills} smem={k.metadata.shared} "
+              f"warps={k.metadata.num_warps}")  # fmt: skip
+        bad += spills > 0
+        if args.dump and cfg is CONFIGS[0]:
+            open(args.dump, "w").write(k.asm["ptx"])
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
