@@ -1,10 +1,11 @@
-"""A one-shot all-reduce over symmetric memory for the small messages of decode steps.
+"""The custom all-reduce for tensor-parallel GPUs: one fused Triton kernel over symmetric
+memory (``peer_all_reduce.PeerAllReduce``) for the messages of decode and mixed steps, NCCL
+above ``MAX_BYTES`` (long prefill chunks, where NCCL's bandwidth-optimal rings win).
 
-Each rank copies its tensor into a buffer every rank can read over NVLink, waits at a
-barrier, and sums all ranks' buffers in one kernel (``torch.ops.symm_mem``; no NVLink
-multicast). At decode sizes (a few to a few hundred KiB) that is one short kernel where
-NCCL's protocol costs several; above ``max_bytes`` NCCL's bandwidth-optimal algorithms
-win and take over. CUDA graphs capture it. vLLM's custom all-reduce is the same idea.
+``torch.ops.atom.all_reduce`` is the opaque op torch.compile sees (level 3), so the fast path
+runs inside the compiled and captured graphs too, as vLLM's ``vllm.all_reduce`` does. The op
+takes the group's name, not the symmetric buffer: a buffer passed through a compiled graph
+may be handed to the op as a functionalization copy, which is not symmetric memory.
 """
 
 from __future__ import annotations
@@ -16,56 +17,81 @@ import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
-MAX_BYTES = 1 << 20  # one-shot up to 1 MiB (a 128-token chunk of a 4096-wide bf16 model)
+MAX_BYTES = 8 << 20  # 1,024 rows of a 4096-wide bf16 model
+
+# communicators by group name, for the op (custom ops take tensors and plain values only);
+# written once per group by ``CustomAllReduce.create``
+_BY_GROUP: dict[str, CustomAllReduce] = {}
 
 
-# An opaque op for torch.compile. ``buffer`` is written but not declared mutated, on purpose:
-# functionalization would hand the op a clone, which is not symmetric memory (vLLM's
-# all-reduce op hides its buffer the same way); nothing else in a graph reads it.
-@torch.library.custom_op("atom::one_shot_all_reduce", mutates_args=())
-def _one_shot(buffer: torch.Tensor, x: torch.Tensor, group_name: str) -> torch.Tensor:
-    flat = buffer[: x.numel() * x.element_size()].view(x.dtype)
-    return torch.ops.symm_mem.one_shot_all_reduce_copy(flat, x.reshape(-1), "sum", group_name).view(x.shape)
+@torch.library.custom_op("atom::all_reduce", mutates_args=())
+def all_reduce_op(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    comm = _BY_GROUP[group_name]
+    if comm.fits(x):
+        return comm(x)
+    out = x.clone()  # the op returns a new tensor: NCCL runs in place on a copy
+    dist.all_reduce(out, group=comm.group)
+    return out
 
 
-@_one_shot.register_fake
-def _(buffer, x, group_name):
+@all_reduce_op.register_fake
+def _(x, group_name):
     return torch.empty_like(x)
 
 
-class OneShotAllReduce:
-    """Sum ``x`` over the group through symmetric memory (``fits(x)`` says whether it may)."""
+class CustomAllReduce:
+    """Sum ``x`` over ``group`` with the peer kernel when ``fits(x)``."""
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, max_bytes: int = MAX_BYTES):
-        from torch.distributed import _symmetric_memory as symm_mem
+        from atom.distributed.peer_all_reduce import PeerAllReduce
 
-        self.group_name, self.max_bytes = group.group_name, max_bytes
-        self.buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
-        symm_mem.rendezvous(self.buffer, self.group_name)
+        self.group, self.group_name = group, group.group_name
+        self.peer = PeerAllReduce(group, device, max_bytes)
 
     def fits(self, x: torch.Tensor) -> bool:
-        return x.is_cuda and x.numel() * x.element_size() <= self.max_bytes
+        return self.peer.fits(x)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return _one_shot(self.buffer, x.contiguous(), self.group_name)
+        return self.peer(x)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` summed over the group: the op under torch.compile, else a direct call
+        (NCCL in place above the size limit)."""
+        if torch.compiler.is_compiling():
+            return torch.ops.atom.all_reduce(x, self.group_name)
+        if self.fits(x):
+            return self(x)
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def _agrees_with_nccl(self, device: torch.device) -> bool:
+        """The kernel's sums equal NCCL's at a few sizes (odd ones included): bf16 and float32."""
+        rank, ok = dist.get_rank(self.group), True
+        for n, dtype in ((4096, torch.bfloat16), (3 * 4096 + 8, torch.bfloat16), (1 << 20, torch.bfloat16),
+                         (1000, torch.float32)):
+            gen = torch.Generator(device=device).manual_seed(1234 + rank)
+            x = torch.randn(n, device=device, dtype=dtype, generator=gen)
+            expected = x.clone()
+            dist.all_reduce(expected, group=self.group)
+            ok &= torch.allclose(self(x).float(), expected.float(), rtol=1e-2, atol=1e-2)
+        return ok
 
     @classmethod
-    def create(cls, group: dist.ProcessGroup, device: torch.device) -> OneShotAllReduce | None:
+    def create(cls, group: dist.ProcessGroup, device: torch.device) -> CustomAllReduce | None:
         """The communicator, checked against NCCL on this group; None (NCCL everywhere) where
-        symmetric memory cannot be set up (no P2P between the GPUs, an old driver)."""
+        it cannot be set up (no P2P between the GPUs, an old driver) or disagrees."""
         comm, why = None, None
         try:
             comm = cls(group, device)
-            x = torch.arange(4096, device=device, dtype=torch.bfloat16) * (dist.get_rank(group) + 1) / 4096
-            expected = x.clone()
-            dist.all_reduce(expected, group=group)
-            why = None if torch.allclose(comm(x), expected, rtol=1e-2) else "it disagreed with NCCL"
+            why = None if comm._agrees_with_nccl(device) else "it disagreed with NCCL"
         except Exception as e:  # any failure leaves NCCL in charge
             why = f"{type(e).__name__}: {e}"
         ok = torch.tensor([why is None], dtype=torch.int32, device=device)
         dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)  # every rank takes the same path
         if not ok.item():
-            logger.warning("one-shot all-reduce unavailable (%s); NCCL runs every all-reduce", why or "on a peer")
+            logger.warning("custom all-reduce unavailable (%s); NCCL runs every all-reduce", why or "on a peer")
             return None
-        logger.info("one-shot all-reduce over symmetric memory for messages up to %d KiB", comm.max_bytes >> 10)
+        _BY_GROUP[comm.group_name] = comm
+        logger.info("custom all-reduce (fused peer kernel over symmetric memory) for messages up to %d KiB",
+                    comm.peer.max_bytes >> 10)
         return comm

@@ -28,8 +28,8 @@ class TPInfo:
     size: int = 1
     group: Any = None  # torch.distributed ProcessGroup when size > 1
     expert_parallel: bool = False
-    # small messages on GPUs: all_reduce.OneShotAllReduce (None: NCCL / gloo for all)
-    one_shot: Any = None
+    # GPUs: all_reduce.CustomAllReduce for the messages it fits (None: NCCL / gloo for all)
+    custom_all_reduce: Any = None
     # data-parallel attention: the MoE layers' own group (the replicas hold different
     # tokens, gathered around each MoE layer; ``dp_attention.py``); None: this one
     moe: TPInfo | None = None
@@ -42,10 +42,8 @@ class TPInfo:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size == 1:
             return x
-        # not inside torch.compile (level 3) yet: its first GPU run with the op hung at
-        # start-up and has not been run since the fix in all_reduce.py (docs/parallel.md)
-        if self.one_shot is not None and not torch.compiler.is_compiling() and self.one_shot.fits(x):
-            return self.one_shot(x)
+        if self.custom_all_reduce is not None:
+            return self.custom_all_reduce.all_reduce(x)
         dist.all_reduce(x, group=self.group)
         return x
 

@@ -52,12 +52,14 @@ def _wait(addrs, SEM: tl.constexpr):  # take this rank's slot 1 -> 0 (spins unti
 
 
 @triton.jit
-def _barrier(pad_ptrs, block, RANK: tl.constexpr, W: tl.constexpr, BEFORE: tl.constexpr, AFTER: tl.constexpr):
+def _barrier(pad_ptrs, block, RANK: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BEFORE: tl.constexpr,
+             AFTER: tl.constexpr):
     """Program ``block`` of every rank meets here. BEFORE: this program's earlier writes are
-    released to the peers; AFTER: the peers' earlier writes are acquired by this program."""
-    ranks = tl.arange(0, W)
+    released to the peers; AFTER: the peers' earlier writes are acquired by this program.
+    Thread t < W signals rank t and waits for it (ranks padded to a power of two for arange)."""
+    ranks = tl.arange(0, WP)
     pads = pad_ptrs.to(tl.pointer_type(tl.uint64))
-    remote = tl.load(pads + ranks).to(tl.pointer_type(tl.uint32)) + block * W + RANK
+    remote = tl.load(pads + ranks, mask=ranks < W, other=0).to(tl.pointer_type(tl.uint32)) + block * W + RANK
     local = tl.load(pads + RANK).to(tl.pointer_type(tl.uint32)) + block * W + ranks
     if BEFORE:
         tl.debug_barrier()
@@ -70,7 +72,7 @@ def _barrier(pad_ptrs, block, RANK: tl.constexpr, W: tl.constexpr, BEFORE: tl.co
 
 @triton.jit
 def _peer_all_reduce_kernel(x_ptr, out_ptr, bufs, pad_ptrs, numel, RANK: tl.constexpr, W: tl.constexpr,
-                            BLOCK: tl.constexpr):
+                            WP: tl.constexpr, BLOCK: tl.constexpr):
     # ``bufs``: every rank's buffer as a tensor argument (not loaded pointers), so that the
     # compiler knows their alignment and issues 16-byte loads
     pid, programs = tl.program_id(0), tl.num_programs(0)
@@ -79,7 +81,7 @@ def _peer_all_reduce_kernel(x_ptr, out_ptr, bufs, pad_ptrs, numel, RANK: tl.cons
         offs = b * BLOCK + tl.arange(0, BLOCK)
         mask = offs < numel
         tl.store(local + offs, tl.load(x_ptr + offs, mask=mask), mask=mask)
-    _barrier(pad_ptrs, pid, RANK, W, True, True)
+    _barrier(pad_ptrs, pid, RANK, W, WP, True, True)
     for b in range(pid, tl.cdiv(numel, BLOCK), programs):
         offs = b * BLOCK + tl.arange(0, BLOCK)
         mask = offs < numel
@@ -87,7 +89,7 @@ def _peer_all_reduce_kernel(x_ptr, out_ptr, bufs, pad_ptrs, numel, RANK: tl.cons
         for r in tl.static_range(W):
             acc += tl.load(bufs[r] + offs, mask=mask).to(tl.float32)
         tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    _barrier(pad_ptrs, pid, RANK, W, True, False)
+    _barrier(pad_ptrs, pid, RANK, W, WP, True, False)
 
 
 class PeerAllReduce:
@@ -107,17 +109,18 @@ class PeerAllReduce:
         self.programs = torch.cuda.get_device_properties(device).multi_processor_count
         self.views: dict[torch.dtype, tuple[torch.Tensor, ...]] = {}  # every rank's buffer, by dtype
 
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            n = max_bytes // dtype.itemsize
+            self.views[dtype] = tuple(self.handle.get_buffer(r, (n,), dtype) for r in range(self.world))
+
     def fits(self, x: torch.Tensor) -> bool:
-        # power-of-two groups: the barrier spreads one peer per thread over tl.arange(0, W)
-        return x.is_cuda and x.numel() * x.element_size() <= self.max_bytes and self.world & (self.world - 1) == 0
+        return x.is_cuda and x.dtype in self.views and x.numel() * x.element_size() <= self.max_bytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
         out = torch.empty_like(x)
-        if x.dtype not in self.views:
-            n = self.max_bytes // x.element_size()
-            self.views[x.dtype] = tuple(self.handle.get_buffer(r, (n,), x.dtype) for r in range(self.world))
         grid = (max(1, min(triton.cdiv(x.numel(), self.BLOCK), self.max_programs, self.programs)),)
         _peer_all_reduce_kernel[grid](x, out, self.views[x.dtype], self.handle.signal_pad_ptrs_dev, x.numel(),
-                                      RANK=self.rank, W=self.world, BLOCK=self.BLOCK, num_warps=self.WARPS)
+                                      RANK=self.rank, W=self.world, WP=triton.next_power_of_2(self.world),
+                                      BLOCK=self.BLOCK, num_warps=self.WARPS)
         return out

@@ -29,7 +29,7 @@ import torch
 
 from atom.config import Config
 from atom.core_types import RunnerOutput, SchedulerOutput
-from atom.distributed.all_reduce import OneShotAllReduce
+from atom.distributed.all_reduce import CustomAllReduce
 from atom.distributed.parallel_state import TPInfo, default_backend
 from atom.sampling_params import SamplingParams
 from atom.worker.executor import MultiprocExecutor
@@ -95,7 +95,7 @@ class RankWorker:
     def __init__(self, config: Config, tp: TPInfo):
         if tp.size > 1 and config.device.type == "cuda" and not config.parallel_config.disable_custom_all_reduce:
             device = torch.device("cuda", torch.cuda.current_device())
-            tp = dataclasses.replace(tp, one_shot=OneShotAllReduce.create(tp.group, device))
+            tp = dataclasses.replace(tp, custom_all_reduce=CustomAllReduce.create(tp.group, device))
         self.runner = ModelRunner(config, tp)
         self.in_flight: dict[int, PendingOutput] = {}  # launched steps by number
         self.params: dict[str, tuple[SamplingParams, tuple[int, ...]]] = {}  # by request, until released

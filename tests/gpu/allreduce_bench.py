@@ -1,11 +1,14 @@
-"""All-reduce on 2+ GPUs: atom's one-shot over symmetric memory (torch's op) and the fused
-peer kernel (``atom/distributed/peer_all_reduce.py``) against NCCL, checked and timed.
+"""All-reduce on 2+ GPUs: atom's custom all-reduce (the fused peer kernel,
+``atom/distributed/peer_all_reduce.py``) and torch's one-shot over symmetric memory against
+NCCL, checked and timed.
 
     python tests/gpu/allreduce_bench.py [--world-size 2]
 
-For bf16 messages of 8 KiB .. 16 MiB: each result against NCCL's (eager and replayed from a
-CUDA graph, fresh inputs each time), then the time of each inside a CUDA graph of 50
-all-reduces (as the decode graphs run them). A table on rank 0, JSON to $OUT.
+First the engine's path: ``CustomAllReduce.create`` (its own check against NCCL), then
+``torch.ops.atom.all_reduce`` inside a ``torch.compile``d function replayed from a CUDA graph,
+as level 3 runs it. Then, for bf16 messages of 8 KiB .. 16 MiB: each result against NCCL's
+(eager and replayed from a CUDA graph, fresh inputs each time), and the time of each inside a
+CUDA graph of 50 all-reduces (as the decode graphs run them). A table on rank 0, JSON to $OUT.
 """
 
 from __future__ import annotations
@@ -75,22 +78,69 @@ def check(fn, n: int, rank: int, device: torch.device) -> tuple[bool, bool]:
     return eager_ok, graph_ok
 
 
+class TorchOneShot:
+    """torch's one-shot all-reduce over symmetric memory, for comparison."""
+
+    def __init__(self, group, device, max_bytes: int):
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        self.group_name = group.group_name
+        self.buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
+        symm_mem.rendezvous(self.buffer, self.group_name)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        flat = self.buffer[: x.numel() * x.element_size()].view(x.dtype)
+        return torch.ops.symm_mem.one_shot_all_reduce_copy(flat, x.reshape(-1), "sum", self.group_name).view(x.shape)
+
+
+def compiled_path_ok(tp, device: torch.device) -> bool:
+    """``TPInfo.all_reduce`` inside torch.compile, eager then replayed from a CUDA graph, equal
+    to NCCL; sizes under and over the custom kernel's limit."""
+    f = torch.compile(lambda x: tp.all_reduce(x * 2) + 1, dynamic=True)
+    ok = True
+    for rows in (1, 256, 3000):
+        x = torch.randn(rows, 4096, device=device, dtype=torch.bfloat16)
+        want = x * 2
+        dist.all_reduce(want)
+        ok &= torch.allclose(f(x).float(), (want + 1).float(), rtol=1e-2, atol=1e-2)
+        buf = x.clone()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            f(buf)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            y = f(buf)
+        buf.copy_(torch.randn_like(buf))
+        g.replay()
+        want = buf * 2
+        dist.all_reduce(want)
+        ok &= torch.allclose(y.float(), (want + 1).float(), rtol=1e-2, atol=1e-2)
+    return ok
+
+
 def rank_main(rank: int, world: int, init: str, out: str) -> None:
-    from atom.distributed.all_reduce import OneShotAllReduce
+    from atom.distributed.all_reduce import CustomAllReduce
+    from atom.distributed.parallel_state import TPInfo
     from atom.distributed.peer_all_reduce import PeerAllReduce
 
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world)
     device = torch.device("cuda", rank)
-    comm = OneShotAllReduce.create(dist.group.WORLD, device)
-    assert comm is not None, "one-shot all-reduce could not be set up"
-    big = OneShotAllReduce(dist.group.WORLD, device, max(SIZES_KIB) << 10)  # to time past the threshold
+    comm = CustomAllReduce.create(dist.group.WORLD, device)
+    assert comm is not None, "the custom all-reduce could not be set up (see the warning)"
+    tp = TPInfo(rank, world, dist.group.WORLD, custom_all_reduce=comm)
+    compiled_ok = compiled_path_ok(tp, device)
+    if rank == 0:
+        print(f"engine path: CustomAllReduce.create ok; inside torch.compile + CUDA graph equal to NCCL: {compiled_ok}",
+              flush=True)
+    one = TorchOneShot(dist.group.WORLD, device, max(SIZES_KIB) << 10)
     peer = PeerAllReduce(dist.group.WORLD, device, max(SIZES_KIB) << 10)
 
     rows = []
     for kib in SIZES_KIB:
         n = (kib << 10) // 2
-        one = comm if comm.fits(torch.empty(n, device=device, dtype=torch.bfloat16)) else big
         row = dict(kib=kib)
         for name, fn in (("one_shot", one), ("peer", peer)):
             try:
@@ -102,7 +152,8 @@ def rank_main(rank: int, world: int, init: str, out: str) -> None:
         row["nccl_us"] = round(graph_time_us(nccl, torch.randn(n, device=device, dtype=torch.bfloat16)), 2)
         rows.append(row)
     if rank == 0:
-        json.dump(rows, open(os.path.join(out, "allreduce_bench.json"), "w"), indent=1)
+        with open(os.path.join(out, "allreduce_bench.json"), "w") as f:
+            json.dump(dict(compiled_ok=compiled_ok, rows=rows), f, indent=1)
         print(f"\n{world} GPUs, bf16, time per all-reduce inside a CUDA graph of {REPS}")
         print("| KiB | one-shot == NCCL (eager / graph) | peer == NCCL | NCCL us | one-shot us | peer us "
               "| NCCL / one-shot | NCCL / peer |")

@@ -17,11 +17,12 @@ spec = importlib.util.spec_from_file_location("par", os.path.join(HERE, "../../a
 par = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(par)
 ALIGNED = [["tt.divisibility", 16]]
-for world in (2, 4, 8):
+for world in (2, 3, 4, 8):
     sig = {"x_ptr": "*bf16", "out_ptr": "*bf16", "bufs": ("*bf16",) * world, "pad_ptrs": "*u64", "numel": "i32",
-           "RANK": "constexpr", "W": "constexpr", "BLOCK": "constexpr"}
+           "RANK": "constexpr", "W": "constexpr", "WP": "constexpr", "BLOCK": "constexpr"}
     attrs = {(0,): ALIGNED, (1,): ALIGNED, (4,): ALIGNED} | {(2, r): ALIGNED for r in range(world)}
-    src = ASTSource(par._peer_all_reduce_kernel, sig, constexprs={"RANK": 1, "W": world, "BLOCK": 4096}, attrs=attrs)
+    consts = {"RANK": 1, "W": world, "WP": triton.next_power_of_2(world), "BLOCK": 4096}
+    src = ASTSource(par._peer_all_reduce_kernel, sig, constexprs=consts, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 16})
     ptx = k.asm["ptx"]
     print(f"world {world}: 16-byte loads {ptx.count('ld.global.v4')} of {ptx.count('ld.global')}, "

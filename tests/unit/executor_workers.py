@@ -22,3 +22,48 @@ class EchoWorker:
 
     def fail(self) -> None:
         raise ValueError(f"bad request on rank {self.rank}")
+
+
+class AllReduceWorker:
+    """Runs ``TPInfo.all_reduce`` with a custom communicator in place, eagerly and inside
+    torch.compile. The GPU kernel cannot run on the CPU: a gloo sum in the kernel's place
+    records which messages reached it, so the test checks the dispatch around it."""
+
+    def __init__(self, tp):
+        import dataclasses
+
+        import torch.distributed as dist
+
+        from atom.distributed import all_reduce
+
+        class GlooKernel:  # the fused peer kernel's interface: fits(x), __call__(x) -> new tensor
+            max_bytes = 4096 * 4
+            calls: list[int] = []
+
+            def fits(self, x):
+                return x.numel() * x.element_size() <= self.max_bytes
+
+            def __call__(self, x):
+                self.calls.append(x.numel())
+                out = x.clone()
+                dist.all_reduce(out, group=tp.group)
+                return out
+
+        comm = all_reduce.CustomAllReduce.__new__(all_reduce.CustomAllReduce)
+        comm.group, comm.group_name, comm.peer = tp.group, tp.group.group_name, GlooKernel()
+        all_reduce._BY_GROUP[comm.group_name] = comm
+        self.tp, self.kernel = dataclasses.replace(tp, custom_all_reduce=comm), comm.peer
+
+    def run(self, compiled: bool, rows_list: list[int]) -> tuple[list, list[int]]:
+        import torch
+
+        def f(x):
+            return self.tp.all_reduce(x * 2) + 1
+
+        fn = torch.compile(f, dynamic=True, backend="aot_eager") if compiled else f
+        outs = []
+        for rows in rows_list:
+            x = torch.arange(rows * 4096, dtype=torch.float32).reshape(rows, 4096) * (self.tp.rank + 1)
+            outs.append(fn(x))
+        calls, self.kernel.calls[:] = list(self.kernel.calls), []
+        return outs, calls
