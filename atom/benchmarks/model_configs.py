@@ -67,6 +67,7 @@ def parse_offline_args(doc: str, argv: list[str] | None, default_model: str, row
     add_arguments(p, head + rows + tail + [("--output-json", str, "write the result here")])
     p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1, help="GPUs per engine (both engines)")
     p.add_argument("--enable-expert-parallel", action="store_true", help="MoE experts sharded over the -tp ranks")
+    p.add_argument("--disable-custom-all-reduce", action="store_true", help="NCCL for every all-reduce (both engines)")
     return p.parse_args(argv)
 
 
@@ -78,6 +79,7 @@ class Engine:
         kwargs.update(skip_tokenizer_init=True, max_model_len=args.max_model_len, enforce_eager=args.enforce_eager)
         kwargs.update(tensor_parallel_size=args.tensor_parallel_size)
         kwargs.update(enable_expert_parallel=args.enable_expert_parallel)
+        kwargs.update(disable_custom_all_reduce=args.disable_custom_all_reduce)
         if self.vllm:
             from vllm import LLM, SamplingParams
 
