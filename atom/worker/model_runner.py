@@ -34,7 +34,7 @@ from atom.worker.logits_processors import process_logits
 from atom.worker.logprobs import prompt_logprobs, token_logprobs, top_logprobs
 from atom.worker.profiler import start_torch_profiler
 from atom.worker.sampler import SamplingTensors, sample
-from atom.worker.warmup import warm_up_sampler, warmup_batches, warmup_inputs
+from atom.worker.warmup import log_late_compiles, warm_up_sampler, warmup_batches, warmup_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -287,7 +287,13 @@ class ModelRunner:
                     time.perf_counter() - start)
 
     def capture_cudagraphs(self) -> None:
-        """Capture decode graphs unless eager is asked for or the ops cannot be captured."""
+        """Capture decode graphs unless eager is asked for or the ops cannot be captured; the
+        last step of start-up, so from here on a Triton kernel compiled is a warm-up gap."""
+        self._capture_cudagraphs()
+        if self.device.type == "cuda":
+            log_late_compiles()
+
+    def _capture_cudagraphs(self) -> None:
         from atom.ops import use_triton
         from atom.worker.cuda_graph import CUDAGraphRunner
 

@@ -13,12 +13,19 @@ The batches write no KV (slot -1) and read block 0 for every page: only shapes m
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from atom.forward_context import AttentionMetadata
 from atom.worker.sampler import SamplingTensors, sample
 
+logger = logging.getLogger(__name__)
+
 MAX_SPLITS = 64  # atom.ops.triton.attention._num_splits: at most 64 splits of at least 32 keys
+# temperature-only sampling at these row counts meets every split count of ``split_sample``
+# (``sampling_fused._splits`` halves with each doubling of the rows, down to one split)
+SAMPLER_ROWS = tuple(1 << i for i in range(9))
 
 
 def warmup_batches(max_num_batched_tokens: int, max_model_len: int) -> list[tuple[list[int], list[int]]]:
@@ -55,7 +62,14 @@ def warmup_inputs(q_lens: list[int], seq_lens: list[int], block_size: int, devic
 
 
 def warm_up_sampler(compute_logits, hidden: torch.Tensor) -> None:
-    """Greedy and filtered sampling on two rows (the filter kernel compiles on first use)."""
+    """Filtered sampling on two rows, and temperature-only sampling at 1, 2, 4 .. 256 rows:
+    the filter kernel and each split of the few-rows kernel (``split_sample``: the split count
+    is a compile-time constant) compile on first use."""
+    plain = compute_logits(hidden[:1])
+    for rows in SAMPLER_ROWS:
+        logits = plain.expand(rows, -1).contiguous()
+        temperatures = torch.full((rows,), 0.7, device=logits.device)
+        sample(logits, SamplingTensors(temperatures, None, None, None, [None] * rows, all_greedy=False))
     logits = compute_logits(hidden[:2])
     device = logits.device
     rows = logits.shape[0]
@@ -63,3 +77,16 @@ def warm_up_sampler(compute_logits, hidden: torch.Tensor) -> None:
                           dtype=torch.float32, device=device)  # fmt: skip
     sample(logits, SamplingTensors(temperatures=params[0], top_k=params[1].to(torch.int32), top_p=params[2],
                                    min_p=params[3], generators=[None] * rows, all_greedy=False))  # fmt: skip
+
+
+def log_late_compiles() -> None:
+    """Log each Triton kernel variant compiled from now on (after start-up): a gap in the
+    warm-up, which stalls the step that meets it by 0.1-1 s."""
+    import triton
+
+    def hook(*, fn, compile, **_):
+        logger.info("Triton kernel %s built after start-up (a warm-up gap), constants %s", fn.name,
+                    compile["constants"])
+        return None  # compile it
+
+    triton.knobs.runtime.jit_cache_hook = hook

@@ -8,8 +8,9 @@ window the GPU was busy (the rest: host gaps).
 
 A run is ``ENGINE:TP[:LEVEL]`` (LEVEL: atom's compilation level, default 3); one engine per
 process is safest (an engine's memory outlives it in the process). atom profiles through its
-own ``start_profile`` (rank 0's trace under -tp); vLLM runs in-process
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one GPU) under ``torch.profiler``. Traces in $OUT.
+own ``start_profile`` (rank 0's trace under -tp); vLLM on one GPU runs in-process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) under ``torch.profiler``, on several GPUs with its own
+worker profiler (``profiler_config``, rank 0's trace). Traces in $OUT.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import json
 import os
 import random
 import re
+import time
 from collections import defaultdict
 
 from atom import SamplingParams
@@ -80,14 +82,21 @@ def atom_run(model: str, tp: int, level: int, prompts, params, window, out: str)
     return ([t for t in traces if "rank_0" in t] or traces)[0]
 
 
-def vllm_run(model: str, prompts, params, window, out: str) -> str:
+def vllm_run(model: str, tp: int, prompts, params, window, out: str) -> str:
+    """One GPU: in-process under ``torch.profiler`` (one profiler sees the model). Several:
+    vLLM's own worker profiler (``profiler_config``), rank 0's trace."""
     import torch
 
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the model runs in this process: one profiler sees it
+    if tp == 1:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM
     from vllm import SamplingParams as VParams
 
-    llm = LLM(model_dir(model), load_format="dummy", skip_tokenizer_init=True, max_model_len=4096)
+    prof_dir = os.path.abspath(f"{out}/prof_vllm_tp{tp}")
+    extra = {} if tp == 1 else dict(profiler_config=dict(profiler="torch", torch_profiler_dir=prof_dir,
+                                                         torch_profiler_with_stack=False))
+    llm = LLM(model_dir(model), load_format="dummy", skip_tokenizer_init=True, max_model_len=4096,
+              tensor_parallel_size=tp, **extra)
     engine = llm.llm_engine
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], VParams(max_tokens=8, detokenize=False), use_tqdm=False)
     for i, (prompt, p) in enumerate(zip(prompts, params)):
@@ -96,8 +105,17 @@ def vllm_run(model: str, prompts, params, window, out: str) -> str:
                                               torch.profiler.ProfilerActivity.CUDA])
     for step in range(window[1]):
         if step == window[0]:
-            prof.start()
+            prof.start() if tp == 1 else llm.start_profile()
         engine.step()
+    if tp > 1:
+        llm.stop_profile()
+        for _ in range(120):  # the workers write their traces as they stop profiling
+            traces = sorted(glob.glob(f"{prof_dir}/**/*.json*", recursive=True))
+            if len(traces) >= tp:
+                break
+            time.sleep(1)
+        time.sleep(5)
+        return ([t for t in traces if "rank0" in t or "tp0" in t or "rank_0" in t] or traces)[0]
     torch.cuda.synchronize()
     prof.stop()
     path = f"{out}/prof_vllm.json"
@@ -111,9 +129,7 @@ def run(model: str, spec: str, window: tuple[int, int], out: str, batch_1: bool)
     prompts, max_tokens = ([list(range(1, 33))], [512]) if batch_1 else workload(256, 1024, 1024)
     params = [dict(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
     if engine == "vllm":
-        if int(tp) != 1:
-            raise SystemExit("vLLM runs in-process here: one GPU only")
-        return summarise(vllm_run(model, prompts, params, window, out))
+        return summarise(vllm_run(model, int(tp), prompts, params, window, out))
     return summarise(atom_run(model, int(tp), int(level), prompts, params, window, out))
 
 

@@ -3,7 +3,7 @@
 import torch
 
 from atom import LLMEngine
-from atom.worker.warmup import MAX_SPLITS, warm_up_sampler, warmup_batches, warmup_inputs
+from atom.worker.warmup import MAX_SPLITS, SAMPLER_ROWS, warm_up_sampler, warmup_batches, warmup_inputs
 
 
 def test_batches_cover_each_kind_within_limits():
@@ -39,3 +39,12 @@ def test_every_batch_runs_through_the_model(tiny_model):
             hidden = runner.run_model(ids, positions, meta)
             assert hidden.shape[0] == sum(q_lens)  # the KV read is block 0's: values do not matter
         warm_up_sampler(runner.model.compute_logits, hidden)
+
+
+def test_sampler_warmup_meets_every_split_count():
+    from atom.ops.triton.sampling_fused import _splits
+
+    cpu = torch.device("cpu")
+    for vocab in (151936, 32000, 4096):
+        every = {_splits(rows, vocab, cpu) for rows in range(1, 1025)}
+        assert {_splits(rows, vocab, cpu) for rows in SAMPLER_ROWS} == every
