@@ -70,6 +70,7 @@ class RankSpec:
     init_method: str
     backend: str | None
     parent_pid: int
+    log_level: int = logging.WARNING  # the parent's: a spawned process starts with no logging set up
 
 
 class MultiprocExecutor:
@@ -86,7 +87,8 @@ class MultiprocExecutor:
         self._procs, self._conns = [], []
         for rank in range(world_size):
             parent, child = ctx.Pipe()
-            spec = RankSpec(rank, world_size, init_method, backend, os.getpid())
+            spec = RankSpec(rank, world_size, init_method, backend, os.getpid(),
+                            logging.getLogger().getEffectiveLevel())
             proc = ctx.Process(target=_rank_main, args=(spec, make_worker, child), name=f"atom-rank-{rank}",
                                daemon=True)
             proc.start()
@@ -197,6 +199,7 @@ def _stop_ranks(procs: list, conns: list[Connection], rendezvous: str) -> None:
 # the rank process
 def _rank_main(spec: RankSpec, make_worker: Callable[[TPInfo], Any], conn: Connection) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent decides
+    logging.basicConfig(level=spec.log_level, format=f"%(levelname)s [rank {spec.rank}] %(name)s: %(message)s")
     threading.Thread(target=_watch_parent, args=(spec.parent_pid,), daemon=True, name="parent-watch").start()
     try:
         tp = init_distributed(spec.rank, spec.world_size, spec.init_method, spec.backend)

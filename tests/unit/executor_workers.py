@@ -1,6 +1,7 @@
 """A worker for the executor's lifetime tests, in a module that imports next to nothing, so
 spawned ranks start quickly."""
 
+import logging
 import os
 
 
@@ -16,6 +17,9 @@ class EchoWorker:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def log(self, message: str) -> None:
+        logging.getLogger("atom.test").info(message)
 
     def crash(self) -> None:
         os._exit(3)

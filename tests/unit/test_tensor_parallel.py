@@ -6,6 +6,7 @@ dies or its parent is killed (SIGKILL, SIGTERM)."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import signal
 import subprocess
@@ -255,6 +256,19 @@ def test_rank_exception_raises_its_traceback_and_stops_every_rank():
     with pytest.raises(RankFailure, match="(?s)rank ([01]) raised.*bad request on rank \\1"):
         ex.collective_rpc("fail", timeout_s=RPC_TIMEOUT_S)
     assert wait_gone(pids) == []
+
+
+def test_ranks_log_at_the_parents_level(capfd):
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.INFO)
+    try:
+        with MultiprocExecutor(2, EchoWorker, backend="gloo") as ex:
+            ex.collective_rpc("log", "a rank's message", timeout_s=RPC_TIMEOUT_S)
+    finally:
+        root.setLevel(level)
+    err = capfd.readouterr().err
+    assert "INFO [rank 0] atom.test: a rank's message" in err and "INFO [rank 1] atom.test: a rank's message" in err
 
 
 def test_posted_calls_run_in_order_and_their_failure_surfaces_at_the_next_call():
