@@ -28,12 +28,6 @@ def apply_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return ops.linear(x, weight, bias) if x.is_cuda else F.linear(x, weight, bias)
 
 
-def apply_silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear(silu_and_mul(x), weight, bias)``: on CUDA one op (``ops.silu_mul_linear``,
-    a single skinny GEMM launch at decode); elsewhere the two ops, as ``apply_linear``."""
-    return ops.silu_mul_linear(x, weight, bias) if x.is_cuda else F.linear(ops.silu_and_mul(x), weight, bias)
-
-
 def _param(*shape: int, loader) -> nn.Parameter:
     p = nn.Parameter(torch.empty(*shape), requires_grad=False)
     p.weight_loader = loader
@@ -126,16 +120,8 @@ class RowParallelLinear(LinearBase):
             raise ValueError(f"input size {input_size} not divisible by tensor-parallel size {tp.size}")
         super().__init__(input_size // tp.size, output_size, bias, tp, 1)
 
-    def forward(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
-        """With ``silu_mul``, ``x`` is a gate_up output and the layer's input is
-        ``silu_and_mul(x)``: fused into the GEMM for an unquantised weight, a separate op
-        in front of a quantised one."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         # bias added once, after the reduction
         bias = self.bias if self.tp.rank == 0 else None
-        if self.quant_method is not None:
-            y = self.quant_method.apply(self, ops.silu_and_mul(x) if silu_mul else x, bias)
-        elif silu_mul:
-            y = apply_silu_mul_linear(x, self.weight, bias)
-        else:
-            y = apply_linear(x, self.weight, bias)
+        y = apply_linear(x, self.weight, bias) if self.quant_method is None else self.quant_method.apply(self, x, bias)
         return self.tp.all_reduce(y)

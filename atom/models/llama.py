@@ -9,6 +9,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from atom.distributed.parallel_state import SINGLE, TPInfo
+from atom.layers.activation import SiluAndMul
 from atom.layers.attention import Attention
 from atom.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from atom.layers.layernorm import RMSNorm
@@ -44,11 +45,10 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias, tp)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, tp)
+        self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # the SiLU-mul runs inside the down projection: fused into its GEMM's input loads for a
-        # plain weight (one launch fewer per layer at decode), its own op before an FP8 GEMM
-        return self.down_proj(self.gate_up_proj(x), silu_mul=True)
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 MlpFactory = Callable[[PretrainedConfig, TPInfo, int], nn.Module]

@@ -40,7 +40,6 @@ __all__ = [
     "rotary_embedding",
     "sample_tokens",
     "silu_and_mul",
-    "silu_mul_linear",
     "store_kv_cache",
     "top_k_top_p_min_p",
     "w8a8_matmul",
@@ -201,11 +200,6 @@ silu_and_mul = register_op(
     triton=f"{_T}.activation:silu_and_mul",
     fake=lambda x: x.new_empty((*x.shape[:-1], x.shape[-1] // 2)),
 )(reference.silu_and_mul)
-silu_mul_linear = register_op(
-    "silu_mul_linear",
-    triton=f"{_T}.gemv:silu_mul_linear",
-    fake=lambda x, weight, bias=None: x.new_empty((*x.shape[:-1], weight.shape[0])),
-)(reference.silu_mul_linear)
 rotary_embedding = register_op(
     "rotary_embedding",
     triton=f"{_T}.rope_cache:rotary_embedding",

@@ -40,12 +40,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(silu_and_mul(x), weight, bias)``: an MLP's down projection of its gate_up
-    output ``x`` [..., 2 * d] (``weight`` [N, d])."""
-    return F.linear(silu_and_mul(x), weight, bias)
-
-
 def _rotate_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)

@@ -6,10 +6,6 @@ enough copies of the weight (>= 320 MB) that none is still in L2; the copy bandw
 1 GiB ``copy_`` measured in the same run gives the floor (weight bytes / bandwidth).
 Writes $OUT/gemv_bench.json (or ./gpu-results) and prints a table last.
 
-First, the down projections at 1-4 rows with their SiLU-mul: ``silu_and_mul`` then the skinny
-GEMM (today's two launches), the fused ``skinny_gemm(gated=True)``, and ``silu_and_mul`` then
-cuBLAS, each from the [m, 2K] gate_up output. ``--budget-s 0`` runs only that.
-
     python tests/gpu/gemv_bench.py [--budget-s 120]
 """
 
@@ -24,7 +20,6 @@ from dataclasses import asdict
 import torch
 import torch.nn.functional as F
 
-from atom.ops.triton.activation import silu_and_mul
 from atom.ops.triton.gemv import GemvConfig, pick_config, skinny_gemm
 
 DEV = "cuda"
@@ -39,7 +34,6 @@ SHAPES = {  # name: (N, K)
     "0.6b.gate_up": (6144, 1024),
     "0.6b.down": (1024, 3072),
 }
-GATED_SHAPES = ("8b.down", "0.6b.down")  # the projections whose input is silu_and_mul(gate_up)
 M_ORDER = (1, 16, 8, 4, 2, 32)  # most important first, in case the budget runs out
 C = GemvConfig
 
@@ -140,20 +134,6 @@ def measure(name: str, n: int, k: int, m: int, ws: list[torch.Tensor], bw: float
     return row
 
 
-def measure_gated(name: str, n: int, k: int, m: int, ws: list[torch.Tensor], bw: float) -> dict:
-    """One down projection at m rows from its gate_up output: unfused (two launches) vs fused."""
-    x = torch.randn(m, 2 * k, device=DEV, dtype=ws[0].dtype)
-    cfg = pick_config(m, n, k)
-    fused = skinny_gemm(x, ws[0], None, cfg, gated=True)
-    unfused = skinny_gemm(silu_and_mul(x), ws[0], None, cfg)
-    row = {"shape": name, "n": n, "k": k, "m": m, "floor_us": n * k * 2 / bw * 1e6, "cfg": asdict(cfg),
-           "same_bits": torch.equal(fused, unfused)}  # fmt: skip
-    row["unfused_us"] = graph_us(lambda w: skinny_gemm(silu_and_mul(x), w, None, cfg), ws)
-    row["fused_us"] = graph_us(lambda w: skinny_gemm(x, w, None, cfg, gated=True), ws)
-    row["torch_us"] = graph_us(lambda w: F.linear(silu_and_mul(x), w), ws)
-    return row
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--budget-s", type=float, default=120.0)
@@ -168,13 +148,6 @@ def main() -> None:
     for name, (n, k) in SHAPES.items():
         copies = max(2, -(-320_000_000 // (n * k * 2)))
         weights[name] = [torch.randn(n, k, device=DEV, dtype=dtype) / k**0.5 for _ in range(copies)]
-    gated = [measure_gated(name, *SHAPES[name], m, weights[name], bw) for name in GATED_SHAPES for m in (1, 2, 4)]
-    print(f"{'down + silu_mul':<14}{'m':>3}{'floor':>8}{'unfused':>9}{'fused':>9}{'saved':>7}"
-          f"{'torch':>9}  same bits")  # fmt: skip
-    for r in gated:
-        saved = r["unfused_us"] - r["fused_us"]
-        print(f"{r['shape']:<14}{r['m']:>3}{r['floor_us']:>8.1f}{r['unfused_us']:>9.1f}{r['fused_us']:>9.1f}"
-              f"{saved:>7.1f}{r['torch_us']:>9.1f}  {r['same_bits']}", flush=True)  # fmt: skip
     results, failures, skipped = [], [], []
     for m in M_ORDER:
         for name, (n, k) in SHAPES.items():
@@ -189,7 +162,7 @@ def main() -> None:
             print(f"{name} m={m} torch {row['torch_us']:.1f} best {best['us']:.1f} {best['cfg']} "
                   f"({time.time() - t0:.0f}s)", flush=True)  # fmt: skip
     with open(os.path.join(out_dir, "gemv_bench.json"), "w") as f:
-        json.dump({"copy_bw": bw, "device": torch.cuda.get_device_name(), "results": results, "silu_mul": gated,
+        json.dump({"copy_bw": bw, "device": torch.cuda.get_device_name(), "results": results,
                    "failures": failures, "skipped": skipped}, f, indent=1)  # fmt: skip
     print(f"\ncorrectness: {len(failures)} failing configs; skipped (budget): {skipped}")
     for fail in failures[:5]:

@@ -1,6 +1,5 @@
-"""The skinny GEMM behind ``atom.ops.linear`` (and ``ops.silu_mul_linear``, the down projection
-with SiLU-mul fused in) at Qwen3 shapes on CUDA: against an fp32 product, inside a CUDA graph,
-and under torch.compile with a dynamic batch.
+"""The skinny GEMM behind ``atom.ops.linear`` at Qwen3 shapes on CUDA: against an fp32
+product, inside a CUDA graph, and under torch.compile with a dynamic batch.
 
 Run in its own pytest process (tests/kernels switches Triton to its interpreter)."""
 
@@ -60,39 +59,3 @@ def test_linear_compiled_dynamic_batch():
     for m in (MAX_ROWS, MAX_ROWS + 1, 40):
         x = torch.randn(m, 512, device=DEV, dtype=torch.bfloat16)
         torch.testing.assert_close(fn(x), ops.linear(x, w, bias) * 2, atol=0, rtol=0)
-
-
-# Qwen3-8B and Qwen3-0.6B down projections (N, d): the gate_up output is [m, 2d]
-@pytest.mark.parametrize("n,d", [(4096, 12288), (1024, 3072), (1000, 1000)])
-@pytest.mark.parametrize("m", [1, 2, 17])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_silu_mul_linear_real_shapes(n, d, m, dtype, with_bias):
-    x = torch.randn(m, 2 * d, device=DEV, dtype=dtype)
-    w = torch.randn(n, d, device=DEV, dtype=dtype) / d**0.5
-    bias = torch.randn(n, device=DEV, dtype=dtype) if with_bias else None
-    out = ops.silu_mul_linear(x, w, bias)
-    assert out.dtype == dtype and out.shape == (m, n)
-    ref = ops.reference.silu_mul_linear(x.float(), w.float(), None if bias is None else bias.float())
-    assert_close(out, ref, dtype)
-    # the same bits as today's two ops (the fused kernel rounds its input as silu_and_mul does)
-    torch.testing.assert_close(out, ops.linear(ops.silu_and_mul(x), w, bias), atol=0, rtol=0)
-
-
-def test_silu_mul_linear_in_cuda_graph_and_compiled():
-    w = torch.randn(1024, 3072, device=DEV, dtype=torch.bfloat16) / 55
-    x = torch.randn(1, 2 * 3072, device=DEV, dtype=torch.bfloat16)
-    ops.silu_mul_linear(x, w)  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = ops.silu_mul_linear(x, w)
-    for _ in range(2):
-        x.copy_(torch.randn_like(x))
-        graph.replay()
-        torch.cuda.synchronize()
-        torch.testing.assert_close(out, ops.silu_mul_linear(x, w), atol=0, rtol=0)
-    fn = torch.compile(lambda x: ops.silu_mul_linear(x, w) * 2, dynamic=True, fullgraph=True)
-    for m in (MAX_ROWS, MAX_ROWS + 1, 40):
-        x = torch.randn(m, 2 * 3072, device=DEV, dtype=torch.bfloat16)
-        torch.testing.assert_close(fn(x), ops.silu_mul_linear(x, w) * 2, atol=0, rtol=0)

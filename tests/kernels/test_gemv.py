@@ -2,9 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from atom.ops import reference
 from atom.ops.triton import gemv
-from atom.ops.triton.activation import silu_and_mul
 from atom.ops.triton.gemv import GemvConfig, skinny_gemm
 
 CONFIGS = [
@@ -61,52 +59,3 @@ def test_linear_falls_back_to_torch():
         ww = w.to(x.dtype)
         assert not gemv.use_skinny(x, ww, None)
         torch.testing.assert_close(gemv.linear(x, ww), F.linear(x, ww), atol=0, rtol=0)
-
-
-# the down projection with SiLU-mul fused into the K-loop: x is the [M, 2d] gate_up output
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.mode}-n{c.block_n}-k{c.block_k}-s{c.split_k}")
-@pytest.mark.parametrize("m,n,d", [(1, 37, 100), (2, 40, 96), (3, 50, 130), (4, 33, 45)])
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_skinny_gemm_gated(cfg, m, n, d, with_bias, dtype, assert_close):
-    if cfg.mode == "dot" and dtype == torch.float32:
-        dtype = torch.bfloat16
-    x = torch.randn(m, 2 * d, dtype=dtype)
-    w = torch.randn(n, d, dtype=dtype) / d**0.5
-    bias = torch.randn(n, dtype=dtype) if with_bias else None
-    out = skinny_gemm(x, w, bias, cfg, gated=True)
-    assert out.dtype == dtype
-    ref = reference.silu_mul_linear(x.double(), w.double(), None if bias is None else bias.double())
-    assert_close(out, ref, dtype, scale=2)
-    # the same bits as the two kernels it replaces: silu_and_mul rounds its output to the dtype
-    unfused = skinny_gemm(silu_and_mul(x), w, bias, cfg)
-    torch.testing.assert_close(out, unfused, atol=0, rtol=0)
-
-
-def test_skinny_gemm_gated_checks_the_width():
-    with pytest.raises(ValueError, match="does not match"):
-        skinny_gemm(torch.randn(1, 64), torch.randn(8, 64), None, CONFIGS[0], gated=True)
-
-
-@pytest.mark.parametrize("m,wide", [(1, False), (3, True)])
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_silu_mul_linear_picks_the_skinny_kernel(m, wide, with_bias, monkeypatch, assert_close):
-    monkeypatch.setattr(gemv, "WIDE_N", 300 if wide else 10**9)
-    dtype = torch.bfloat16
-    x = torch.randn(1, m, 2 * 90, dtype=dtype)
-    w = torch.randn(300, 90, dtype=dtype) / 10
-    bias = torch.randn(300, dtype=dtype) if with_bias else None
-    assert gemv.use_skinny(x, w, bias)
-    out = gemv.silu_mul_linear(x, w, bias)
-    assert out.shape == (1, m, 300)
-    assert_close(out, reference.silu_mul_linear(x.double(), w.double(), None if bias is None else bias.double()),
-                 dtype, scale=2)  # fmt: skip
-    # one launch, the output of today's two (silu_and_mul, then the skinny linear)
-    torch.testing.assert_close(out, gemv.linear(silu_and_mul(x), w, bias), atol=0, rtol=0)
-
-
-def test_silu_mul_linear_falls_back_to_silu_and_mul_and_torch():
-    w = torch.randn(24, 40)
-    for x in (torch.randn(gemv.MAX_ROWS + 1, 80).half(), torch.randn(2, 80), torch.randn(0, 80).half()):
-        ww = w.to(x.dtype)
-        assert not gemv.use_skinny(x, ww, None)
-        torch.testing.assert_close(gemv.silu_mul_linear(x, ww), F.linear(silu_and_mul(x), ww), atol=0, rtol=0)

@@ -16,7 +16,6 @@ import time
 
 import pytest
 import torch
-import torch.nn.functional as F
 from executor_workers import EchoWorker
 from transformers import AutoConfig
 
@@ -205,20 +204,6 @@ def test_ranks_read_only_their_shards_of_the_checkpoint():
     embed.weight_loader(embed.weight, CheckpointSlice(source))
     assert source.reads == [(slice(4, 7), slice(0, 3))]
     assert torch.equal(embed.weight[:3], source.tensor[4:]) and not embed.weight[3].any()
-
-
-def test_row_parallel_silu_mul_adds_the_bias_once(monkeypatch):
-    """``forward(gate_up, silu_mul=True)`` is ``forward(silu_and_mul(gate_up))``: every rank's
-    partial product, the bias on rank 0 only (the all-reduce adds the ranks' outputs)."""
-    monkeypatch.setattr(TPInfo, "all_reduce", lambda self, x: x)  # each rank's own output
-    gate_up = torch.randn(3, 16)  # 2 x this rank's 8 input features
-    for rank in (0, 1):
-        row = RowParallelLinear(16, 5, bias=True, tp=TPInfo(rank, 2))
-        row.weight.data.normal_()
-        row.bias.data.normal_()
-        expected = F.linear(ops.silu_and_mul(gate_up), row.weight, row.bias if rank == 0 else None)
-        torch.testing.assert_close(row(gate_up, silu_mul=True), expected, atol=0, rtol=0)
-        torch.testing.assert_close(row(ops.silu_and_mul(gate_up)), expected, atol=0, rtol=0)
 
 
 # executor lifetime

@@ -13,10 +13,6 @@ adds in a fixed order (deterministic, no atomics). Three ways to multiply a tile
 
 ``pick_config`` holds the H100 sweep's winners (``sum`` at 1-2 rows, ``dot`` above); split-K
 and ``defer`` stay as options of the sweep (tests/gpu/gemv_bench.py), for other GPUs and shapes.
-
-``silu_mul_linear`` is the MLP's down projection with the SiLU-mul in front fused in (``GATED``):
-the K-loop loads the gate and up tiles of the [M, 2K] gate_up output and forms the GEMM's input
-tile as ``silu_and_mul`` would, which saves that kernel's launch (one per layer at decode).
 """
 
 from __future__ import annotations
@@ -27,8 +23,6 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-
-from atom.ops.triton.activation import silu_and_mul
 
 _MODES = {"sum": 0, "defer": 1, "dot": 2}
 # Where the skinny kernel beats cuBLAS (H100 sweep, tests/gpu/gemv_bench.py, CUDA-graph replay
@@ -50,16 +44,6 @@ class GemvConfig:
     num_stages: int = 2
 
 
-@triton.jit
-def _silu_mul(gate, up):
-    """``silu(gate) * up`` in fp32, with silu and the product each rounded to the input dtype as
-    activation.py's kernel rounds them: the fused GEMM sees the same input bits as the unfused one."""
-    dtype = gate.dtype
-    gate = gate.to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    return (act * up.to(tl.float32)).to(dtype)
-
-
 # M is not specialised (M == 1 would be a variant of its own): one compiled variant per
 # power-of-two row bucket, all of which CUDA-graph capture and warm-up compile at start-up
 @triton.jit(do_not_specialize=["M"])
@@ -67,7 +51,7 @@ def _skinny_gemm_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr,
     M, N, K, k_per_split,
     stride_xm, stride_wn, stride_om, stride_os,
-    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr, MODE: tl.constexpr, GATED: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr, MODE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
@@ -91,16 +75,10 @@ def _skinny_gemm_kernel(
         k = k_start + k0 + rk
         if EVEN_K:
             x = tl.load(x_rows + k[None, :])
-            if GATED:
-                up = tl.load(x_rows + K + k[None, :])
             w = tl.load(w_rows + k[None, :], eviction_policy="evict_first")
         else:
             x = tl.load(x_rows + k[None, :], mask=k[None, :] < K, other=0.0)
-            if GATED:
-                up = tl.load(x_rows + K + k[None, :], mask=k[None, :] < K, other=0.0)
             w = tl.load(w_rows + k[None, :], mask=k[None, :] < K, other=0.0, eviction_policy="evict_first")
-        if GATED:  # x holds the gate: the input tile is silu(gate) * up, rounded as silu_and_mul rounds it
-            x = _silu_mul(x, up)
         if MODE == 2:
             acc = tl.dot(x, tl.trans(w), acc)
         elif MODE == 1:
@@ -135,16 +113,11 @@ def _split_k_reduce_kernel(
     tl.store(out_ptr + m * stride_om + rn, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def skinny_gemm(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: GemvConfig, gated: bool = False
-) -> torch.Tensor:
+def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: GemvConfig) -> torch.Tensor:
     """``x @ weight.T + bias`` for 2-D ``x`` [M, K] and ``weight`` [N, K], both with unit
-    stride along K; fp32 accumulation, output in ``x``'s dtype. With ``gated``, ``x`` is
-    [M, 2K] and the product is ``silu_and_mul(x) @ weight.T + bias``."""
-    m = x.shape[0]
-    n, k = weight.shape
-    if x.shape[1] != (2 * k if gated else k):
-        raise ValueError(f"input {tuple(x.shape)} does not match weight {tuple(weight.shape)} (gated={gated})")
+    stride along K; fp32 accumulation, output in ``x``'s dtype."""
+    m, k = x.shape
+    n = weight.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
@@ -161,7 +134,7 @@ def skinny_gemm(
     _skinny_gemm_kernel[grid](
         x, weight, b, target, m, n, k, k_per_split,
         x.stride(0), weight.stride(0), target.stride(-2), target.stride(0) if partial else 0,
-        HAS_BIAS=bias is not None, PARTIAL=partial, EVEN_K=even_k, MODE=mode, GATED=gated,
+        HAS_BIAS=bias is not None, PARTIAL=partial, EVEN_K=even_k, MODE=mode,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
@@ -196,27 +169,13 @@ def use_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     )
 
 
-def _skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool) -> torch.Tensor:
-    """``skinny_gemm`` over the leading dims of ``x``, with ``pick_config``'s configuration."""
-    x2 = x.reshape(-1, x.shape[-1])
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    out = skinny_gemm(x2, weight, bias, pick_config(x2.shape[0], weight.shape[0], weight.shape[1]), gated)
-    return out.view(*x.shape[:-1], weight.shape[0])
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``; the skinny kernel for a few rows, cuBLAS (via torch) otherwise. The
     choice is made here, inside the op, so a compiled graph does not specialise on M."""
     if not use_skinny(x, weight, bias):
         return F.linear(x, weight, bias)
-    return _skinny(x, weight, bias, gated=False)
-
-
-def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(silu_and_mul(x), weight, bias)``: one gated skinny GEMM where ``linear`` would
-    take the skinny kernel (``use_skinny`` looks at the row count, dtypes and strides, which
-    ``x`` shares with ``silu_and_mul(x)``), the silu_and_mul kernel then cuBLAS otherwise."""
-    if not use_skinny(x, weight, bias):
-        return F.linear(silu_and_mul(x), weight, bias)
-    return _skinny(x, weight, bias, gated=True)
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = skinny_gemm(x2, weight, bias, pick_config(x2.shape[0], weight.shape[0], weight.shape[1]))
+    return out.view(*x.shape[:-1], weight.shape[0])
