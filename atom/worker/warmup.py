@@ -23,8 +23,9 @@ from atom.worker.sampler import SamplingTensors, sample
 logger = logging.getLogger(__name__)
 
 MAX_SPLITS = 64  # atom.ops.triton.attention._num_splits: at most 64 splits of at least 32 keys
-# temperature-only sampling at these row counts meets every split count of ``split_sample``
-# (``sampling_fused._splits`` halves with each doubling of the rows, down to one split)
+# the LM head and temperature-only sampling at these row counts meet every row bucket of the
+# skinny GEMM (``gemv.skinny_gemm``: BLOCK_M is the next power of two) and every split count
+# of ``split_sample`` (``sampling_fused._splits`` halves with each doubling of the rows)
 SAMPLER_ROWS = tuple(1 << i for i in range(9))
 
 
@@ -62,12 +63,13 @@ def warmup_inputs(q_lens: list[int], seq_lens: list[int], block_size: int, devic
 
 
 def warm_up_sampler(compute_logits, hidden: torch.Tensor) -> None:
-    """Filtered sampling on two rows, and temperature-only sampling at 1, 2, 4 .. 256 rows:
-    the filter kernel and each split of the few-rows kernel (``split_sample``: the split count
-    is a compile-time constant) compile on first use."""
-    plain = compute_logits(hidden[:1])
+    """The LM head and temperature-only sampling at 1, 2, 4 .. 256 rows, and filtered
+    sampling on two rows. The LM head runs outside the CUDA graphs, and its skinny GEMM (up
+    to 32 rows of a vocabulary-wide weight) compiles a variant per power-of-two row bucket;
+    each split of the few-rows sampler (``split_sample``: the split count is a compile-time
+    constant) and the filter kernel compile on first use too."""
     for rows in SAMPLER_ROWS:
-        logits = plain.expand(rows, -1).contiguous()
+        logits = compute_logits(hidden[:1].expand(rows, -1).contiguous())
         temperatures = torch.full((rows,), 0.7, device=logits.device)
         sample(logits, SamplingTensors(temperatures, None, None, None, [None] * rows, all_greedy=False))
     logits = compute_logits(hidden[:2])

@@ -41,8 +41,13 @@ def test_every_batch_runs_through_the_model(tiny_model):
         warm_up_sampler(runner.model.compute_logits, hidden)
 
 
-def test_sampler_warmup_meets_every_split_count():
+def test_sampler_warmup_meets_every_split_count_and_lm_head_row_bucket():
+    import triton
+
+    from atom.ops.triton.gemv import WIDE_MAX_ROWS
     from atom.ops.triton.sampling_fused import _splits
+
+    assert {triton.next_power_of_2(m) for m in range(1, WIDE_MAX_ROWS + 1)} <= set(SAMPLER_ROWS)
 
     cpu = torch.device("cpu")
     for vocab in (151936, 32000, 4096):
