@@ -71,12 +71,16 @@ def _barrier(pad_ptrs, block, RANK: tl.constexpr, W: tl.constexpr, WP: tl.conste
 
 
 @triton.jit
-def _peer_all_reduce_kernel(x_ptr, out_ptr, bufs, pad_ptrs, numel, RANK: tl.constexpr, W: tl.constexpr,
-                            WP: tl.constexpr, BLOCK: tl.constexpr):
+def _peer_all_reduce_kernel(x_ptr, out_ptr, bufs, pad_ptrs, epochs, numel, half, RANK: tl.constexpr,
+                            W: tl.constexpr, WP: tl.constexpr, BLOCK: tl.constexpr, DOUBLE: tl.constexpr):
     # ``bufs``: every rank's buffer as a tensor argument (not loaded pointers), so that the
     # compiler knows their alignment and issues 16-byte loads
     pid, programs = tl.program_id(0), tl.num_programs(0)
-    local = bufs[RANK]
+    base = 0
+    if DOUBLE:  # this call's half of the buffers: the other one may still be read by a peer's last call
+        epoch = tl.load(epochs + pid)
+        base = (epoch % 2) * half
+    local = bufs[RANK] + base
     for b in range(pid, tl.cdiv(numel, BLOCK), programs):  # block-aligned offsets: 16-byte accesses
         offs = b * BLOCK + tl.arange(0, BLOCK)
         mask = offs < numel
@@ -87,40 +91,54 @@ def _peer_all_reduce_kernel(x_ptr, out_ptr, bufs, pad_ptrs, numel, RANK: tl.cons
         mask = offs < numel
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for r in tl.static_range(W):
-            acc += tl.load(bufs[r] + offs, mask=mask).to(tl.float32)
+            acc += tl.load(bufs[r] + base + offs, mask=mask).to(tl.float32)
         tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    _barrier(pad_ptrs, pid, RANK, W, WP, True, False)
+    if DOUBLE:
+        tl.store(epochs + pid, epoch + 1)
+    else:  # no rank may write its buffer again before every peer has read it
+        _barrier(pad_ptrs, pid, RANK, W, WP, True, False)
 
 
 class PeerAllReduce:
-    """Sum ``x`` over the group in one kernel over a symmetric buffer of ``max_bytes``."""
+    """Sum ``x`` over the group in one kernel over a symmetric buffer of ``max_bytes``.
+
+    ``double_buffer``: alternate between the buffer's two halves (messages up to half of
+    ``max_bytes``) and skip the closing barrier. Rank A's call N+1 writes the half that the
+    peers read in call N-1, which every peer has finished: a peer's call N started (A met it
+    at call N's barrier) only after its call N-1 ended. Each program keeps its own call count
+    on the device (CUDA graphs replay it), so the grid is fixed: every program takes part in
+    every call and all counts stay equal."""
 
     BLOCK, WARPS = 4096, 16
 
-    def __init__(self, group, device: torch.device, max_bytes: int):
+    def __init__(self, group, device: torch.device, max_bytes: int, double_buffer: bool = False):
         from torch.distributed import _symmetric_memory as symm_mem
 
-        self.max_bytes = max_bytes
+        self.max_bytes, self.double = max_bytes, double_buffer
         self.buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
         self.handle = symm_mem.rendezvous(self.buffer, group.group_name)
         self.rank, self.world = self.handle.rank, self.handle.world_size
         # one uint32 slot per (program, peer) in the signal pad bounds the grid
-        self.max_programs = min(256, self.handle.signal_pad_size // (4 * self.world))
-        self.programs = torch.cuda.get_device_properties(device).multi_processor_count
+        self.max_programs = min(256, self.handle.signal_pad_size // (4 * self.world),
+                                torch.cuda.get_device_properties(device).multi_processor_count)
+        self.epochs = torch.zeros(self.max_programs, dtype=torch.int32, device=device)
         self.views: dict[torch.dtype, tuple[torch.Tensor, ...]] = {}  # every rank's buffer, by dtype
-
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
             n = max_bytes // dtype.itemsize
             self.views[dtype] = tuple(self.handle.get_buffer(r, (n,), dtype) for r in range(self.world))
 
     def fits(self, x: torch.Tensor) -> bool:
-        return x.is_cuda and x.dtype in self.views and x.numel() * x.element_size() <= self.max_bytes
+        limit = self.max_bytes // 2 if self.double else self.max_bytes
+        return x.is_cuda and x.dtype in self.views and x.numel() * x.element_size() <= limit
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
         out = torch.empty_like(x)
-        grid = (max(1, min(triton.cdiv(x.numel(), self.BLOCK), self.max_programs, self.programs)),)
-        _peer_all_reduce_kernel[grid](x, out, self.views[x.dtype], self.handle.signal_pad_ptrs_dev, x.numel(),
-                                      RANK=self.rank, W=self.world, WP=triton.next_power_of_2(self.world),
-                                      BLOCK=self.BLOCK, num_warps=self.WARPS)
+        programs = self.max_programs if self.double else min(triton.cdiv(x.numel(), self.BLOCK), self.max_programs)
+        half = self.max_bytes // 2 // x.element_size()  # a multiple of BLOCK: aligned accesses in both halves
+        _peer_all_reduce_kernel[(max(1, programs),)](
+            x, out, self.views[x.dtype], self.handle.signal_pad_ptrs_dev, self.epochs, x.numel(), half,
+            RANK=self.rank, W=self.world, WP=triton.next_power_of_2(self.world), BLOCK=self.BLOCK,
+            DOUBLE=self.double, num_warps=self.WARPS,
+        )  # fmt: skip
         return out

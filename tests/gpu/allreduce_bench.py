@@ -1,5 +1,5 @@
 """All-reduce on 2+ GPUs: atom's custom all-reduce (the fused peer kernel,
-``atom/distributed/peer_all_reduce.py``) and torch's one-shot over symmetric memory against
+``atom/distributed/peer_all_reduce.py``, with one or two barriers a call) and torch's one-shot over symmetric memory against
 NCCL, checked and timed.
 
     python tests/gpu/allreduce_bench.py [--world-size 2]
@@ -137,12 +137,13 @@ def rank_main(rank: int, world: int, init: str, out: str) -> None:
               flush=True)
     one = TorchOneShot(dist.group.WORLD, device, max(SIZES_KIB) << 10)
     peer = PeerAllReduce(dist.group.WORLD, device, max(SIZES_KIB) << 10)
+    double = PeerAllReduce(dist.group.WORLD, device, max(SIZES_KIB) << 11, double_buffer=True)
 
     rows = []
     for kib in SIZES_KIB:
         n = (kib << 10) // 2
         row = dict(kib=kib)
-        for name, fn in (("one_shot", one), ("peer", peer)):
+        for name, fn in (("one_shot", one), ("peer", peer), ("double", double)):
             try:
                 eager, graph = check(fn, n, rank, device)
                 row[f"{name}_equal"] = f"{eager} / {graph}"
@@ -155,12 +156,13 @@ def rank_main(rank: int, world: int, init: str, out: str) -> None:
         with open(os.path.join(out, "allreduce_bench.json"), "w") as f:
             json.dump(dict(compiled_ok=compiled_ok, rows=rows), f, indent=1)
         print(f"\n{world} GPUs, bf16, time per all-reduce inside a CUDA graph of {REPS}")
-        print("| KiB | one-shot == NCCL (eager / graph) | peer == NCCL | NCCL us | one-shot us | peer us "
-              "| NCCL / one-shot | NCCL / peer |")
-        print("|---|---|---|---|---|---|---|---|")
+        print("| KiB | one-shot == NCCL (eager / graph) | peer == NCCL | double == NCCL | NCCL us | one-shot us "
+              "| peer us | double us | NCCL / one-shot | NCCL / peer | NCCL / double |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for r in rows:
-            print(f"| {r['kib']} | {r['one_shot_equal']} | {r['peer_equal']} | {r['nccl_us']} | {r['one_shot_us']} | "
-                  f"{r['peer_us']} | {r['nccl_us'] / r['one_shot_us']:.2f} | {r['nccl_us'] / r['peer_us']:.2f} |")
+            print(f"| {r['kib']} | {r['one_shot_equal']} | {r['peer_equal']} | {r['double_equal']} | {r['nccl_us']} | "
+                  f"{r['one_shot_us']} | {r['peer_us']} | {r['double_us']} | {r['nccl_us'] / r['one_shot_us']:.2f} | "
+                  f"{r['nccl_us'] / r['peer_us']:.2f} | {r['nccl_us'] / r['double_us']:.2f} |")
     dist.barrier()
     dist.destroy_process_group()
 
