@@ -1,6 +1,6 @@
 """All-reduce on 2+ GPUs: atom's custom all-reduce (the fused peer kernel,
-``atom/distributed/peer_all_reduce.py``, with one or two barriers a call) and torch's one-shot over symmetric memory against
-NCCL, checked and timed.
+``atom/distributed/peer_all_reduce.py``, with two barriers a call or double-buffered with one)
+and torch's one-shot over symmetric memory against NCCL, checked and timed.
 
     python tests/gpu/allreduce_bench.py [--world-size 2]
 
