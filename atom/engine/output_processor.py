@@ -20,17 +20,38 @@ _CONTEXT_TOKENS = 5
 
 
 class IncrementalDetokenizer:
-    """vLLM's prefix/read-offset scheme: decode a short window and emit only the text that
-    is complete (no trailing U+FFFD from an unfinished multi-byte character)."""
+    """Text of each step's new tokens. A fast (Rust) tokenizer streams through
+    ``tokenizers.decoders.DecodeStream``, one native call per token, as vLLM does; others use
+    vLLM's prefix/read-offset scheme in Python: decode a short window twice and emit only the
+    text that is complete (no trailing U+FFFD from an unfinished multi-byte character). Both
+    start from the prompt's last tokens, so a word's leading space comes out right."""
 
     def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.token_ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self.backend = getattr(tokenizer, "_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+        self.stream = self._new_stream(self.token_ids) if self.backend is not None else None
         self.read_offset = len(self.token_ids)
         self.prefix_offset = 0
 
+    def _new_stream(self, context: list[int]):
+        """A decode stream that has seen ``context`` (None where tokenizers has no streams)."""
+        try:
+            from tokenizers.decoders import DecodeStream
+        except ImportError:  # tokenizers < 0.21
+            return None
+        stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
+        try:
+            for token_id in context:
+                stream.step(self.backend, token_id)
+        except Exception:  # a context that does not decode: start from nothing (text stays right)
+            stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
+        return stream
+
     def add(self, token_ids: list[int]) -> str:
+        if self.stream is not None:
+            return "".join(self._step(t) or "" for t in token_ids)
         self.token_ids.extend(token_ids)
         decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
         prefix_text = decode(self.token_ids[self.prefix_offset : self.read_offset])
@@ -39,6 +60,17 @@ class IncrementalDetokenizer:
             return ""
         self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
         return new_text[len(prefix_text) :]
+
+    def _step(self, token_id: int) -> str | None:
+        try:
+            return self.stream.step(self.backend, token_id)
+        except Exception as e:
+            # a tokenizer whose output is not monotonic (invalid UTF-8 that a later token
+            # rewrites) breaks the stream's state: start a new one at this token, as vLLM does
+            if "Invalid prefix" not in str(e):
+                raise
+            self.stream = self._new_stream([])
+            return self.stream.step(self.backend, token_id)
 
 
 @dataclass

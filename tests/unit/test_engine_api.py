@@ -2,6 +2,7 @@
 
 import json
 import os
+import random
 import shutil
 
 import pytest
@@ -70,14 +71,41 @@ def test_stop_token_ids_and_eos(engine):
     assert out["token_ids"] == full["token_ids"][: full["token_ids"].index(stop_tok) + 1]
 
 
-def test_incremental_detokenizer_multibyte(tiny_model):
+def detokenizer(tok, prompt: list[int], stream: bool, **kwargs) -> IncrementalDetokenizer:
+    detok = IncrementalDetokenizer(tok, prompt, **kwargs)
+    assert (detok.stream is not None) == tok.is_fast  # a fast tokenizer streams natively
+    if not stream:
+        detok.stream = None  # the Python window scheme, as for a slow tokenizer
+    return detok
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_incremental_detokenizer_multibyte(tiny_model, stream):
     tok = AutoTokenizer.from_pretrained(tiny_model("qwen3"))
     text = "机器学习 🙂🚀 naïve café"
     ids = tok.encode(text)
-    detok = IncrementalDetokenizer(tok, [])
+    detok = detokenizer(tok, [], stream)
     pieces = [detok.add([t]) for t in ids]
     assert "".join(pieces) == text
     assert all("\ufffd" not in p for p in pieces)
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_streamed_detokenization_equals_the_window_scheme(tiny_model, skip_special_tokens):
+    tok = AutoTokenizer.from_pretrained(tiny_model("qwen3"))
+    prompt = tok.encode("The capital of France is")
+    rng = random.Random(0)
+    ids = [rng.randrange(len(tok)) for _ in range(400)]  # broken multi-byte runs and special tokens too
+    ids[50:50] = tok.encode(" Paris, café 🙂")
+    for step in (1, 3):  # tokens a step (more than one with speculative decoding)
+        pieces = {}
+        for stream in (True, False):
+            detok = detokenizer(tok, prompt, stream, skip_special_tokens=skip_special_tokens)
+            pieces[stream] = [detok.add(ids[i : i + step]) for i in range(0, len(ids), step)]
+        # one token a step: the same pieces; several: the same text (the window scheme holds a
+        # whole step back when it ends inside a character, the stream only that token)
+        assert pieces[True] == pieces[False] if step == 1 else "".join(pieces[True]) == "".join(pieces[False])
+        assert " Paris, café 🙂" in "".join(pieces[True])
 
 
 @pytest.mark.parametrize("field, value", [
