@@ -193,7 +193,7 @@ def cases() -> list[tuple[str, str, Callable]]:
     for rows, vocab in [(1, 151936), (8, 151936), (64, 151936), (256, 151936), (256, 128256), (256, 49152)]:
         out.append(("sample", f"B={rows} V={vocab} vs sort", case(sampling_case, rows, sort_sample, vocab)))
         out.append(("sample", "  vs torch.topk", case(sampling_case, rows, topk_sample, vocab)))
-    for rows in [1, 4, 8, 64]:
+    for rows in [1, 4, 8, 64, 256]:
         out.append(("sample", f"B={rows} temperature only", case(sampling_case, rows, plain_sample, plain=True)))
     return out
 

@@ -49,10 +49,10 @@ def test_matches_reference(rows, vocab):
 
 
 @pytest.mark.parametrize("vocab", [151936, 49152])
-@pytest.mark.parametrize("rows", [1, 4, 8, 64])
+@pytest.mark.parametrize("rows", [1, 4, 8, 64, 256])
 def test_plain_rows_split_over_programs(rows, vocab):
-    """Few rows without top-k / top-p / min-p run split over programs: the same tokens as one
-    program per row, and as the reference."""
+    """Rows without top-k / top-p / min-p run in one pass, a few rows split over programs: the
+    same tokens as one program per row, as the general kernel (min-p 0), and as the reference."""
     from atom.ops.triton.sampling_fused import _splits, split_sample
 
     logits = torch.randn(rows, vocab, device=DEV) * 3
@@ -60,8 +60,9 @@ def test_plain_rows_split_over_programs(rows, vocab):
     temps[0] = 0.0
     seeds = torch.randint(1 << 62, (rows,), device=DEV)
     out = check_tokens(sample_tokens, logits, temps, None, None, None, seeds)
-    assert _splits(rows, vocab, logits.device) > 1 or rows == 64
+    assert _splits(rows, vocab, logits.device) > 1 or rows >= 64
     assert torch.equal(out, split_sample(logits, temps, seeds, 1))
+    assert torch.equal(out, sample_tokens(logits, temps, None, None, torch.zeros(rows, device=DEV), seeds))
 
 
 @pytest.mark.parametrize("top_k, top_p, min_p", [(20, 0.95, 0.0), (0, 0.8, 0.0), (50, 1.0, 0.05)])

@@ -152,16 +152,19 @@ def test_split_rows_same_tokens(splits, vocab, dtype):
     split = sampling_fused.split_sample(logits, temps, seeds, splits)
     assert torch.equal(split, sampling_fused.split_sample(logits, temps, seeds, 1))
     assert torch.equal(split, sample_tokens(logits, temps, None, None, None, seeds))
+    one_program = sample_tokens(logits, temps, None, None, torch.zeros(rows), seeds)  # min-p 0: the general kernel
+    assert torch.equal(split, one_program)
     check_tokens(lambda *a: split, logits, temps, None, None, None, seeds)
     greedy = torch.zeros(rows)
     assert torch.equal(sampling_fused.split_sample(logits, greedy, seeds, splits), logits.float().argmax(dim=-1))
 
 
-def test_split_chosen_only_for_few_plain_rows(monkeypatch):
+def test_plain_rows_take_the_one_pass_kernel_split_by_row_count(monkeypatch):
     calls = []
     monkeypatch.setattr(sampling_fused, "split_sample", lambda *a: calls.append(a[-1]) or torch.zeros(1).long())
-    logits, temps, seeds = torch.randn(1, 20000), torch.ones(1), torch.randint(1 << 62, (1,))
-    sample_tokens(logits, temps, None, None, None, seeds)
-    assert calls == [4]  # 8 "SMs" off the GPU: min(16, 20000 // 4096) -> 4
-    sample_tokens(logits, temps, torch.full((1,), 5, dtype=torch.int32), None, None, seeds)  # top-k: one program
-    assert calls == [4]
+    for rows in (1, 64):
+        logits, temps, seeds = torch.randn(rows, 20000), torch.ones(rows), torch.randint(1 << 62, (rows,))
+        sample_tokens(logits, temps, None, None, None, seeds)
+    assert calls == [4, 1]  # 8 "SMs" off the GPU: min(16 // rows, 20000 // 4096) -> 4, then 1
+    sample_tokens(logits, temps, torch.full((rows,), 5, dtype=torch.int32), None, None, seeds)  # top-k: general kernel
+    assert calls == [4, 1]

@@ -181,10 +181,9 @@ def _split_kernel(logits_ptr, temp_ptr, seed_ptr, score_ptr, index_ptr, vocab, s
         offs = start + tl.arange(0, BLOCK)
         x = tl.load(row_ptr + offs, mask=offs < hi, other=float("-inf")).to(tl.float32)
         score = x
-        if temp > 0:
-            r0, r1, r2, r3 = tl.randint4x(seed, offs // 4)
-            word = offs % 4
-            bits = tl.where(word == 0, r0, tl.where(word == 1, r1, tl.where(word == 2, r2, r3)))
+        if temp > 0:  # one Philox call per 4 tokens, as ``_draw`` (``start`` is a multiple of BLOCK)
+            r0, r1, r2, r3 = tl.randint4x(seed, start // 4 + tl.arange(0, BLOCK // 4))
+            bits = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), [BLOCK])
             unif = ((bits.to(tl.uint32, bitcast=True) >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
             score = tl.div_rn(x, temp) - tl.log(-tl.log(unif))
         better = score > best
@@ -204,14 +203,16 @@ def _best_split_kernel(score_ptr, index_ptr, out_ptr, SPLITS: tl.constexpr):
 
 
 def split_sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, splits: int) -> torch.Tensor:
-    """``sample_tokens`` without top-k / top-p / min-p, each row over ``splits`` programs (a power of two)."""
+    """``sample_tokens`` without top-k / top-p / min-p: one pass over each row (the Gumbel race
+    needs no row maximum), split over ``splits`` programs (a power of two; 1: a wider program
+    per row, for batches that fill the GPU by their rows alone)."""
     num_rows, vocab = logits.shape
-    block = 1024
+    block, warps = (2048, 16) if splits == 1 else (1024, 4)
     chunk = triton.cdiv(triton.cdiv(vocab, splits), block) * block
     scores = torch.empty(num_rows, splits, dtype=torch.float32, device=logits.device)
     index = torch.empty(num_rows, splits, dtype=torch.int32, device=logits.device)
     _split_kernel[(num_rows, splits)](logits, temperatures, seeds, scores, index, vocab, logits.stride(0), chunk,
-                                      SPLITS=splits, BLOCK=block, num_warps=4)
+                                      SPLITS=splits, BLOCK=block, num_warps=warps)
     out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
     _best_split_kernel[(num_rows,)](scores, index, out, SPLITS=splits, num_warps=1)
     return out
@@ -233,14 +234,12 @@ def sample_tokens(
     min_p: torch.Tensor | None,
     seeds: torch.Tensor,
 ) -> torch.Tensor:
-    """See ``atom.ops.sampling.sample_tokens``: no sort; one program per row, or, for a few
-    rows without top-k / top-p / min-p, ``split_sample``."""
+    """See ``atom.ops.sampling.sample_tokens``: no sort; rows without top-k / top-p / min-p
+    in one pass (``split_sample``), the others one program per row."""
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
     num_rows, vocab = logits.shape
     if num_rows > 0 and top_k is None and top_p is None and min_p is None:
-        splits = _splits(num_rows, vocab, logits.device)
-        if splits > 1:
-            return split_sample(logits, temperatures, seeds, splits)
+        return split_sample(logits, temperatures, seeds, _splits(num_rows, vocab, logits.device))
     out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
     if num_rows == 0:
         return out
