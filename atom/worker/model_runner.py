@@ -281,7 +281,7 @@ class ModelRunner:
         batches = warmup_batches(sc.max_num_batched_tokens, self.config.model_config.max_model_len)
         for q_lens, seq_lens in batches:
             hidden = self.run_model(*warmup_inputs(q_lens, seq_lens, self.block_size, self.device))
-        warm_up_sampler(self.model.compute_logits, hidden)
+        warm_up_sampler(self.model.compute_logits, hidden, sc.max_num_seqs)
         torch.cuda.synchronize()
         logger.info("warm-up (compilation of %d batch kinds and the sampler) took %.1f s", len(batches),
                     time.perf_counter() - start)

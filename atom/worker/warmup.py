@@ -62,13 +62,20 @@ def warmup_inputs(q_lens: list[int], seq_lens: list[int], block_size: int, devic
     return torch.zeros(num_tokens, dtype=torch.int64, device=device), positions, meta
 
 
-def warm_up_sampler(compute_logits, hidden: torch.Tensor) -> None:
-    """The LM head and temperature-only sampling at 1, 2, 4 .. 256 rows, and filtered
+def sampler_rows(max_rows: int) -> list[int]:
+    """SAMPLER_ROWS capped at ``max_rows`` (no larger batch runs), ``max_rows`` included: the
+    split count falls with the rows, so the largest batch meets the smallest one."""
+    return sorted({min(rows, max_rows) for rows in SAMPLER_ROWS})
+
+
+def warm_up_sampler(compute_logits, hidden: torch.Tensor, max_rows: int) -> None:
+    """The LM head and temperature-only sampling at 1, 2, 4 .. 256 rows (up to ``max_rows``:
+    the scheduler's ``max_num_seqs``, which start-up's memory profile covers), and filtered
     sampling on two rows. The LM head runs outside the CUDA graphs, and its skinny GEMM (up
     to 32 rows of a vocabulary-wide weight) compiles a variant per power-of-two row bucket;
     each split of the few-rows sampler (``split_sample``: the split count is a compile-time
     constant) and the filter kernel compile on first use too."""
-    for rows in SAMPLER_ROWS:
+    for rows in sampler_rows(max_rows):
         logits = compute_logits(hidden[:1].expand(rows, -1).contiguous())
         temperatures = torch.full((rows,), 0.7, device=logits.device)
         sample(logits, SamplingTensors(temperatures, None, None, None, [None] * rows, all_greedy=False))

@@ -3,7 +3,7 @@
 import torch
 
 from atom import LLMEngine
-from atom.worker.warmup import MAX_SPLITS, SAMPLER_ROWS, warm_up_sampler, warmup_batches, warmup_inputs
+from atom.worker.warmup import MAX_SPLITS, SAMPLER_ROWS, sampler_rows, warm_up_sampler, warmup_batches, warmup_inputs
 
 
 def test_batches_cover_each_kind_within_limits():
@@ -38,7 +38,7 @@ def test_every_batch_runs_through_the_model(tiny_model):
             assert meta.num_decode_tokens == q_lens.count(1)
             hidden = runner.run_model(ids, positions, meta)
             assert hidden.shape[0] == sum(q_lens)  # the KV read is block 0's: values do not matter
-        warm_up_sampler(runner.model.compute_logits, hidden)
+        warm_up_sampler(runner.model.compute_logits, hidden, max_rows=4)
 
 
 def test_sampler_warmup_meets_every_split_count_and_lm_head_row_bucket():
@@ -51,5 +51,6 @@ def test_sampler_warmup_meets_every_split_count_and_lm_head_row_bucket():
 
     cpu = torch.device("cpu")
     for vocab in (151936, 32000, 4096):
-        every = {_splits(rows, vocab, cpu) for rows in range(1, 1025)}
-        assert {_splits(rows, vocab, cpu) for rows in SAMPLER_ROWS} == every
+        for max_rows in (1, 3, 11, 20, 100, 256, 512):
+            every = {_splits(rows, vocab, cpu) for rows in range(1, max_rows + 1)}
+            assert {_splits(rows, vocab, cpu) for rows in sampler_rows(max_rows)} == every
