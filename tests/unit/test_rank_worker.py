@@ -11,7 +11,7 @@ from atom.worker.rank_worker import TokenWindow, snapshot
 
 def test_token_window_reads_as_the_whole_list_inside_and_refuses_outside():
     tokens = list(range(100, 120))
-    w = TokenWindow(tokens, 5, 9)
+    w = TokenWindow.cut(tokens, 5, 9)
     assert len(w) == len(tokens)
     assert [w[i] for i in range(5, 9)] == tokens[5:9]
     assert w[5:9] == tokens[5:9] and w[6:8] == tokens[6:8] and w[7:7] == []
@@ -22,7 +22,7 @@ def test_token_window_reads_as_the_whole_list_inside_and_refuses_outside():
     for bad in (slice(4, 6), slice(8, 10), slice(5, 9, 2)):
         with pytest.raises(IndexError, match="outside the window"):
             w[bad]
-    assert TokenWindow(tokens, 18, 25)[18:20] == tokens[18:20]  # a window cut at the end
+    assert TokenWindow.cut(tokens, 18, 25)[18:20] == tokens[18:20]  # a window cut at the end
 
 
 def test_snapshot_sends_the_step_window_or_the_whole_history():
