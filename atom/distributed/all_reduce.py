@@ -27,8 +27,8 @@ _BY_GROUP: dict[str, CustomAllReduce] = {}
 @torch.library.custom_op("atom::all_reduce", mutates_args=())
 def all_reduce_op(x: torch.Tensor, group_name: str) -> torch.Tensor:
     comm = _BY_GROUP[group_name]
-    if comm.fits(x):
-        return comm(x)
+    if comm.peer.fits(x):
+        return comm.peer(x)
     out = x.clone()  # the op returns a new tensor: NCCL runs in place on a copy
     dist.all_reduce(out, group=comm.group)
     return out
@@ -40,7 +40,7 @@ def _(x, group_name):
 
 
 class CustomAllReduce:
-    """Sum ``x`` over ``group`` with the peer kernel when ``fits(x)``."""
+    """Sum ``x`` over ``group`` with the peer kernel where it fits, NCCL elsewhere."""
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, max_bytes: int = MAX_BYTES):
         from atom.distributed.peer_all_reduce import PeerAllReduce
@@ -48,19 +48,13 @@ class CustomAllReduce:
         self.group, self.group_name = group, group.group_name
         self.peer = PeerAllReduce(group, device, max_bytes)
 
-    def fits(self, x: torch.Tensor) -> bool:
-        return self.peer.fits(x)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.peer(x)
-
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` summed over the group: the op under torch.compile, else a direct call
         (NCCL in place above the size limit)."""
         if torch.compiler.is_compiling():
             return torch.ops.atom.all_reduce(x, self.group_name)
-        if self.fits(x):
-            return self(x)
+        if self.peer.fits(x):
+            return self.peer(x)
         dist.all_reduce(x, group=self.group)
         return x
 
@@ -73,7 +67,7 @@ class CustomAllReduce:
             x = torch.randn(n, device=device, dtype=dtype, generator=gen)
             expected = x.clone()
             dist.all_reduce(expected, group=self.group)
-            ok &= torch.allclose(self(x).float(), expected.float(), rtol=1e-2, atol=1e-2)
+            ok &= torch.allclose(self.peer(x).float(), expected.float(), rtol=1e-2, atol=1e-2)
         return ok
 
     @classmethod

@@ -1,8 +1,9 @@
 """An all-reduce in one Triton kernel that reads the peers' symmetric buffers directly.
 
 torch's ``one_shot_all_reduce_copy`` runs a copy, a barrier and a reduction with a fixed small
-grid; at the 1-8 MiB of a decode step's all-reduce (256 rows x 4096 x bf16 = 2 MiB) it is
-no faster than NCCL (docs/performance.md). This kernel fuses the three: each program copies its
+grid; at the 1-8 MiB of a decode step's all-reduce (256 rows x 4096 x bf16 = 2 MiB) it gains
+little on NCCL and loses above 4 MiB (2 x H100: 1.45x at 2 MiB, 0.80x at 8 MiB; this kernel
+2.1x and 1.4x, docs/performance.md). This kernel fuses the three: each program copies its
 slices of the input into this rank's symmetric buffer, meets the same program of every other
 rank at a barrier on the signal pads, sums its slices over all ranks' buffers (same order on
 every rank, float32, so all ranks hold identical results), and meets them again before the
