@@ -146,10 +146,19 @@ class ModelRunner:
         del hidden
         torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info()
-        used = total - free
         stats = torch.cuda.memory_stats()
         peak, current = stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"]
-        return int(total * self.config.cache_config.gpu_memory_utilization - used - peak + current)
+        # vLLM's account: what torch's allocator does not hold (CUDA context, NCCL, cuBLAS) plus
+        # the allocation peak (weights + the largest batch's activations). The allocator's
+        # cached-but-free blocks are neither: counting them too took the activations twice.
+        non_torch = total - free - stats["reserved_bytes.all.current"]
+        budget = int(total * self.config.cache_config.gpu_memory_utilization - non_torch - peak)
+        gib = 1 << 30
+        logger.info("memory profile: weights and buffers %.2f GiB, peak activations %.2f GiB, outside torch "
+                    "%.2f GiB; %.2f GiB of %.2f (gpu_memory_utilization %.2f) left for the KV cache",
+                    current / gib, (peak - current) / gib, non_torch / gib, budget / gib, total / gib,
+                    self.config.cache_config.gpu_memory_utilization)
+        return budget
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         shape = (len(self.attn_layers), *self.attn_layers[0].kv_cache_shape(num_blocks, self.block_size))
