@@ -7,7 +7,8 @@ of 0.05-0.4 s), and a throughput benchmark's first process ran at half the speed
 later one. The kinds: a full-budget prefill (torch.compile's graph, large prefill tiles,
 the largest MoE tiles), a mid-size prompt, a short chunk over a cached prefix (small
 prefill tiles), a mixed batch (decode rows launched apart from the chunk), decode batches
-outside the CUDA graphs at every split-K factor, and the sampler with every filter on.
+outside the CUDA graphs at every split-K factor, a prompt of every power-of-two length (the
+MoE and FP8 tile buckets), and the sampler with every filter on.
 The batches write no KV (slot -1) and read block 0 for every page: only shapes matter.
 """
 
@@ -30,7 +31,11 @@ SAMPLER_ROWS = tuple(1 << i for i in range(9))
 
 
 def warmup_batches(max_num_batched_tokens: int, max_model_len: int) -> list[tuple[list[int], list[int]]]:
-    """(query lengths, sequence lengths) of each warm-up batch; decode rows (query length 1) first."""
+    """(query lengths, sequence lengths) of each warm-up batch; decode rows (query length 1)
+    first. Also one prompt of every power-of-two length: the fused MoE's tiles follow the rows
+    per expert (tokens x top-k / experts) and the FP8 GEMMs' the rows, in buckets at least
+    two-fold wide (``atom.ops.triton.moe._gemm_config``, ``fp8_configs``), so each bucket
+    holds a power of two, whatever the model's experts and top-k."""
     big = min(max_model_len, max(2, max_num_batched_tokens // 2))
     mid = min(max_model_len, 1024, max_num_batched_tokens)
     chunk = min(64, max_num_batched_tokens)
@@ -42,6 +47,11 @@ def warmup_batches(max_num_batched_tokens: int, max_model_len: int) -> list[tupl
     while splits <= MAX_SPLITS and 32 * splits <= max_model_len:  # one decode row at each split-K factor
         batches.append(([1], [32 * splits if splits > 1 else 16]))
         splits *= 2
+    sizes = {sum(q) for q, _ in batches}
+    n = 1
+    while n <= min(max_num_batched_tokens, max_model_len):
+        batches += [([n], [n])] if n not in sizes else []
+        n *= 2
     return [(q, s) for q, s in batches if sum(q) <= max_num_batched_tokens]
 
 

@@ -1,5 +1,6 @@
 """The start-up warm-up batches: within the limits, one of each kind, and runnable by the model."""
 
+import pytest
 import torch
 
 from atom import LLMEngine
@@ -54,3 +55,27 @@ def test_sampler_warmup_meets_every_split_count_and_lm_head_row_bucket():
         for max_rows in (1, 3, 11, 20, 100, 256, 512):
             every = {_splits(rows, vocab, cpu) for rows in range(1, max_rows + 1)}
             assert {_splits(rows, vocab, cpu) for rows in sampler_rows(max_rows)} == every
+
+
+@pytest.mark.parametrize("experts, top_k", [(128, 8), (160, 6), (8, 2), (256, 8), (64, 6)])
+def test_batches_meet_every_moe_and_fp8_tile_bucket(experts, top_k):
+    """A tile config first met inside a step compiles there (0.5-2 s): every config the fused
+    MoE (bf16 and FP8 tables) and the FP8 GEMMs can pick for a batch within the budget is
+    picked for some warm-up batch (the decode graphs' captures add nothing needed here)."""
+    from atom.ops.triton.fp8_configs import gemm_config, moe_config
+    from atom.ops.triton.moe import _gemm_config
+
+    budget = 16384
+
+    def configs(tokens):
+        rows = tokens * top_k / experts
+        return [repr(_gemm_config(tokens * top_k, experts, torch.bfloat16))] + [
+            repr(f(v, g)) for g in (True, False) for f, v in ((moe_config, rows), (gemm_config_m, tokens))
+        ]
+
+    def gemm_config_m(m, per_group):
+        return gemm_config(m, 4096, 4096, per_group)
+
+    warm = {c for q, _ in warmup_batches(budget, 40960) for c in configs(sum(q))}
+    needed = {c for tokens in range(1, budget + 1) for c in configs(tokens)}
+    assert needed <= warm

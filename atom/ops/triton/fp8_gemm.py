@@ -58,7 +58,7 @@ def per_token_group_quant_fp8(
     return q, s
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["m"])  # the batch's rows: one variant for every row count
 def _w8a8_kernel(
     a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, m, n, k,
     stride_am, stride_asm, stride_ask, stride_wn, stride_wsn, stride_wsk, stride_om, stride_os,

@@ -71,7 +71,7 @@ def moe_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tupl
     return weights, ids
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _count_experts_kernel(ids_ptr, counts_ptr, num_pairs, BLOCK: tl.constexpr):
     # One program per expert; the id list is small and stays in L2.
     expert = tl.program_id(0)
@@ -83,7 +83,7 @@ def _count_experts_kernel(ids_ptr, counts_ptr, num_pairs, BLOCK: tl.constexpr):
     tl.store(counts_ptr + expert, tl.sum(count, axis=0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _sort_by_expert_kernel(
     ids_ptr,
     counts_ptr,
@@ -192,7 +192,9 @@ def _store_tile(c_ptr, stride_cm, weights_ptr, acc, acc_up, pairs, row_ok, offs_
     tl.store(c_ptrs, res.to(dtype), mask=row_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit
+# ``num_pairs`` (tokens x top-k) changes every batch: specialised on divisibility by 16 it would
+# compile a second variant of each kernel for odd token counts, in the middle of a step.
+@triton.jit(do_not_specialize=["num_pairs"])
 def _moe_gemm_kernel(
     a_ptr,
     b_ptr,

@@ -15,7 +15,7 @@ from atom.ops.triton.fp8_gemm import per_token_group_quant_fp8
 from atom.ops.triton.moe import _row_tile, _sort_by_expert, _store_tile
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # varies by batch, as in moe.py
 def _moe_fp8_gemm_kernel(
     a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
     N, K, num_pairs, stride_am, stride_asm, stride_ask, stride_be, stride_bn, stride_bse, stride_bsn, stride_bsk,
