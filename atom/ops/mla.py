@@ -124,7 +124,7 @@ def mla_prefill(
         start, end = cu[i], cu[i + 1]
         if end == start:
             continue
-        if kv_cache is None or (seq_len == end - start and not fp8):  # nothing earlier: no need to read the cache
+        if kv_cache is None or (seq_len == end - start and not fp8):  # the new rows are all it would read
             lat = new_latents[start:end]
         else:
             lat = from_cache(_latents(kv_cache, block_tables[i], seq_len), q.dtype, k_scale)
