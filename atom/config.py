@@ -190,8 +190,6 @@ class Config:
         """Arguments whose feature is not built yet fail loudly rather than being ignored."""
         pc = self.parallel_config
         unbuilt = {
-            "speculative decoding with tensor_parallel_size > 1": self.speculative_config.method is not None
-            and pc.tensor_parallel_size > 1,
             "enable_dp_attention with tensor_parallel_size > 1": pc.enable_dp_attention and pc.tensor_parallel_size > 1,
             "enable_dp_attention with speculative decoding": pc.enable_dp_attention
             and self.speculative_config.method is not None,

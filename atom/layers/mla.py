@@ -4,7 +4,8 @@ Each token's cache entry is one row ``cat(c_kv, k_pe)`` of ``kv_lora_rank + rope
 values shared by all heads (see ``atom.ops.mla``), paged with the same block tables as
 ordinary attention; the model runner sizes the cache from ``kv_cache_shape``, so MLA fits
 ``heads * (qk_head_dim + v_head_dim) / (kv_lora_rank + rope_dim)`` times more tokens than
-per-head K/V (about 71x for DeepSeek-V3).
+per-head K/V (about 71x for DeepSeek-V3). With ``--kv_cache_dtype fp8`` the rows are e4m3, divided
+by the layer's ``k_scale`` (the checkpoint's, else 1.0; loaded like ``Attention``'s), as in vLLM.
 
 - Prompt rows (prefill, chunked prefill, a cached prefix) expand their sequence's latents to
   per-head keys and values through ``kv_b_proj`` and attend as usual.
@@ -43,9 +44,6 @@ class MLAAttention(Attention):
         return (num_blocks, block_size, self.head_dim)
 
     def bind_kv_cache(self, cache: torch.Tensor) -> None:
-        if cache.element_size() == 1:
-            raise NotImplementedError("an fp8 KV cache is not built for MLA (DeepSeek) models yet; "
-                                      "use --kv_cache_dtype auto")
         self.kv_cache = cache
 
     def attach_host_attention(self, layer: nn.Module) -> None:
@@ -66,7 +64,7 @@ class MLAAttention(Attention):
         meta = get_forward_context().attn_metadata
         slots = meta.slot_mapping if self.kv_cache is not None else None
         q, k_pe = ops.mla_rope_store(q, kv_c, k_pe, positions, cos_sin_cache, self.kv_cache, slots,
-                                     self.interleaved)  # fmt: skip
+                                     self.interleaved, self.k_scale)  # fmt: skip
         num_tokens, num_heads = q.shape[:2]
         # the memory-profiling run has no cache: every row is a prompt row there
         num_decodes = meta.num_decode_tokens if self.kv_cache is not None else 0
@@ -76,13 +74,15 @@ class MLAAttention(Attention):
             d = slice(0, num_decodes)
             q_lat = torch.bmm(q[d, :, : self.nope].transpose(0, 1), w[:, : self.nope]).transpose(0, 1)
             o_lat = ops.mla_decode(torch.cat((q_lat, q[d, :, self.nope :]), dim=-1), self.kv_cache,
-                                   meta.seq_lens[d], meta.block_tables[d], self.scale, self.kv_lora_rank)  # fmt: skip
+                                   meta.seq_lens[d], meta.block_tables[d], self.scale, self.kv_lora_rank,
+                                   self.k_scale)  # fmt: skip
             out[d] = torch.bmm(o_lat.transpose(0, 1), w[:, self.nope :].transpose(1, 2)).transpose(0, 1)
         if num_decodes < num_tokens:
             p = slice(num_decodes, None)
             cu = meta.cu_seqlens_q[num_decodes:] - num_decodes
             out[p] = mla_prefill(q[p], self.kv_cache, torch.cat((kv_c, k_pe), dim=-1)[p], cu, meta.seq_lens[p],
-                                 meta.block_tables[p], kv_b_weight, self.scale, self.v_head_dim)  # fmt: skip
+                                 meta.block_tables[p], kv_b_weight, self.scale, self.v_head_dim,
+                                 self.k_scale)  # fmt: skip
         return out.flatten(1)
 
 

@@ -268,7 +268,7 @@ mla_rope_store = register_op(
 mla_decode = register_op(
     "mla_decode",
     triton=f"{_T}.mla:mla_decode",
-    fake=lambda q, kv_cache, seq_lens, block_tables, scale, kv_lora_rank: q.new_empty(
+    fake=lambda q, kv_cache, seq_lens, block_tables, scale, kv_lora_rank, k_scale=None: q.new_empty(
         (q.shape[0], q.shape[1], kv_lora_rank)
     ),
 )(mla.mla_decode)

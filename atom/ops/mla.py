@@ -5,6 +5,10 @@ one "head" per token holding the normalised latent ``c_kv`` followed by the rota
 rope key ``k_pe``. It is paged with the same block tables as every other cache (slot
 ``block_id * block_size + offset``). The Triton kernels of ``atom.ops.triton.mla`` are tested
 against the functions of the same name here.
+
+FP8 cache (vLLM's MLA semantics): a ``float8_e4m3fn`` cache holds the whole row divided by one
+per-layer float32 scale, ``k_scale`` (``atom.ops.reference.to_cache_dtype``); every reader
+multiplies it back (``from_cache``). Other cache dtypes ignore the scale.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from atom.ops.reference import rotary_embedding
+from atom.ops.reference import from_cache, rotary_embedding, to_cache_dtype
 
 
 def deinterleave(x: torch.Tensor) -> torch.Tensor:
@@ -31,12 +35,13 @@ def mla_rope_store(
     kv_cache: torch.Tensor | None,
     slot_mapping: torch.Tensor | None,
     interleaved: bool,
+    k_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE on the last ``rope_dim`` dims of each query head and on the shared ``k_pe``, then
     the cache write of ``cat(kv_c, k_pe)``. ``q``: [T, H, nope + rope]; ``kv_c``: [T, r]
     (already normed); ``k_pe``: [T, rope]. ``interleaved``: the rope dims come in pairs
     (DeepSeek's layout) and leave in the neox layout. Returns (q, k_pe) rotated; a
-    negative slot stores nothing."""
+    negative slot stores nothing. ``k_scale``: an fp8 cache's scale."""
     rope_dim = k_pe.shape[-1]
     q_nope, q_pe = q[..., :-rope_dim], q[..., -rope_dim:]
     k_pe = k_pe.unsqueeze(1)
@@ -48,7 +53,7 @@ def mla_rope_store(
         block_size = kv_cache.shape[1]
         keep = slot_mapping >= 0
         slots = slot_mapping[keep].long()
-        entry = torch.cat((kv_c[keep], k_pe[keep]), dim=-1).to(kv_cache.dtype)
+        entry = to_cache_dtype(torch.cat((kv_c[keep], k_pe[keep]), dim=-1), kv_cache.dtype, k_scale)
         kv_cache[slots // block_size, slots % block_size] = entry
     return torch.cat((q_nope, q_pe), dim=-1), k_pe
 
@@ -67,17 +72,19 @@ def mla_decode(
     block_tables: torch.Tensor,
     scale: float,
     kv_lora_rank: int,
+    k_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention in the latent space ("weight absorption"). Row ``i`` is the one new
     token of sequence ``i`` (its key is already in the cache). ``q``: [B, H, r + rope], the
     query with ``W_UK`` absorbed into its nope part; returns [B, H, r], the attention-weighted
-    latents, which ``W_UV`` turns into values. Every head reads the same latent rows."""
+    latents, which ``W_UV`` turns into values. Every head reads the same latent rows. An fp8
+    cache is dequantised with ``k_scale`` first, then everything runs in float32."""
     if q.shape[0] == 0:
         return q.new_empty(0, q.shape[1], kv_lora_rank)
     # all rows at once, padded to the longest sequence
     block_size, max_len = kv_cache.shape[1], int(seq_lens.max())
     blocks = block_tables[:, : -(-max_len // block_size)].long()
-    lat = kv_cache[blocks].flatten(1, 2)[:, :max_len].float()  # [B, S, r + rope]
+    lat = from_cache(kv_cache[blocks].flatten(1, 2)[:, :max_len], torch.float32, k_scale)  # [B, S, r + rope]
     scores = torch.bmm(q.float(), lat.transpose(1, 2)) * scale  # [B, H, S]
     valid = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None]
     probs = scores.masked_fill(~valid[:, None, :], float("-inf")).softmax(dim=-1)
@@ -94,6 +101,7 @@ def mla_prefill(
     kv_b_weight: torch.Tensor,
     scale: float,
     v_head_dim: int,
+    k_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Prompt attention, the latents expanded to per-head keys and values through
     ``kv_b_proj`` (cheaper than absorption when many queries share the keys). Sequence
@@ -101,19 +109,25 @@ def mla_prefill(
     ``seq_lens[i]`` tokens; earlier tokens (a cached prefix, previous chunks) come from the
     paged cache. ``q``: [T, H, nope + rope] (rotated); ``new_latents``: [T, r + rope], this
     step's rows (a whole prompt, or the memory-profiling run without a cache, reads only
-    these); ``kv_b_weight``: [H * (nope + v), r]. Returns [T, H, v]."""
+    these); ``kv_b_weight``: [H * (nope + v), r]. Returns [T, H, v].
+
+    An fp8 cache (``k_scale``) is always read back, this step's rows included: every row then
+    sees the quantised latents that decode reads, so chunking, prefix caching and
+    speculative verification give the tokens plain decoding gives (as atom's fp8 cache does for
+    ordinary attention; vLLM's MLA prefill uses the new rows unquantised)."""
     num_heads, rope_dim = q.shape[1], new_latents.shape[-1] - kv_b_weight.shape[1]
     rank, nope = kv_b_weight.shape[1], q.shape[-1] - rope_dim
     out = q.new_empty(q.shape[0], num_heads, v_head_dim)
     cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    fp8 = kv_cache is not None and kv_cache.dtype == torch.float8_e4m3fn
     for i, seq_len in enumerate(lens):
         start, end = cu[i], cu[i + 1]
         if end == start:
             continue
-        if kv_cache is None or seq_len == end - start:  # nothing earlier: no need to read the cache
+        if kv_cache is None or (seq_len == end - start and not fp8):  # the new rows are all it would read
             lat = new_latents[start:end]
         else:
-            lat = _latents(kv_cache, block_tables[i], seq_len).to(q.dtype)
+            lat = from_cache(_latents(kv_cache, block_tables[i], seq_len), q.dtype, k_scale)
         kv = F.linear(lat[:, :rank], kv_b_weight).view(seq_len, num_heads, nope + v_head_dim)
         k_pe = lat[:, rank:].unsqueeze(1).expand(-1, num_heads, -1)
         k = torch.cat((kv[..., :nope], k_pe), dim=-1).transpose(0, 1)  # [H, S, nope + rope]

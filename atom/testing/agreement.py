@@ -49,3 +49,17 @@ def teacher_forced_agreement(reference, candidate, prompts: list, max_tokens: in
     if not pairs:
         raise ValueError("no clear positions to compare")
     return sum(r[0] == c[0] for r, c in pairs) / len(pairs), len(pairs)
+
+
+def decode_agreement(reference, candidate, prompts: list, max_tokens: int,
+                     min_margin: float = 0.0) -> tuple[float, int]:
+    """The same measure with the roles of decoding swapped: the candidate generates greedily
+    (its decode path), the reference scores the candidate's sequences, and we count the clear
+    positions where the candidate picked the reference's top-1. ``teacher_forced_agreement``
+    scores both engines as prompts, which never runs a decode step."""
+    sequences = greedy_ids(candidate, prompts, max_tokens)
+    pairs = [(rows[pos - 1][0], seq[pos]) for seq, rows in zip(sequences, top2(reference, sequences))
+             for pos in range(len(seq) - max_tokens, len(seq)) if rows[pos - 1][1] > min_margin]  # fmt: skip
+    if not pairs:
+        raise ValueError("no clear positions to compare")
+    return sum(r == c for r, c in pairs) / len(pairs), len(pairs)

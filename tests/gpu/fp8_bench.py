@@ -3,7 +3,8 @@ written to $OUT/fp8_bench.json (or ./gpu-results):
 
 - GEMM: bf16 ``torch.mm`` vs atom's Triton w8a8 GEMM (block 128x128 and per-channel, the
   activation quantisation included) vs ``torch._scaled_mm`` rowwise (quantisation included);
-- decode attention over a bf16 vs an fp8 KV cache;
+- decode attention over a bf16 vs an fp8 KV cache, and MLA decode over a bf16 vs an fp8 latent
+  cache (DeepSeek-V3: rank 512 + rope 64; 128 heads at -tp 1, 16 at -tp 8);
 - fused MoE bf16 vs FP8 (block 128 and per-channel).
 
     python tests/gpu/fp8_bench.py [--quick]
@@ -19,7 +20,7 @@ import torch
 from fp8_sweep import us as graph_us  # tests/gpu/, next to this script
 
 from atom.ops import reference, reference_fp8
-from atom.ops.triton import fused_moe, paged_attention
+from atom.ops.triton import fused_moe, mla_decode, paged_attention
 from atom.ops.triton.fp8_gemm import per_token_group_quant_fp8, w8a8_matmul
 from atom.ops.triton.moe_fp8 import fused_moe_fp8
 
@@ -84,6 +85,24 @@ def attention_rows(cases: list[tuple[int, int]]) -> list[dict]:
     return rows
 
 
+def mla_rows(cases: list[tuple[int, int]]) -> list[dict]:
+    rank, rope, bs = 512, 64, 16
+    rows = []
+    for heads in (128, 16):
+        for batch, ctx in cases:
+            blocks = -(-(ctx + 1) // bs)
+            tables = torch.arange(batch * blocks, dtype=torch.int32, device=DEV).view(batch, blocks)
+            c16 = torch.randn(batch * blocks, bs, rank + rope, device=DEV, dtype=torch.bfloat16)
+            q = torch.randn(batch, heads, rank + rope, device=DEV, dtype=torch.bfloat16)
+            lens = torch.full((batch,), ctx + 1, dtype=torch.int32, device=DEV)
+            rows.append(dict(
+                op="mla decode", heads=heads, batch=batch, ctx=ctx,
+                bf16_us=us(mla_decode, q, c16, lens, tables, 192**-0.5, rank),
+                fp8_us=us(mla_decode, q, c16.to(FP8), lens, tables, 192**-0.5, rank, torch.ones(1, device=DEV)),
+            ))
+    return rows
+
+
 def moe_rows(token_counts: list[int]) -> list[dict]:
     hidden, inter, experts, top_k = 2048, 768, 128, 8
     w13 = torch.randn(experts, 2 * inter, hidden, device=DEV, dtype=torch.bfloat16) * 0.02
@@ -114,7 +133,7 @@ def main() -> None:
     ms = [1, 64, 1024] if args.quick else [1, 16, 64, 256, 1024, 4096]
     att = [(1, 8192), (64, 2048)] if args.quick else [(1, 2048), (1, 8192), (8, 4096), (64, 2048), (256, 1024)]
     toks = [1, 256] if args.quick else [1, 16, 256, 2048]
-    rows = gemm_rows(ms) + attention_rows(att) + moe_rows(toks)
+    rows = gemm_rows(ms) + attention_rows(att) + mla_rows(att) + moe_rows(toks)
     out = os.environ.get("OUT") or "gpu-results"
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "fp8_bench.json"), "w") as f:

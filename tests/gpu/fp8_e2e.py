@@ -6,6 +6,8 @@ reference's top-1 leads by more than 0.5 in logprob) of
 Each engine is freed before the next starts. Writes $OUT/fp8_e2e.json (or ./gpu-results).
 
     python tests/gpu/fp8_e2e.py --model /path/to/Qwen3-8B [--fp8-model /path/to/Qwen3-8B-FP8]
+    python tests/gpu/fp8_e2e.py --model /path/to/DeepSeek-V2-Lite --kv-only   # MLA's latent cache
+    python tests/gpu/fp8_e2e.py --model /path/to/DeepSeek-R1 --kv-only -tp 8
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ PROMPTS = [
 ]
 
 
-def scores(model: str, sequences, **kwargs):
-    engine = LLMEngine(model, max_model_len=2048, gpu_memory_utilization=0.85, **kwargs)
+def scores(model: str, sequences, tp: int, **kwargs):
+    engine = LLMEngine(model, max_model_len=2048, gpu_memory_utilization=0.85, tensor_parallel_size=tp, **kwargs)
     result = top2(engine, sequences)
     engine.shutdown()
     del engine
@@ -52,20 +54,22 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--fp8-model", default=None)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    parser.add_argument("--kv-only", action="store_true", help="only the fp8 KV cache comparison")
     args = parser.parse_args()
-    engine = LLMEngine(args.model, max_model_len=2048, gpu_memory_utilization=0.85)
+    tp = args.tensor_parallel_size
+    engine = LLMEngine(args.model, max_model_len=2048, gpu_memory_utilization=0.85, tensor_parallel_size=tp)
     sequences = greedy_ids(engine, PROMPTS, args.max_tokens)
     ref = top2(engine, sequences)
     engine.shutdown()
     del engine
     gc.collect()
     torch.cuda.empty_cache()
-    results = {
-        "fp8_kv_vs_bf16_kv": agreement(ref, scores(args.model, sequences, kv_cache_dtype="fp8")),
-        "quantization_fp8_vs_bf16": agreement(ref, scores(args.model, sequences, quantization="fp8")),
-    }
+    results = {"fp8_kv_vs_bf16_kv": agreement(ref, scores(args.model, sequences, tp, kv_cache_dtype="fp8"))}
+    if not args.kv_only:
+        results["quantization_fp8_vs_bf16"] = agreement(ref, scores(args.model, sequences, tp, quantization="fp8"))
     if args.fp8_model:
-        results["fp8_checkpoint_vs_bf16"] = agreement(ref, scores(args.fp8_model, sequences))
+        results["fp8_checkpoint_vs_bf16"] = agreement(ref, scores(args.fp8_model, sequences, tp))
     out = os.environ.get("OUT") or "gpu-results"
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "fp8_e2e.json"), "w") as f:

@@ -112,3 +112,81 @@ def test_spec_decode_on_cuda_matches_plain_decoding(arch, k, tmp_path):
         assert spec.num_draft_tokens > 0
         if method == "shared_weights":
             assert spec.num_accepted_tokens >= 0.9 * spec.num_draft_tokens
+
+
+# fp8 latent cache (--kv_cache_dtype fp8): e4m3 rows divided by the layer's k_scale
+FP8 = torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("k_scale", [1.0, 0.05])
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_mla_rope_store_fp8_v3_shapes(interleaved, k_scale):
+    dtype, num_tokens, heads, rank, rope = torch.bfloat16, 300, 128, 512, 64
+    q = torch.randn(num_tokens, heads, 128 + rope, dtype=dtype, device=DEV)
+    kv_c = torch.randn(num_tokens, rank, dtype=dtype, device=DEV) * 8  # some past 448 * 0.05: saturated
+    k_pe = torch.randn(num_tokens, rope, dtype=dtype, device=DEV) * 8
+    positions = torch.randint(0, 4096, (num_tokens,), device=DEV)
+    inv = 1.0 / (10000 ** (torch.arange(0, rope, 2, device=DEV).float() / rope))
+    freqs = torch.outer(torch.arange(4096, device=DEV).float(), inv)
+    table = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    slots = torch.randperm(64 * 16, device=DEV)[:num_tokens]
+    slots[7] = -1
+    scale = torch.tensor([k_scale], device=DEV)
+    cache, ref_cache = (torch.zeros(64, 16, rank + rope, dtype=FP8, device=DEV) for _ in range(2))
+    _, k_out = tk.mla_rope_store(q, kv_c, k_pe, positions, table, cache, slots, interleaved, scale)
+    _, k_ref = reference.mla_rope_store(q, kv_c, k_pe, positions, table, ref_cache, slots, interleaved, scale)
+    keep = slots >= 0
+    rows = cache.flatten(0, 1)[slots[keep]].view(torch.uint8)
+    # torch's conversion of the kernel's own rotated keys: bit for bit (its RoPE against the
+    # reference's, an ulp apart in bf16, is test_mla_rope_store_v3_shapes' business)
+    expected = (torch.cat((kv_c, k_out), -1)[keep].float() / scale).clamp(-448, 448).to(FP8).view(torch.uint8)
+    assert torch.equal(rows, expected)
+    assert torch.equal(rows[:, :rank], ref_cache.flatten(0, 1)[slots[keep]].view(torch.uint8)[:, :rank])
+    assert_close(k_out, k_ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("lens", [[1], [4097], [17, 300, 2048, 5, 999, 64, 1, 128]])
+@pytest.mark.parametrize("num_heads", [16, 128])
+def test_mla_decode_fp8_cache_v3_shapes(lens, num_heads, dtype):
+    rank, rope, block_size, k_scale = 512, 64, 16, 0.05
+    max_blocks = -(-max(lens) // block_size)
+    num_blocks = len(lens) * max_blocks + 7
+    tables = torch.randperm(num_blocks, dtype=torch.int32, device=DEV)[: len(lens) * max_blocks]
+    tables = tables.view(len(lens), max_blocks)
+    cache = (torch.randn(num_blocks, block_size, rank + rope, device=DEV) / k_scale).clamp(-448, 448).to(FP8)
+    q = torch.randn(len(lens), num_heads, rank + rope, dtype=dtype, device=DEV)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    scale, k = 192**-0.5, torch.tensor([k_scale], device=DEV)
+    out = tk.mla_decode(q, cache, seq_lens, tables, scale, rank, k)
+    # float32 attention over the dequantised cache
+    ref = reference.mla_decode(q.float(), cache, seq_lens, tables, scale, rank, k)
+    assert_close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v2"])
+def test_tiny_deepseek_fp8_cache_on_cuda(arch, tmp_path):
+    """The engine on CUDA (Triton kernels, CUDA graphs) with an fp8 latent cache: agreement with
+    the float32 cache as on the CPU (tests/unit/test_fp8_kv_engine.py), and for V3 MTP drafts
+    that leave the greedy output unchanged."""
+    from atom import LLMEngine, SamplingParams
+    from atom.testing.agreement import decode_agreement, teacher_forced_agreement
+    from atom.testing.tiny_checkpoint import build
+
+    path = build(str(tmp_path / arch), arch, initializer_range=0.2)
+    prompts = ["The quick brown fox", "Once upon a time, a small model learned to count: one, two,",
+               "def add(a, b):", "Paged attention stores keys and values in"]
+    common = dict(max_model_len=512, dtype="float32", device="cuda", kv_cache_memory_bytes=1 << 26)
+    ref = LLMEngine(path, **common)
+    fp8 = LLMEngine(path, kv_cache_dtype="fp8", **common)
+    assert fp8.core.runner.kv_cache.dtype == FP8
+    fraction, positions = teacher_forced_agreement(ref, fp8, prompts, 16, min_margin=0.5)
+    assert positions >= 30 and fraction >= 0.95
+    fraction, positions = decode_agreement(ref, fp8, prompts, 32, min_margin=0.5)
+    assert positions >= 30 and fraction >= 0.85
+    if arch == "deepseek_v3":
+        greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+        expected = [o["token_ids"] for o in fp8.generate(prompts, greedy, use_tqdm=False)]
+        mtp = LLMEngine(path, kv_cache_dtype="fp8", method="mtp", num_speculative_tokens=2, **common)
+        assert [o["token_ids"] for o in mtp.generate(prompts, greedy, use_tqdm=False)] == expected
+        assert mtp.core.stats().spec.num_draft_tokens > 0

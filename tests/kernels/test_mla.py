@@ -84,3 +84,100 @@ def test_mla_decode_split_context(case, num_splits, assert_close):
     out = mla_decode(q, cache, seq_lens, tables, 0.2, rank, num_splits=num_splits)
     ref = reference.mla_decode(q.float(), cache.float(), seq_lens, tables, 0.2, rank)
     assert_close(out, ref, dtype)
+
+
+# FP8 latent cache (``--kv_cache_dtype fp8``): e4m3 rows divided by the layer's k_scale
+FP8 = torch.float8_e4m3fn
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8)
+
+
+def _e4m3(x: torch.Tensor, k_scale: float) -> torch.Tensor:
+    """torch's own conversion: float32 division by the scale, saturated, rounded to nearest even."""
+    return (x.float() / torch.tensor(k_scale)).clamp(-448, 448).to(FP8)
+
+
+@pytest.mark.parametrize("k_scale", [1.0, 0.37])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("num_heads, nope, rank, rope", [(4, 12, 16, 8), (3, 8, 40, 12)])
+def test_mla_rope_store_fp8_codes(num_heads, nope, rank, rope, interleaved, k_scale, dtype):
+    num_tokens, block_size, num_blocks = 13, 4, 9
+    q = torch.randn(num_tokens, num_heads, nope + rope, dtype=dtype)
+    # latents spread over e4m3's range: some past 448 * k_scale (saturated), some subnormal
+    kv_c = (torch.randn(num_tokens, rank) * torch.exp(torch.randn(num_tokens, rank) * 3)).to(dtype)
+    k_pe = torch.randn(num_tokens, rope, dtype=dtype) * 200
+    positions, table = torch.randint(0, 60, (num_tokens,)), cos_sin(64, rope)
+    slots = torch.randperm(num_blocks * block_size)[:num_tokens]
+    slots[5] = -1  # a padded row stores nothing
+    scale = torch.tensor([k_scale])
+    cache, ref_cache = (torch.zeros(num_blocks, block_size, rank + rope, dtype=FP8) for _ in range(2))
+    _, k_out = mla_rope_store(q, kv_c, k_pe, positions, table, cache, slots, interleaved, scale)
+    _, k_ref = reference.mla_rope_store(q, kv_c, k_pe, positions, table, ref_cache, slots, interleaved, scale)
+    keep = slots >= 0
+    rows = cache.flatten(0, 1)[slots[keep]]
+    # the kernel's rotated keys, quantised by torch: its RoPE against the reference's is
+    # test_mla_rope_store's business (in 16 bits they may differ by an ulp)
+    assert torch.equal(_bits(rows), _bits(_e4m3(torch.cat((kv_c, k_out), -1)[keep], k_scale)))
+    assert torch.equal(_bits(ref_cache.flatten(0, 1)[slots[keep]]),
+                       _bits(_e4m3(torch.cat((kv_c, k_ref), -1)[keep], k_scale)))  # fmt: skip
+    if dtype == torch.float32:
+        assert torch.equal(_bits(cache), _bits(ref_cache))
+    assert rows.float().abs().max() == 448  # saturated, not NaN
+    assert int((_bits(cache.flatten(0, 1)) != 0).any(-1).sum()) == num_tokens - 1
+
+
+def _fp8_latents(num_blocks, block_size, width, k_scale):
+    return (torch.randn(num_blocks, block_size, width) * 2 / k_scale).clamp(-448, 448).to(FP8)
+
+
+@pytest.mark.parametrize("k_scale", [1.0, 0.05])
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_mla_decode_fp8_cache(case, k_scale, dtype, assert_close):
+    lens, num_heads, rank, rope, block_size = case
+    max_blocks = -(-max(lens) // block_size)
+    num_blocks = len(lens) * max_blocks + 3
+    tables = torch.randperm(num_blocks, dtype=torch.int32)[: len(lens) * max_blocks].view(len(lens), max_blocks)
+    cache = _fp8_latents(num_blocks, block_size, rank + rope, k_scale)
+    q = torch.randn(len(lens), num_heads, rank + rope, dtype=dtype)
+    seq_lens, scale = torch.tensor(lens, dtype=torch.int32), 0.3 / (rank + rope) ** 0.5
+    k = torch.tensor([k_scale])
+    out = mla_decode(q, cache, seq_lens, tables, scale, rank, k)
+    ref = reference.mla_decode(q.float(), cache, seq_lens, tables, scale, rank, k)
+    # the reference is exactly attention over the dequantised float32 cache
+    assert torch.equal(ref, reference.mla_decode(q.float(), cache.float() * k, seq_lens, tables, scale, rank))
+    assert out.dtype == dtype
+    assert_close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("num_splits", [2, 5])
+def test_mla_decode_fp8_cache_split_context(num_splits, assert_close):
+    lens, num_heads, rank, rope, block_size = CASES["many_heads"]
+    max_blocks = -(-max(lens) // block_size)
+    tables = torch.randperm(len(lens) * max_blocks, dtype=torch.int32).view(len(lens), max_blocks)
+    cache = _fp8_latents(len(lens) * max_blocks, block_size, rank + rope, 0.25)
+    q = torch.randn(len(lens), num_heads, rank + rope, dtype=torch.bfloat16)
+    seq_lens, k = torch.tensor(lens, dtype=torch.int32), torch.tensor([0.25])
+    out = mla_decode(q, cache, seq_lens, tables, 0.1, rank, k, num_splits=num_splits)
+    ref = reference.mla_decode(q.float(), cache, seq_lens, tables, 0.1, rank, k)
+    assert_close(out, ref, torch.bfloat16)
+
+
+def test_mla_prefill_reads_the_fp8_cache():
+    """With an fp8 cache every prompt row reads the dequantised latents, this step's rows
+    included (a whole prompt too), never the unquantised new rows: the result is the prefill
+    over a float32 cache holding the dequantised values."""
+    num_heads, nope, rope, rank, v_dim, block_size = 3, 8, 4, 16, 6, 4
+    lens, q_lens = [9, 6, 13], [9, 2, 5]  # a whole prompt, then two chunks after a cached prefix
+    tables = torch.randperm(12, dtype=torch.int32).view(3, 4)
+    cache, k = _fp8_latents(12, block_size, rank + rope, 0.5), torch.tensor([0.5])
+    deq = cache.float() * k
+    slots = [int(tables[i, p // block_size]) * block_size + p % block_size
+             for i, (n, m) in enumerate(zip(lens, q_lens)) for p in range(n - m, n)]  # fmt: skip
+    cu = torch.tensor([0, 9, 11, 16], dtype=torch.int32)
+    q = torch.randn(16, num_heads, nope + rope)
+    w = torch.randn(num_heads * (nope + v_dim), rank) * 0.3
+    args = (cu, torch.tensor(lens, dtype=torch.int32), tables, w, 0.2, v_dim)
+    out = reference.mla_prefill(q, cache, torch.randn(16, rank + rope), *args, k)
+    assert torch.equal(out, reference.mla_prefill(q, deq, deq.flatten(0, 1)[slots], *args))

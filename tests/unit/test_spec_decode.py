@@ -165,8 +165,6 @@ def test_configuration(tiny_model, mtp_model):
         LLMEngine(mtp_model, speculative_config={"method": "mtp", "draft_model": "x"})
     with pytest.raises(ValueError, match="method must be"):
         LLMEngine(mtp_model, method="eagle")
-    with pytest.raises(NotImplementedError, match="tensor_parallel_size > 1"):
-        LLMEngine(mtp_model, method="mtp", tensor_parallel_size=2)
     plain = LLMEngine(mtp_model, **ENGINE)
     assert plain.core.stats().spec is None  # the MTP layer is the draft's: the target loads without it
 

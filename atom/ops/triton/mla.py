@@ -2,7 +2,9 @@
 over the paged latent cache (weight absorption: every head reads the same latent rows).
 
 Cache layout: ``kv_cache [num_blocks, block_size, kv_lora_rank + rope_dim]`` (see
-``atom.ops.mla``, whose functions of the same names are the references).
+``atom.ops.mla``, whose functions of the same names are the references). An fp8 cache holds
+the row divided by the layer's ``k_scale``: the store quantises, decode loads e4m3 rows,
+widens them to the query's dtype, and folds the scale into the softmax scale and the output.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from atom.ops.triton.rope_cache import to_cache
 
 
 def _pow2(n: int, least: int = 16) -> int:
@@ -30,12 +34,12 @@ def _rope_pair(x_ptr, offs, mask, cos, sin, HALF: tl.constexpr, INTERLEAVED: tl.
 
 @triton.jit
 def _mla_rope_store_kernel(
-    q_ptr, kv_c_ptr, k_pe_ptr, pos_ptr, cos_sin_ptr, cache_ptr, slot_ptr, q_out_ptr, k_out_ptr,
+    q_ptr, kv_c_ptr, k_pe_ptr, pos_ptr, cos_sin_ptr, cache_ptr, slot_ptr, k_scale_ptr, q_out_ptr, k_out_ptr,
     num_heads, stride_qt, stride_qh, stride_qot, stride_qoh, stride_ct, stride_kt, stride_kot,
     stride_cos_sin, stride_cb, stride_cs,
     NOPE: tl.constexpr, RANK: tl.constexpr, HALF: tl.constexpr, BLOCK_NOPE: tl.constexpr,
     BLOCK_RANK: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    INTERLEAVED: tl.constexpr, HAS_CACHE: tl.constexpr,
+    INTERLEAVED: tl.constexpr, HAS_CACHE: tl.constexpr, HAS_SCALE: tl.constexpr,
 ):  # fmt: skip
     # Program (token, head block); the extra last head block handles the shared key.
     tok = tl.program_id(0).to(tl.int64)
@@ -71,10 +75,12 @@ def _mla_rope_store_kernel(
                 entry = cache_ptr + (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
                 offs_r = tl.arange(0, BLOCK_RANK)
                 c = tl.load(kv_c_ptr + tok * stride_ct + offs_r, mask=offs_r < RANK)
-                el = cache_ptr.dtype.element_ty
-                tl.store(entry + offs_r, c.to(el), mask=offs_r < RANK)
-                tl.store(entry + RANK + offs, k1.to(el), mask=kmask)
-                tl.store(entry + RANK + HALF + offs, k2.to(el), mask=kmask)
+                k_scale = 1.0
+                if HAS_SCALE:
+                    k_scale = tl.load(k_scale_ptr)
+                tl.store(entry + offs_r, to_cache(c, cache_ptr, k_scale), mask=offs_r < RANK)
+                tl.store(entry + RANK + offs, to_cache(k1, cache_ptr, k_scale), mask=kmask)
+                tl.store(entry + RANK + HALF + offs, to_cache(k2, cache_ptr, k_scale), mask=kmask)
 
 
 def mla_rope_store(
@@ -86,6 +92,7 @@ def mla_rope_store(
     kv_cache: torch.Tensor | None,
     slot_mapping: torch.Tensor | None,
     interleaved: bool,
+    k_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     num_tokens, num_heads, head_dim = q.shape
     rope_dim, rank = k_pe.shape[-1], kv_c.shape[-1]
@@ -96,26 +103,29 @@ def mla_rope_store(
     has_cache = kv_cache is not None and kv_cache.numel() > 0
     cache = kv_cache if has_cache else k_out
     block_size = kv_cache.shape[1] if has_cache else 1
+    has_scale = has_cache and kv_cache.dtype == torch.float8_e4m3fn and k_scale is not None
     block_h = min(16, triton.next_power_of_2(num_heads))
     grid = (num_tokens, triton.cdiv(num_heads, block_h) + 1)
     _mla_rope_store_kernel[grid](
-        q, kv_c, k_pe, positions, cos_sin_cache, cache, slot_mapping if has_cache else positions, q_out, k_out,
+        q, kv_c, k_pe, positions, cos_sin_cache, cache, slot_mapping if has_cache else positions,
+        k_scale if has_scale else positions, q_out, k_out,
         num_heads, q.stride(0), q.stride(1), q_out.stride(0), q_out.stride(1), kv_c.stride(0), k_pe.stride(0),
         k_out.stride(0), cos_sin_cache.stride(0), cache.stride(0), cache.stride(1) if has_cache else 0,
         NOPE=head_dim - rope_dim, RANK=rank, HALF=rope_dim // 2, BLOCK_NOPE=_pow2(head_dim - rope_dim, 1),
         BLOCK_RANK=_pow2(rank, 1), BLOCK_HALF=_pow2(rope_dim // 2, 1), BLOCK_H=block_h, BLOCK_SIZE=block_size,
-        INTERLEAVED=interleaved, HAS_CACHE=has_cache,
+        INTERLEAVED=interleaved, HAS_CACHE=has_cache, HAS_SCALE=has_scale,
     )  # fmt: skip
     return q_out, k_out
 
 
 @triton.jit
 def _mla_decode_kernel(
-    q_ptr, cache_ptr, seq_lens_ptr, tables_ptr, out_ptr, part_out_ptr, part_ml_ptr, scale, num_heads, num_splits,
+    q_ptr, cache_ptr, seq_lens_ptr, tables_ptr, k_scale_ptr, out_ptr, part_out_ptr, part_ml_ptr, scale, num_heads,
+    num_splits,
     stride_qb, stride_qh, stride_cb, stride_cs, stride_tb, stride_ob, stride_oh,
     RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_RANK: tl.constexpr, BLOCK_ROPE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SPLIT: tl.constexpr,
+    SPLIT: tl.constexpr, HAS_SCALE: tl.constexpr,
 ):  # fmt: skip
     # Program (sequence, head block, split): online softmax over the split's latent rows,
     # loaded once for all the block's heads (the point of absorption). With SPLIT the
@@ -130,6 +140,8 @@ def _mla_decode_kernel(
     q_lat = tl.load(q_rows + offs_r[None, :], mask=hmask[:, None] & (offs_r[None, :] < RANK), other=0.0)
     q_pe = tl.load(q_rows + RANK + offs_p[None, :], mask=hmask[:, None] & (offs_p[None, :] < ROPE), other=0.0)
     seq_len = tl.load(seq_lens_ptr + seq)
+    if HAS_SCALE:  # fp8 cache: the scale of both halves of the row folds into the softmax scale
+        scale *= tl.load(k_scale_ptr)
     chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     lo = split * chunk
     hi = tl.minimum(lo + chunk, seq_len)
@@ -143,6 +155,7 @@ def _mla_decode_kernel(
         rows = cache_ptr + block[:, None] * stride_cb + (offs_n % BLOCK_SIZE)[:, None] * stride_cs
         lat = tl.load(rows + offs_r[None, :], mask=nmask[:, None] & (offs_r[None, :] < RANK), other=0.0)
         k_pe = tl.load(rows + RANK + offs_p[None, :], mask=nmask[:, None] & (offs_p[None, :] < ROPE), other=0.0)
+        lat, k_pe = lat.to(q_lat.dtype), k_pe.to(q_lat.dtype)
         s = tl.dot(q_lat, tl.trans(lat), input_precision=DOT_PRECISION)
         s += tl.dot(q_pe, tl.trans(k_pe), input_precision=DOT_PRECISION)
         s = tl.where(nmask[None, :], s * scale, float("-inf"))
@@ -152,6 +165,8 @@ def _mla_decode_kernel(
         denom = denom * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(lat.dtype), lat, input_precision=DOT_PRECISION)
         m = m_new
+    if HAS_SCALE:  # ... and into the values (the latents)
+        acc *= tl.load(k_scale_ptr)
     omask = hmask[:, None] & (offs_r[None, :] < RANK)
     if SPLIT:
         row = (seq * num_heads + heads) * num_splits + split  # [BLOCK_H]
@@ -203,15 +218,19 @@ def mla_decode(
     block_tables: torch.Tensor,
     scale: float,
     kv_lora_rank: int,
+    k_scale: torch.Tensor | None = None,
     num_splits: int | None = None,
 ) -> torch.Tensor:
     """``num_splits``: context segments handled by separate programs and merged (chosen from
-    the device's SM count when None; one on the CPU)."""
+    the device's SM count when None; one on the CPU). ``k_scale``: an fp8 cache's scale."""
     num_seqs, num_heads, dim = q.shape
     out = torch.empty(num_seqs, num_heads, kv_lora_rank, dtype=q.dtype, device=q.device)
     if num_seqs == 0:
         return out
-    q = q.to(kv_cache.dtype)
+    fp8 = kv_cache.dtype == torch.float8_e4m3fn
+    if not fp8:
+        q = q.to(kv_cache.dtype)
+    has_scale = fp8 and k_scale is not None
     block_h = 16
     block_rank = _pow2(kv_lora_rank)
     head_blocks = triton.cdiv(num_heads, block_h)
@@ -221,12 +240,13 @@ def mla_decode(
         part_out = torch.empty(num_seqs, num_heads, splits, block_rank, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(num_seqs, num_heads, splits, 2, dtype=torch.float32, device=q.device)
     _mla_decode_kernel[(num_seqs, head_blocks, splits)](
-        q, kv_cache, seq_lens, block_tables, out, part_out, part_ml, scale, num_heads, splits,
+        q, kv_cache, seq_lens, block_tables, k_scale if has_scale else seq_lens, out, part_out, part_ml, scale,
+        num_heads, splits,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1),
         RANK=kv_lora_rank, ROPE=dim - kv_lora_rank, BLOCK_RANK=block_rank, BLOCK_ROPE=_pow2(dim - kv_lora_rank),
         BLOCK_H=block_h, BLOCK_N=32 if block_rank >= 256 else 64, BLOCK_SIZE=kv_cache.shape[1],
-        DOT_PRECISION="tf32x3" if kv_cache.dtype == torch.float32 else "tf32", SPLIT=splits > 1,
+        DOT_PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32", SPLIT=splits > 1, HAS_SCALE=has_scale,
     )  # fmt: skip
     if splits > 1:
         _mla_merge_kernel[(num_seqs, num_heads)](

@@ -15,6 +15,15 @@ import triton.language as tl
 
 
 @triton.jit
+def to_cache(val, cache_ptr, scale):
+    """``val`` in ``cache_ptr``'s element type as the cache stores it: for fp8, ``val / scale``
+    saturated (``atom.ops.reference.to_cache_dtype``)."""
+    if cache_ptr.dtype.element_ty == tl.float8e4nv:
+        val = tl.clamp(tl.math.div_rn(val.to(tl.float32), scale), -448.0, 448.0)  # IEEE-rounded, as the reference
+    return val.to(cache_ptr.dtype.element_ty)
+
+
+@triton.jit
 def _store_heads(
     cache_ptr,
     slot,
@@ -33,9 +42,7 @@ def _store_heads(
     block = slot // BLOCK_SIZE
     offset = slot % BLOCK_SIZE
     ptrs = cache_ptr + block * stride_cb + offset * stride_ct + heads[:, None] * stride_ch + offs_d[None, :]
-    if cache_ptr.dtype.element_ty == tl.float8e4nv:
-        val = tl.clamp(tl.math.div_rn(val.to(tl.float32), scale), -448.0, 448.0)  # IEEE-rounded, as the reference
-    tl.store(ptrs, val.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(ptrs, to_cache(val, cache_ptr, scale), mask=mask)
 
 
 @triton.jit
