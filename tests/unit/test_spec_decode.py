@@ -178,3 +178,17 @@ def test_deepseek_v3_mtp_layer_drafts(tmp_path_factory):
         engine = spec_engine(path, method, 2, max_num_batched_tokens=16)
         assert token_ids(engine.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected, method
         assert engine.core.stats().spec.num_draft_tokens > 0
+
+
+def test_tensor_parallel_ranks_verify_and_propose_alike(mtp_model, reference):
+    """-tp 2: each rank verifies and proposes with its shard of the target and of the MTP
+    layer, the same seeds and the full logits; greedy output equals one rank's without drafts,
+    and the shared-weights drafts are all accepted as on one rank."""
+    expected = token_ids(reference(PROMPTS, GREEDY))
+    for method in ("shared_weights", "mtp"):
+        engine = spec_engine(mtp_model, method, 2, tensor_parallel_size=2, max_num_batched_tokens=16)
+        assert token_ids(engine.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected, method
+        spec = engine.core.stats().spec
+        assert spec.num_draft_tokens > 0
+        if method == "shared_weights":
+            assert spec.num_accepted_tokens == spec.num_draft_tokens
