@@ -18,9 +18,10 @@ from torch import nn
 from atom import ops
 from atom.distributed.parallel_state import SINGLE, TPInfo
 from atom.layers.attention import Attention as AtomAttention
+from atom.layers.mla import MLAAttention
 from atom.layers.quantization import filter_weights, get_fp8_config, process_weights_after_loading, quantize_layers
 from atom.models.registry import get_model_class, plugin_architectures
-from atom.plugin.vllm import logger
+from atom.plugin.vllm import attention_disabled, logger
 
 
 def wrapper_name(arch: str) -> str:
@@ -91,21 +92,34 @@ def atom_fp8_config(vllm_config):
 
 
 def attach_vllm_attention(model: nn.Module, vllm_config, prefix: str = "") -> int:
-    """Give every atom attention layer of ``model`` a vLLM ``Attention`` layer; returns how many."""
+    """Give every atom attention layer of ``model`` a vLLM ``Attention`` layer (an MLA layer
+    vLLM's ``MLAAttention``, run by atom's MLA backend); returns how many."""
     from vllm.model_executor.layers.attention import Attention
 
-    layers = [m for m in model.modules() if isinstance(m, AtomAttention)]
-    for layer in layers:
-        layer.attach_host_attention(Attention(
-            layer.num_heads,
-            layer.head_dim,
-            layer.scale,
-            num_kv_heads=layer.num_kv_heads,
-            cache_config=vllm_config.cache_config,
-            quant_config=None,
-            prefix=f"{prefix}.{layer.prefix}" if prefix else layer.prefix,
-        ))
+    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, AtomAttention)]
+    for name, layer in layers:
+        host_prefix = f"{prefix}.{layer.prefix}" if prefix else layer.prefix
+        if isinstance(layer, MLAAttention):
+            host = vllm_mla_attention(layer, model.get_submodule(name.rpartition(".")[0]), vllm_config, host_prefix)
+        else:
+            host = Attention(layer.num_heads, layer.head_dim, layer.scale, num_kv_heads=layer.num_kv_heads,
+                             cache_config=vllm_config.cache_config, quant_config=None, prefix=host_prefix)
+        layer.attach_host_attention(host)
     return len(layers)
+
+
+def vllm_mla_attention(layer: MLAAttention, parent: nn.Module, vllm_config, prefix: str) -> nn.Module:
+    """vLLM's MLA layer for atom's ``layer`` (``parent`` holds its ``kv_b_proj``): run by atom's
+    MLA backend, or, with ``ATOM_DISABLE_VLLM_PLUGIN_ATTENTION=1``, vLLM's own MLA layer and backend."""
+    from vllm.model_executor.layers.attention import MLAAttention as VllmMLA
+
+    from atom.plugin.vllm.attention import ATOMMLABackend, VllmMLAAttention
+
+    cls, backend = (VllmMLA, None) if attention_disabled() else (VllmMLAAttention, ATOMMLABackend)
+    return cls(num_heads=layer.num_heads, scale=layer.scale, qk_nope_head_dim=layer.nope,
+               qk_rope_head_dim=layer.rope, v_head_dim=layer.v_head_dim, q_lora_rank=parent.q_lora_rank,
+               kv_lora_rank=layer.kv_lora_rank, kv_b_proj=parent.kv_b_proj, cache_config=vllm_config.cache_config,
+               quant_config=None, prefix=prefix, attn_backend=backend)
 
 
 class VllmModelAdapter:
@@ -158,6 +172,6 @@ def _make_wrapper(arch: str) -> type[nn.Module]:
     }))
 
 
-for _arch in plugin_architectures():
+for _arch in plugin_architectures(mla=True):
     globals()[wrapper_name(_arch)] = _make_wrapper(_arch)
 del _arch
