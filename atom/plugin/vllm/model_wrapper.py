@@ -93,7 +93,7 @@ def atom_fp8_config(vllm_config):
 
 def attach_vllm_attention(model: nn.Module, vllm_config, prefix: str = "") -> int:
     """Give every atom attention layer of ``model`` a vLLM ``Attention`` layer (an MLA layer
-    vLLM's ``MLAAttention``, run by atom's MLA backend); returns how many."""
+    vLLM's ``MLAAttention``); returns how many."""
     from vllm.model_executor.layers.attention import Attention
 
     layers = [(name, m) for name, m in model.named_modules() if isinstance(m, AtomAttention)]
@@ -109,17 +109,18 @@ def attach_vllm_attention(model: nn.Module, vllm_config, prefix: str = "") -> in
 
 
 def vllm_mla_attention(layer: MLAAttention, parent: nn.Module, vllm_config, prefix: str) -> nn.Module:
-    """vLLM's MLA layer for atom's ``layer`` (``parent`` holds its ``kv_b_proj``): run by atom's
-    MLA backend, or, with ``ATOM_DISABLE_VLLM_PLUGIN_ATTENTION=1``, vLLM's own MLA layer and backend."""
-    from vllm.model_executor.layers.attention import MLAAttention as VllmMLA
-
+    """vLLM's MLA layer for atom's ``layer`` (``parent`` holds its ``kv_b_proj``), run by atom's
+    MLA backend."""
     from atom.plugin.vllm.attention import ATOMMLABackend, VllmMLAAttention
 
-    cls, backend = (VllmMLA, None) if attention_disabled() else (VllmMLAAttention, ATOMMLABackend)
-    return cls(num_heads=layer.num_heads, scale=layer.scale, qk_nope_head_dim=layer.nope,
-               qk_rope_head_dim=layer.rope, v_head_dim=layer.v_head_dim, q_lora_rank=parent.q_lora_rank,
-               kv_lora_rank=layer.kv_lora_rank, kv_b_proj=parent.kv_b_proj, cache_config=vllm_config.cache_config,
-               quant_config=None, prefix=prefix, attn_backend=backend)
+    if attention_disabled():  # vLLM's MLA backends call vLLM's own linear layers
+        raise NotImplementedError("ATOM_DISABLE_VLLM_PLUGIN_ATTENTION=1 does not apply to atom's multi-head latent "
+                                  "attention (DeepSeek); set ATOM_DISABLE_VLLM_PLUGIN=1 to run vLLM's DeepSeek")
+    return VllmMLAAttention(num_heads=layer.num_heads, scale=layer.scale, qk_nope_head_dim=layer.nope,
+                            qk_rope_head_dim=layer.rope, v_head_dim=layer.v_head_dim, q_lora_rank=parent.q_lora_rank,
+                            kv_lora_rank=layer.kv_lora_rank, kv_b_proj=parent.kv_b_proj,
+                            cache_config=vllm_config.cache_config, quant_config=None, prefix=prefix,
+                            attn_backend=ATOMMLABackend)
 
 
 class VllmModelAdapter:
@@ -136,8 +137,10 @@ class VllmModelAdapter:
         if fp8 is not None:  # FP8 weights through atom's layers (docs/fp8.md)
             quantize_layers(self, fp8)
         n = attach_vllm_attention(self, vllm_config, prefix)
-        logger.info("atom model %s (%s) built for vLLM; its %d attention layers run through vLLM's Attention",
-                    type(self).__name__, type(self).atom_class.__module__, n)
+        host = "MLAAttention (atom's MLA backend)" if any(isinstance(m, MLAAttention) for m in self.modules()) \
+            else "Attention"
+        logger.info("atom model %s (%s) built for vLLM; its %d attention layers run through vLLM's %s",
+                    type(self).__name__, type(self).atom_class.__module__, n, host)
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate_tensors=None,
                 inputs_embeds: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
