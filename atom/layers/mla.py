@@ -13,7 +13,9 @@ per-head K/V (about 71x for DeepSeek-V3).
   (``ops.mla_decode``).
 
 As with ``Attention``, the whole layer is one opaque custom op (``atom::mla_attention``) for
-torch.compile, and the batch's metadata comes from the forward context.
+torch.compile, and the batch's metadata comes from the forward context. In plugin mode the
+host's MLA layer owns the cache and the metadata (``attach_host_attention``): this layer applies
+RoPE, and the host's backend runs ``latent_attention`` (``atom.plugin.vllm.mla``).
 """
 
 from __future__ import annotations
@@ -49,9 +51,8 @@ class MLAAttention(Attention):
         self.kv_cache = cache
 
     def attach_host_attention(self, layer: nn.Module) -> None:
-        """Plugin mode: the host's MLA layer (``atom.plugin.vllm.attention.VllmMLAAttention``)
-        owns the latent cache and the metadata; this layer applies RoPE and hands it the
-        rotated query, the latent and the rotated ``k_pe`` as vLLM's own MLA layer takes them."""
+        """Plugin mode: ``layer`` (vLLM's ``MLAAttention``) gets the rotated query, the latent and
+        the rotated ``k_pe`` as vLLM's own DeepSeek passes them."""
         self.host_attention = layer
 
     def forward(  # type: ignore[override]

@@ -111,7 +111,7 @@ def attach_vllm_attention(model: nn.Module, vllm_config, prefix: str = "") -> in
 def vllm_mla_attention(layer: MLAAttention, parent: nn.Module, vllm_config, prefix: str) -> nn.Module:
     """vLLM's MLA layer for atom's ``layer`` (``parent`` holds its ``kv_b_proj``), run by atom's
     MLA backend."""
-    from atom.plugin.vllm.attention import ATOMMLABackend, VllmMLAAttention
+    from atom.plugin.vllm.mla import ATOMMLABackend, VllmMLAAttention
 
     if attention_disabled():  # vLLM's MLA backends call vLLM's own linear layers
         raise NotImplementedError("ATOM_DISABLE_VLLM_PLUGIN_ATTENTION=1 does not apply to atom's multi-head latent "
