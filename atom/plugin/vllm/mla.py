@@ -33,6 +33,8 @@ class ATOMMLABackend(ATOMAttentionBackend):
     def get_impl_cls() -> type[ATOMMLAImpl]:
         return ATOMMLAImpl
 
+    # vLLM 0.26 sizes the cache with it (0.32: the MLA spec and the layouts); both bind
+    # [num_blocks, block_size, head_size] to the layer
     @staticmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
                            cache_dtype_str: str = "auto") -> tuple[int, ...]:
