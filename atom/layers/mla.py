@@ -14,7 +14,9 @@ by the layer's ``k_scale`` (the checkpoint's, else 1.0; loaded like ``Attention`
   (``ops.mla_decode``).
 
 As with ``Attention``, the whole layer is one opaque custom op (``atom::mla_attention``) for
-torch.compile, and the batch's metadata comes from the forward context.
+torch.compile, and the batch's metadata comes from the forward context. In plugin mode the
+host's MLA layer owns the cache and the metadata (``attach_host_attention``): this layer applies
+RoPE, and the host's backend runs ``latent_attention`` (``atom.plugin.vllm.mla``).
 """
 
 from __future__ import annotations
@@ -47,7 +49,9 @@ class MLAAttention(Attention):
         self.kv_cache = cache
 
     def attach_host_attention(self, layer: nn.Module) -> None:
-        raise NotImplementedError("multi-head latent attention (DeepSeek) is not supported in plugin mode yet")
+        """Plugin mode: ``layer`` (vLLM's ``MLAAttention``) gets the rotated query, the latent and
+        the rotated ``k_pe`` as vLLM's own DeepSeek passes them."""
+        self.host_attention = layer
 
     def forward(  # type: ignore[override]
         self, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, positions: torch.Tensor,
@@ -57,6 +61,11 @@ class MLAAttention(Attention):
         [T, rope] (not rotated yet), ``kv_b_weight`` [heads * (nope + v), kv_lora_rank].
         Returns [T, heads * v_head_dim], the input of ``o_proj``."""
         q = q.view(q.shape[0], self.num_heads, self.nope + self.rope)
+        if self.host_attention is not None:
+            q, k_pe = ops.mla_rope_store(q, kv_c, k_pe, positions, rotary_emb.cos_sin_cache, None, None,
+                                         self.interleaved)  # fmt: skip
+            return self.host_attention(q, kv_c, k_pe.unsqueeze(1),
+                                       output_shape=(q.shape[0], self.num_heads * self.v_head_dim))
         return torch.ops.atom.mla_attention(q, kv_c, k_pe, positions, rotary_emb.cos_sin_cache, kv_b_weight,
                                             self.prefix)  # fmt: skip
 
@@ -65,25 +74,41 @@ class MLAAttention(Attention):
         slots = meta.slot_mapping if self.kv_cache is not None else None
         q, k_pe = ops.mla_rope_store(q, kv_c, k_pe, positions, cos_sin_cache, self.kv_cache, slots,
                                      self.interleaved, self.k_scale)  # fmt: skip
-        num_tokens, num_heads = q.shape[:2]
         # the memory-profiling run has no cache: every row is a prompt row there
         num_decodes = meta.num_decode_tokens if self.kv_cache is not None else 0
-        w = kv_b_weight.view(num_heads, self.nope + self.v_head_dim, self.kv_lora_rank)
-        out = q.new_empty(num_tokens, num_heads, self.v_head_dim)
-        if num_decodes:
-            d = slice(0, num_decodes)
-            q_lat = torch.bmm(q[d, :, : self.nope].transpose(0, 1), w[:, : self.nope]).transpose(0, 1)
-            o_lat = ops.mla_decode(torch.cat((q_lat, q[d, :, self.nope :]), dim=-1), self.kv_cache,
-                                   meta.seq_lens[d], meta.block_tables[d], self.scale, self.kv_lora_rank,
-                                   self.k_scale)  # fmt: skip
-            out[d] = torch.bmm(o_lat.transpose(0, 1), w[:, self.nope :].transpose(1, 2)).transpose(0, 1)
-        if num_decodes < num_tokens:
-            p = slice(num_decodes, None)
-            cu = meta.cu_seqlens_q[num_decodes:] - num_decodes
-            out[p] = mla_prefill(q[p], self.kv_cache, torch.cat((kv_c, k_pe), dim=-1)[p], cu, meta.seq_lens[p],
-                                 meta.block_tables[p], kv_b_weight, self.scale, self.v_head_dim,
-                                 self.k_scale)  # fmt: skip
+        out = latent_attention(q, torch.cat((kv_c, k_pe), dim=-1), self.kv_cache, meta.cu_seqlens_q, meta.seq_lens,
+                               meta.block_tables, num_decodes, kv_b_weight, self.scale, self.v_head_dim,
+                               self.k_scale)  # fmt: skip
         return out.flatten(1)
+
+
+def latent_attention(
+    q: torch.Tensor, latents: torch.Tensor, kv_cache: torch.Tensor | None, cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor, block_tables: torch.Tensor, num_decodes: int, kv_b_weight: torch.Tensor, scale: float,
+    v_head_dim: int, k_scale: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """Attention over the latent cache (this step's rows already written), shared by atom's
+    engine and its vLLM backend. ``q`` [T, H, nope + rope] (rotated), the first
+    ``num_decodes`` rows one decode token each; ``latents`` [T, r + rope], this step's
+    ``cat(kv_c, k_pe)``; ``kv_b_weight`` [H * (nope + v), r]; ``k_scale``: an fp8 cache's
+    scale. Returns [T, H, v]."""
+    num_tokens, num_heads = q.shape[:2]
+    kv_lora_rank = kv_b_weight.shape[1]
+    nope = q.shape[-1] - (latents.shape[-1] - kv_lora_rank)
+    w = kv_b_weight.view(num_heads, nope + v_head_dim, kv_lora_rank)
+    out = q.new_empty(num_tokens, num_heads, v_head_dim)
+    if num_decodes:
+        d = slice(0, num_decodes)
+        q_lat = torch.bmm(q[d, :, :nope].transpose(0, 1), w[:, :nope]).transpose(0, 1)
+        o_lat = ops.mla_decode(torch.cat((q_lat, q[d, :, nope:]), dim=-1), kv_cache, seq_lens[d], block_tables[d],
+                               scale, kv_lora_rank, k_scale)  # fmt: skip
+        out[d] = torch.bmm(o_lat.transpose(0, 1), w[:, nope:].transpose(1, 2)).transpose(0, 1)
+    if num_decodes < num_tokens:
+        p = slice(num_decodes, None)
+        cu = cu_seqlens_q[num_decodes:] - num_decodes
+        out[p] = mla_prefill(q[p], kv_cache, latents[p], cu, seq_lens[p], block_tables[p], kv_b_weight, scale,
+                             v_head_dim, k_scale)  # fmt: skip
+    return out
 
 
 @torch.library.custom_op("atom::mla_attention", mutates_args=())

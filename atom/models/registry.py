@@ -15,18 +15,19 @@ _MODELS = {
 }
 
 
-# architectures whose attention has no plugin-mode path yet (multi-head latent attention):
-# the vLLM/SGLang plugins leave them to the host framework's own implementation
-_ENGINE_ONLY = frozenset({"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"})
+# multi-head latent attention: a plugin-mode path in the vLLM plugin only (SGLang leaves them
+# to its own implementation)
+_MLA = frozenset({"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"})
 
 
 def supported_architectures() -> list[str]:
     return sorted(_MODELS)
 
 
-def plugin_architectures() -> list[str]:
-    """The architectures the vLLM and SGLang plugins replace with atom's classes."""
-    return sorted(set(_MODELS) - _ENGINE_ONLY)
+def plugin_architectures(mla: bool = False) -> list[str]:
+    """The architectures a plugin replaces with atom's classes; ``mla``: with the DeepSeek
+    (multi-head latent attention) ones, whose host layer only the vLLM plugin builds."""
+    return sorted(set(_MODELS) if mla else set(_MODELS) - _MLA)
 
 
 def get_model_class(architecture: str) -> type[nn.Module]:

@@ -324,7 +324,8 @@ def test_platform_resolution_and_backend_selection(ckpts):
         from vllm import ModelRegistry
         register_model(); register_model()
         entries = {a: f"{ModelRegistry.models[a].module_name}:{ModelRegistry.models[a].class_name}"
-                   for a in ("Qwen3ForCausalLM", "LlamaForCausalLM", "Qwen3MoeForCausalLM")}
+                   for a in ("Qwen3ForCausalLM", "LlamaForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV2ForCausalLM",
+                             "DeepseekV3ForCausalLM")}
         from vllm.model_executor.models.interfaces_base import is_text_generation_model
         from atom.plugin.vllm import model_wrapper
         print("RESULT" + json.dumps(dict(
@@ -350,7 +351,8 @@ def test_platform_resolution_and_backend_selection(ckpts):
     for need in ("sliding_window", "encoder", "switched_off"):  # the parent platform's choice
         assert r["choices"][need].startswith("vllm.v1.attention.backends."), (need, r["choices"][need])
     assert r["entries"] == {a: f"atom.plugin.vllm.model_wrapper:ATOM{a}"
-                            for a in ("Qwen3ForCausalLM", "LlamaForCausalLM", "Qwen3MoeForCausalLM")}
+                            for a in ("Qwen3ForCausalLM", "LlamaForCausalLM", "Qwen3MoeForCausalLM",
+                                      "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")}
     assert r["text_generation"]
 
 

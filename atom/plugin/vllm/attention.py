@@ -13,6 +13,8 @@ keys of one (block, KV head) are one strided tile.
 ``--kv-cache-dtype fp8`` (or ``fp8_e4m3``): vLLM allocates the cache as bytes; atom reads it as
 e4m3 and quantises/dequantises with the layer's ``_k_scale``/``_v_scale`` (vLLM's per-tensor
 scales: the checkpoint's, else 1.0).
+
+Multi-head latent attention (DeepSeek): ``atom.plugin.vllm.mla``.
 """
 
 from __future__ import annotations

@@ -18,9 +18,10 @@ from torch import nn
 from atom import ops
 from atom.distributed.parallel_state import SINGLE, TPInfo
 from atom.layers.attention import Attention as AtomAttention
+from atom.layers.mla import MLAAttention
 from atom.layers.quantization import filter_weights, get_fp8_config, process_weights_after_loading, quantize_layers
 from atom.models.registry import get_model_class, plugin_architectures
-from atom.plugin.vllm import logger
+from atom.plugin.vllm import attention_disabled, logger
 
 
 def wrapper_name(arch: str) -> str:
@@ -91,21 +92,35 @@ def atom_fp8_config(vllm_config):
 
 
 def attach_vllm_attention(model: nn.Module, vllm_config, prefix: str = "") -> int:
-    """Give every atom attention layer of ``model`` a vLLM ``Attention`` layer; returns how many."""
+    """Give every atom attention layer of ``model`` a vLLM ``Attention`` layer (an MLA layer
+    vLLM's ``MLAAttention``); returns how many."""
     from vllm.model_executor.layers.attention import Attention
 
-    layers = [m for m in model.modules() if isinstance(m, AtomAttention)]
-    for layer in layers:
-        layer.attach_host_attention(Attention(
-            layer.num_heads,
-            layer.head_dim,
-            layer.scale,
-            num_kv_heads=layer.num_kv_heads,
-            cache_config=vllm_config.cache_config,
-            quant_config=None,
-            prefix=f"{prefix}.{layer.prefix}" if prefix else layer.prefix,
-        ))
+    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, AtomAttention)]
+    for name, layer in layers:
+        host_prefix = f"{prefix}.{layer.prefix}" if prefix else layer.prefix
+        if isinstance(layer, MLAAttention):
+            host = vllm_mla_attention(layer, model.get_submodule(name.rpartition(".")[0]), vllm_config, host_prefix)
+        else:
+            host = Attention(layer.num_heads, layer.head_dim, layer.scale, num_kv_heads=layer.num_kv_heads,
+                             cache_config=vllm_config.cache_config, quant_config=None, prefix=host_prefix)
+        layer.attach_host_attention(host)
     return len(layers)
+
+
+def vllm_mla_attention(layer: MLAAttention, parent: nn.Module, vllm_config, prefix: str) -> nn.Module:
+    """vLLM's MLA layer for atom's ``layer`` (``parent`` holds its ``kv_b_proj``), run by atom's
+    MLA backend."""
+    from atom.plugin.vllm.mla import ATOMMLABackend, VllmMLAAttention
+
+    if attention_disabled():  # vLLM's MLA backends call vLLM's own linear layers
+        raise NotImplementedError("ATOM_DISABLE_VLLM_PLUGIN_ATTENTION=1 does not apply to atom's multi-head latent "
+                                  "attention (DeepSeek); set ATOM_DISABLE_VLLM_PLUGIN=1 to run vLLM's DeepSeek")
+    return VllmMLAAttention(num_heads=layer.num_heads, scale=layer.scale, qk_nope_head_dim=layer.nope,
+                            qk_rope_head_dim=layer.rope, v_head_dim=layer.v_head_dim, q_lora_rank=parent.q_lora_rank,
+                            kv_lora_rank=layer.kv_lora_rank, kv_b_proj=parent.kv_b_proj,
+                            cache_config=vllm_config.cache_config, quant_config=None, prefix=prefix,
+                            attn_backend=ATOMMLABackend)
 
 
 class VllmModelAdapter:
@@ -122,8 +137,10 @@ class VllmModelAdapter:
         if fp8 is not None:  # FP8 weights through atom's layers (docs/fp8.md)
             quantize_layers(self, fp8)
         n = attach_vllm_attention(self, vllm_config, prefix)
-        logger.info("atom model %s (%s) built for vLLM; its %d attention layers run through vLLM's Attention",
-                    type(self).__name__, type(self).atom_class.__module__, n)
+        host = "MLAAttention (atom's MLA backend)" if any(isinstance(m, MLAAttention) for m in self.modules()) \
+            else "Attention"
+        logger.info("atom model %s (%s) built for vLLM; its %d attention layers run through vLLM's %s",
+                    type(self).__name__, type(self).atom_class.__module__, n, host)
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate_tensors=None,
                 inputs_embeds: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
@@ -158,6 +175,6 @@ def _make_wrapper(arch: str) -> type[nn.Module]:
     }))
 
 
-for _arch in plugin_architectures():
+for _arch in plugin_architectures(mla=True):
     globals()[wrapper_name(_arch)] = _make_wrapper(_arch)
 del _arch

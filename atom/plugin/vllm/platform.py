@@ -105,9 +105,24 @@ class ATOMPlatform(_Base):  # type: ignore[misc, valid-type]
 
     @classmethod
     def check_and_update_config(cls, vllm_config) -> None:
+        scheduler, cache = vllm_config.scheduler_config, vllm_config.cache_config
+        asked = (scheduler.enable_chunked_prefill, scheduler.max_num_batched_tokens, cache.enable_prefix_caching)
         super().check_and_update_config(vllm_config)
+        if cls.device_type == "cpu" and runs_atom_mla(vllm_config):
+            # vLLM's CPU platform turns both off for its own CPU MLA backend; atom's latent
+            # attention reads cached prefixes and earlier chunks from the latent cache
+            scheduler.enable_chunked_prefill, scheduler.max_num_batched_tokens, cache.enable_prefix_caching = asked
         # the first hook that runs after vLLM has configured its logging
         _log_once(f"atom platform active: ATOMPlatform extends {_base_qualname}")
+
+
+def runs_atom_mla(vllm_config) -> bool:
+    """Whether the model is one of atom's multi-head latent attention models with atom's MLA backend."""
+    from atom.models.registry import plugin_architectures
+
+    model = vllm_config.model_config
+    return (model is not None and getattr(model, "use_mla", False) and not attention_disabled()
+            and bool(set(getattr(model, "architectures", None) or []) & set(plugin_architectures(mla=True))))
 
 
 _logged: set[str] = set()

@@ -47,7 +47,7 @@ def register_model() -> None:
     from atom.plugin.vllm.model_wrapper import wrapper_name
 
     registered = []
-    for arch in plugin_architectures():
+    for arch in plugin_architectures(mla=True):
         target = f"{WRAPPER_MODULE}:{wrapper_name(arch)}"
         current = ModelRegistry.models.get(arch)
         if f"{getattr(current, 'module_name', '')}:{getattr(current, 'class_name', '')}" == target:
