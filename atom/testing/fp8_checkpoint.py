@@ -17,8 +17,11 @@ from safetensors.torch import load_file, save_file
 
 from atom.ops import reference_fp8 as fp8
 
-# the GEMM weights of the decoder layers (dense and expert projections)
-_LINEAR = re.compile(r"\.(q|k|v|o|gate|up|down)_proj\.weight$")
+# the GEMM weights of the decoder layers, MTP layers included: attention (MLA's too), dense
+# MLPs, experts and shared experts. As in DeepSeek-V3/R1's checkpoint, the embedding, LM head,
+# norms, router (mlp.gate, e_score_correction_bias) and the MTP layer's eh_proj and
+# shared_head stay in high precision.
+_LINEAR = re.compile(r"\.(?:(?:q|k|v|o|gate|up|down|q_a|q_b|kv_b)_proj|kv_a_proj_with_mqa)\.weight$")
 FORMATS = ("block", "tensor", "channel", "ct_block")
 
 

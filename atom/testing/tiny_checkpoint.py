@@ -85,11 +85,13 @@ def train_tokenizer(vocab_size: int = 384) -> PreTrainedTokenizerFast:
 
 def build(out_dir: str, arch: str = "qwen3", seed: int = 0, num_layers: int = 3,
           dtype: torch.dtype = torch.float32, max_position_embeddings: int = 2048,
-          head_dim: int | None = None, num_kv_heads: int = 2, initializer_range: float = 0.35) -> str:
+          head_dim: int | None = None, num_kv_heads: int = 2, initializer_range: float = 0.35,
+          **overrides) -> str:
     """Write a tiny checkpoint of ``arch`` into ``out_dir`` and return the path. ``head_dim``
     overrides the architecture's (e.g. 32, a size vLLM's CPU attention supports);
     ``num_kv_heads=1`` gives fewer KV heads than two tensor-parallel ranks; a smaller
-    ``initializer_range`` gives a model less sensitive to small errors (quantisation tests)."""
+    ``initializer_range`` gives a model less sensitive to small errors (quantisation tests);
+    other keywords override config values (e.g. sizes that split into whole FP8 scale blocks)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     os.makedirs(out_dir, exist_ok=True)
@@ -98,8 +100,7 @@ def build(out_dir: str, arch: str = "qwen3", seed: int = 0, num_layers: int = 3,
     model_type = spec.pop("model_type")
     if head_dim is not None:
         spec["head_dim"] = head_dim
-    config = AutoConfig.for_model(
-        model_type,
+    values = dict(
         vocab_size=len(tokenizer),
         hidden_size=72,
         intermediate_size=136,
@@ -113,8 +114,8 @@ def build(out_dir: str, arch: str = "qwen3", seed: int = 0, num_layers: int = 3,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
         pad_token_id=tokenizer.pad_token_id,
-        **spec,
     )
+    config = AutoConfig.for_model(model_type, **{**values, **spec, **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     for name, buf in model.named_buffers():
