@@ -73,7 +73,8 @@ def write(src: str, dst: str, fmt: str, dequantized_dst: str | None = None, bloc
         quantized[name + ("_scale_inv" if fmt == "block" else "_scale")] = scale
         if fmt == "tensor":  # vLLM's static activation scale (atom quantises activations dynamically)
             quantized[name[: -len("weight")] + "input_scale"] = torch.tensor(1.0)
-        dequantized[name] = deq.to(w.dtype)
+        if dequantized_dst is not None:  # a real model (V2-Lite) is held in memory: only when asked
+            dequantized[name] = deq.to(w.dtype)
     for out, weights, qc in ((dst, quantized, _quantization_config(fmt, block)), (dequantized_dst, dequantized, None)):
         if out is None:
             continue
