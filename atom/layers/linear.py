@@ -36,6 +36,13 @@ def _param(*shape: int, loader) -> nn.Parameter:
 
 class LinearBase(nn.Module):
     quant_method = None  # set by atom.layers.quantization for quantised weights
+    # stays in the model dtype under any quantisation: FP8 checkpoints keep it so (the MTP
+    # layer's eh_proj in DeepSeek-V3/R1, vLLM's nn.Linear)
+    unquantized = False
+    # the owner reads .weight itself (MLA's kv_b_proj): an FP8 checkpoint's weight is
+    # dequantised to the model dtype after loading, as vLLM does; with --quantization fp8 it is
+    # left unquantised
+    dequantize_after_loading = False
 
     def __init__(self, input_size: int, output_size: int, bias: bool, tp: TPInfo, shard_dim: int | None):
         super().__init__()

@@ -6,7 +6,7 @@ import glob
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -97,16 +97,24 @@ def build_model(cls: type[nn.Module], model_config: ModelConfig, device: torch.d
         torch.set_default_dtype(prev_dtype)
 
 
-def load_model(model_config: ModelConfig, device: torch.device, tp: TPInfo = SINGLE) -> nn.Module:
-    model = build_model(get_model_class(model_config.architecture), model_config, device, tp)
+def load_quantized(model: nn.Module, model_config: ModelConfig, weights: Iterable | None, seed: int) -> nn.Module:
+    """Apply the model's FP8 scheme (if any) to a built model, fill it from ``weights`` (random
+    ones with ``--load_dummy``) and finish the quantised layers. Shared by the target model and
+    the MTP draft, whose layers are FP8 in FP8 checkpoints too."""
     quant = get_fp8_config(model_config.hf_config, model_config.quantization)
     if quant is not None:
         quantize_layers(model, quant)
     if model_config.load_dummy:
-        init_dummy_weights(model, model_config.seed)
+        init_dummy_weights(model, seed)
     else:
-        hf = model_config.hf_config
-        weights = ((name, w) for name, w in iter_weights(model_config) if not is_mtp_weight(name, hf))
         model.load_weights(filter_weights(weights))
     process_weights_after_loading(model)
     return model.eval()
+
+
+def load_model(model_config: ModelConfig, device: torch.device, tp: TPInfo = SINGLE) -> nn.Module:
+    model = build_model(get_model_class(model_config.architecture), model_config, device, tp)
+    hf = model_config.hf_config
+    weights = None if model_config.load_dummy else (
+        (name, w) for name, w in iter_weights(model_config) if not is_mtp_weight(name, hf))
+    return load_quantized(model, model_config, weights, model_config.seed)

@@ -52,6 +52,7 @@ class DeepseekMTPLayer(DecoderLayer):
         self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.eh_proj = ReplicatedLinear(2 * config.hidden_size, config.hidden_size)
+        self.eh_proj.unquantized = True  # bf16 in FP8 checkpoints (DeepSeek-V3/R1)
         self.shared_head = SharedHead(config, tp)
 
     def predict(self, inputs_embeds: torch.Tensor, positions: torch.Tensor,

@@ -67,6 +67,7 @@ class DeepseekAttention(nn.Module):
         self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, self.kv_lora_rank + self.rope, bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, _LATENT_NORM_EPS)
         self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, heads * (self.nope + self.v), False, tp)
+        self.kv_b_proj.dequantize_after_loading = True  # MLA multiplies by its weight directly
         self.o_proj = RowParallelLinear(heads * self.v, hidden, bias, tp)
         self.rotary_emb = RotaryEmbedding(config, self.rope, config.max_position_embeddings)
         # DeepSeek-V2 checkpoints always pair their rope dims; V3 says so in rope_interleave

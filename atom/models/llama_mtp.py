@@ -38,6 +38,7 @@ class MtpLayer(DecoderLayer):
         self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.eh_proj = ReplicatedLinear(2 * config.hidden_size, config.hidden_size)
+        self.eh_proj.unquantized = True  # high precision, as in DeepSeek-V3/R1's FP8 checkpoints
         self.shared_head = SharedHead(config)
 
 

@@ -17,7 +17,7 @@ from torch import nn
 
 from atom.config import ModelConfig
 from atom.distributed.parallel_state import TPInfo
-from atom.model_loader.loader import build_model, init_dummy_weights, iter_weights
+from atom.model_loader.loader import build_model, iter_weights, load_quantized
 
 _DRAFTS = {
     "DeepseekV3ForCausalLM": ("atom.models.deepseek_mtp", "DeepseekMTP"),
@@ -31,8 +31,6 @@ def load_mtp(model_config: ModelConfig, target: nn.Module | None, device: torch.
     draft = build_model(getattr(importlib.import_module(module), name), model_config, device, tp)
     if hasattr(draft, "bind_target"):
         draft.bind_target(target)
-    if model_config.load_dummy:
-        init_dummy_weights(draft, model_config.seed + 1)
-    else:
-        draft.load_weights(iter_weights(model_config))  # it takes its own tensors
-    return draft.eval()
+    # it takes its own tensors from the whole checkpoint
+    weights = None if model_config.load_dummy else iter_weights(model_config)
+    return load_quantized(draft, model_config, weights, model_config.seed + 1)

@@ -17,8 +17,11 @@ from safetensors.torch import load_file, save_file
 
 from atom.ops import reference_fp8 as fp8
 
-# the GEMM weights of the decoder layers (dense and expert projections)
-_LINEAR = re.compile(r"\.(q|k|v|o|gate|up|down)_proj\.weight$")
+# the GEMM weights of the decoder layers, MTP layers included: attention (MLA's too), dense
+# MLPs, experts and shared experts. As in DeepSeek-V3/R1's checkpoint, the embedding, LM head,
+# norms, router (mlp.gate, e_score_correction_bias) and the MTP layer's eh_proj and
+# shared_head stay in high precision.
+_LINEAR = re.compile(r"\.(?:(?:q|k|v|o|gate|up|down|q_a|q_b|kv_b)_proj|kv_a_proj_with_mqa)\.weight$")
 FORMATS = ("block", "tensor", "channel", "ct_block")
 
 
@@ -70,7 +73,8 @@ def write(src: str, dst: str, fmt: str, dequantized_dst: str | None = None, bloc
         quantized[name + ("_scale_inv" if fmt == "block" else "_scale")] = scale
         if fmt == "tensor":  # vLLM's static activation scale (atom quantises activations dynamically)
             quantized[name[: -len("weight")] + "input_scale"] = torch.tensor(1.0)
-        dequantized[name] = deq.to(w.dtype)
+        if dequantized_dst is not None:  # a real model (V2-Lite) is held in memory: only when asked
+            dequantized[name] = deq.to(w.dtype)
     for out, weights, qc in ((dst, quantized, _quantization_config(fmt, block)), (dequantized_dst, dequantized, None)):
         if out is None:
             continue

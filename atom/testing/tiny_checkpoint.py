@@ -91,7 +91,8 @@ def build(out_dir: str, arch: str = "qwen3", seed: int = 0, num_layers: int = 3,
     overrides the architecture's (e.g. 32, a size vLLM's CPU attention supports);
     ``num_kv_heads=1`` gives fewer KV heads than two tensor-parallel ranks; a smaller
     ``initializer_range`` gives a model less sensitive to small errors (quantisation tests);
-    further keywords override config fields (e.g. the sizes vLLM's CPU MoE and MLA kernels need)."""
+    further keywords override config fields (e.g. the sizes vLLM's CPU MoE and MLA kernels need,
+    sizes that split into whole FP8 scale blocks)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     os.makedirs(out_dir, exist_ok=True)

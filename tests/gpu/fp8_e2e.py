@@ -7,7 +7,9 @@ Each engine is freed before the next starts. Writes $OUT/fp8_e2e.json (or ./gpu-
 
     python tests/gpu/fp8_e2e.py --model /path/to/Qwen3-8B [--fp8-model /path/to/Qwen3-8B-FP8]
     python tests/gpu/fp8_e2e.py --model /path/to/DeepSeek-V2-Lite --kv-only   # MLA's latent cache
-    python tests/gpu/fp8_e2e.py --model /path/to/DeepSeek-R1 --kv-only -tp 8
+    python tests/gpu/fp8_e2e.py --model /path/to/DeepSeek-R1 --kv-only -tp 8   # R1's FP8 weights
+    python -m atom.testing.fp8_checkpoint /path/to/DeepSeek-V2-Lite /tmp/V2-Lite-FP8 --format block
+    python tests/gpu/fp8_e2e.py --model /path/to/DeepSeek-V2-Lite --fp8-model /tmp/V2-Lite-FP8
 """
 
 from __future__ import annotations

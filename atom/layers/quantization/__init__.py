@@ -32,11 +32,14 @@ def _checkpoint_names(model: nn.Module, name: str) -> list[str]:
 
 def quantize_layers(model: nn.Module, config: Fp8Config) -> None:
     """Attach the FP8 methods. MoE routers (``mlp.gate``) stay unquantised, as FP8 checkpoints
-    keep them (and vLLM builds them)."""
+    keep them (and vLLM builds them), and so do linear layers marked ``unquantized``; one
+    marked ``dequantize_after_loading`` is quantised only to load an FP8 checkpoint."""
     for name, module in model.named_modules():
         if name.endswith(".gate") or config.ignores(_checkpoint_names(model, name)):
             continue
         if isinstance(module, LinearBase):
+            if module.unquantized or (module.dequantize_after_loading and not config.serialized):
+                continue
             Fp8LinearMethod(config).create_weights(module)
         elif isinstance(module, FusedMoE):
             Fp8MoEMethod(config).create_weights(module)

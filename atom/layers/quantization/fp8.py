@@ -75,6 +75,7 @@ class Fp8LinearMethod:
             return  # loaded in the model dtype, quantised in process_weights_after_loading
         n, k = layer.weight.shape
         device = layer.weight.device
+        self.dtype = layer.weight.dtype  # the model dtype, for dequantize_after_loading
         layer.weight = _param(torch.empty(n, k, dtype=FP8, device=device), layer.weight_loader)
         cols = -(-k // self.group_k) if self.group_k else 1
         scale = _param(torch.empty(n, cols, dtype=torch.float32, device=device), None)
@@ -100,6 +101,12 @@ class Fp8LinearMethod:
         param.data.copy_(scale)
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
+        if layer.dequantize_after_loading:  # serialized: quantize_layers skips it otherwise
+            w = reference_fp8.dequantize(layer.weight.data, getattr(layer, self.config.scale_name).data, self.group_k)
+            layer.weight = _param(w.to(self.dtype), layer.weight_loader)
+            delattr(layer, self.config.scale_name)
+            layer.quant_method = None
+            return
         if not self.config.serialized:
             q, s = reference_fp8.quantize_weight(layer.weight.data)
             layer.weight = _param(q, layer.weight_loader)
