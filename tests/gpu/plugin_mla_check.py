@@ -47,8 +47,10 @@ def run_atom(path: str) -> list[list[int]]:
 
 def main() -> None:
     for arch, extra in (("deepseek_v3", dict(topk_method="noaux_tc")), ("deepseek_v2", {})):
-        path = build(tempfile.mkdtemp(), arch, dtype=torch.bfloat16, hidden_size=256, kv_lora_rank=512,
-                     qk_rope_head_dim=64, **extra)
+        # DeepSeek's head sizes: vLLM 0.26 picks an MLA prefill backend for its layer at start-up
+        # and refuses sizes FlashAttention lacks (the tiny defaults, nope 16 / v 12)
+        path = build(tempfile.mkdtemp(), arch, dtype=torch.bfloat16, hidden_size=384, kv_lora_rank=512,
+                     qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, **extra)
         ours, theirs = run_atom(path), run_vllm(path)
         same = sum(a == b for a, b in zip(ours, theirs))
         first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in zip(ours, theirs)]
