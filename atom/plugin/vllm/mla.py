@@ -9,8 +9,10 @@ its MLA custom ops (the graph's splitting points) call ``ATOMMLAImpl``: the cach
 rows, ``mla_prefill`` for prompt rows) with the metadata of ``ATOMAttentionMetadataBuilder``.
 
 ``--kv-cache-dtype fp8`` (or ``fp8_e4m3``): vLLM allocates the latent cache as bytes and passes
-the layer's ``_k_scale`` (the checkpoint's, else 1.0) to the cache write; atom reads the bytes as
-e4m3 and stores and reads rows divided by that scale, as atom's own fp8 latent cache does.
+the layer's ``_k_scale`` (1.0 unless vLLM loads a checkpoint's) to the cache write; atom reads
+the bytes as e4m3 and stores and reads rows divided by that scale, as atom's own fp8 latent
+cache does.
+
 Imported only when a DeepSeek model is built.
 """
 
