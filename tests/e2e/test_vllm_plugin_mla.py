@@ -16,6 +16,9 @@ kv_lora_rank 512 + rope 64 = 576, its CPU MLA decode kernel's only size):
   ``enable_expert_parallel=True`` (the DeepSeek-R1 launch, ``-tp 8 --enable-expert-parallel``,
   scaled down).
 
+And ``kv_cache_dtype="fp8"`` (an e4m3 latent cache) on ``deepseek_v2``: atom's plugin vs
+``LLMEngine`` with the same cache dtype (both quantise the rows alike, so greedy tokens match).
+
 atom's runs keep prefix caching and chunked prefill on (a 64-token budget, so long prompts are
 chunked; a second batch reuses the prefix the first left in the latent cache). vLLM native runs
 with ``custom_ops: ["none"]``: its CPU rotary-embedding op leaves DeepSeek's strided ``k_pe``
@@ -30,8 +33,10 @@ import json
 import sys
 import textwrap
 import time
+from types import SimpleNamespace
 
 import pytest
+import torch
 from test_vllm_plugin import OFFLINE_PROMPTS, START_TIMEOUT_S, Proc, _env, needs_vllm
 
 pytestmark = needs_vllm
@@ -56,8 +61,10 @@ SCRIPT = textwrap.dedent("""
     def shards(worker):  # runs on each rank
         model = worker.get_model()
         attn, mlp = model.model.layers[1].self_attn, model.model.layers[1].mlp
+        cache = attn.attn.host_attention.kv_cache
         return {"class": type(model).__name__, "host": type(attn.attn.host_attention).__name__,
-                "kv_b": list(attn.kv_b_proj.weight.shape), "cache": list(attn.attn.host_attention.kv_cache.shape),
+                "kv_b": list(attn.kv_b_proj.weight.shape), "cache": list(cache.shape),
+                "cache_bytes_per_element": cache.element_size(),
                 "experts": [mlp.experts.local_experts.start, mlp.experts.local_experts.stop]
                 if hasattr(mlp, "experts") else None}
 
@@ -69,11 +76,11 @@ SCRIPT = textwrap.dedent("""
         sp = SamplingParams(temperature=0, max_tokens=int(max_tokens))
         result = {}
         for run in runs:
-            model, tp = run.split("|")
+            model, tp, kv_cache_dtype = run.split("|")
             llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=8,
                       max_num_batched_tokens=64, kv_cache_memory_bytes=1 << 26, gpu_memory_utilization=0.15,
                       tensor_parallel_size=int(tp), enable_expert_parallel=tp != "1", disable_log_stats=False,
-                      **extra)
+                      kv_cache_dtype=kv_cache_dtype, **extra)
             # two batches: the second reuses the shared prefix the first left in the cache
             tokens = [list(o.outputs[0].token_ids) for o in llm.generate(prompts[:3], sp, use_tqdm=False)]
             tokens += [list(o.outputs[0].token_ids) for o in llm.generate(prompts[3:], sp, use_tqdm=False)]
@@ -107,10 +114,10 @@ def mla_runs(ckpts, tmp_path_factory):
     prompts = json.dumps(OFFLINE_PROMPTS)
     procs = {}
     for name, native, env, runs in (
-        ("atom", "plugin", {}, [f"{ckpts['deepseek_v2']}|1", f"{ckpts['deepseek_v3_dense']}|1",
-                                f"{ckpts['deepseek_v3']}|2"]),
+        ("atom", "plugin", {}, [f"{ckpts['deepseek_v2']}|1|auto", f"{ckpts['deepseek_v3_dense']}|1|auto",
+                                f"{ckpts['deepseek_v3']}|2|auto", f"{ckpts['deepseek_v2']}|1|fp8"]),
         ("vllm", "native", {"ATOM_DISABLE_VLLM_PLUGIN": "1"},
-         [f"{ckpts['deepseek_v2']}|1", f"{ckpts['deepseek_v3_dense']}|1"]),
+         [f"{ckpts['deepseek_v2']}|1|auto", f"{ckpts['deepseek_v3_dense']}|1|auto"]),
     ):
         procs[name] = Proc(f"mla_{name}", [sys.executable, "-c", SCRIPT, str(logs / f"mla_{name}.json"), prompts,
                                            str(MAX_TOKENS), native, *runs], _env(**ENV, **env), logs)
@@ -126,22 +133,24 @@ def _result(proc: Proc, run: str) -> dict:
         return json.load(f)[run]
 
 
-def _reference(model: str) -> list[list[int]]:
+def _reference(model: str, kv_cache_dtype: str = "auto") -> list[list[int]]:
     from atom import LLMEngine, SamplingParams
 
-    engine = LLMEngine(model, max_model_len=512, dtype="float32", enforce_eager=True)
+    engine = LLMEngine(model, max_model_len=512, dtype="float32", enforce_eager=True, kv_cache_dtype=kv_cache_dtype)
     outs = engine.generate(OFFLINE_PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
     return [o["token_ids"] for o in outs]
 
 
 @pytest.fixture(scope="module")
 def references(ckpts):
-    return {name: _reference(path) for name, path in ckpts.items()}
+    refs = {name: _reference(path) for name, path in ckpts.items()}
+    refs["deepseek_v2_fp8"] = _reference(ckpts["deepseek_v2"], "fp8")
+    return refs
 
 
 @pytest.mark.parametrize("name", ["deepseek_v2", "deepseek_v3_dense"])
 def test_matches_vllm_and_llm_engine(mla_runs, ckpts, references, name):
-    run = f"{ckpts[name]}|1"
+    run = f"{ckpts[name]}|1|auto"
     ours, native = _result(mla_runs["atom"], run), _result(mla_runs["vllm"], run)
     assert all(references[name])
     assert ours["tokens"] == native["tokens"]
@@ -157,7 +166,7 @@ def test_matches_vllm_and_llm_engine(mla_runs, ckpts, references, name):
 
 
 def test_tp2_expert_parallel_matches_llm_engine(mla_runs, ckpts, references):
-    ours = _result(mla_runs["atom"], f"{ckpts['deepseek_v3']}|2")
+    ours = _result(mla_runs["atom"], f"{ckpts['deepseek_v3']}|2|auto")
     assert ours["tokens"] == references["deepseek_v3"]
     # 4 heads of (16 nope + 12 v) over 2 ranks; the whole latent cache on each; experts 0-2 and 3-5
     assert [(s["kv_b"], s["cache"][1:], s["experts"]) for s in ours["shards"]] == [
@@ -165,9 +174,58 @@ def test_tp2_expert_parallel_matches_llm_engine(mla_runs, ckpts, references):
     assert "atom model ATOMDeepseekV3ForCausalLM (atom.models.deepseek_v2) built for vLLM" in mla_runs["atom"].log()
 
 
-def test_fp8_kv_cache_refused():
-    """An fp8 latent cache is not built in plugin mode yet: one clear error."""
+def test_fp8_latent_cache_matches_llm_engine(mla_runs, ckpts, references):
+    """``kv_cache_dtype="fp8"``: vLLM allocates the latent cache as bytes; atom's backend stores
+    e4m3 rows divided by the layer's ``_k_scale`` (1.0 without checkpoint scales) and reads them
+    back as atom's own fp8 latent cache does: ``LLMEngine``'s tokens with the same cache dtype."""
+    ours = _result(mla_runs["atom"], f"{ckpts['deepseek_v2']}|1|fp8")
+    assert ours["tokens"] == references["deepseek_v2_fp8"]
+    # the rows were quantised: this checkpoint's greedy tokens move off the float32 cache's
+    assert ours["tokens"] != references["deepseek_v2"]
+    assert ours["prefix_cache_hits"] >= 128
+    (shard,) = ours["shards"]
+    assert shard["cache"][1:] == [16, 512 + 64] and shard["cache_bytes_per_element"] == 1
+
+
+def test_fp8_latent_cache_through_the_backend():
+    """The backend with an fp8 cache and a scale other than 1.0: the bytes it writes are atom's
+    e4m3 rows divided by ``_k_scale``, and its attention equals latent attention over the
+    dequantised cache (a decode row after 20 cached tokens, then a 5-token prompt)."""
+    from atom.layers.mla import latent_attention
+    from atom.ops.reference import from_cache, to_cache_dtype
+    from atom.plugin.vllm.attention import ATOMAttentionMetadata
     from atom.plugin.vllm.mla import ATOMMLAImpl
 
-    with pytest.raises(NotImplementedError, match="does not support KV cache dtype fp8 yet; use --kv-cache-dtype auto"):
-        ATOMMLAImpl(4, 576, 0.1, 1, None, None, "fp8", None, "decoder", None, v_head_dim=12, kv_b_proj=None)
+    heads, nope, rope, v_dim, rank, block_size = 4, 16, 16, 12, 32, 16
+    gen = torch.Generator().manual_seed(0)
+    kv_b = SimpleNamespace(weight=torch.randn(heads * (nope + v_dim), rank, generator=gen) * 0.2)
+    impl = ATOMMLAImpl(heads, rank + rope, 0.1, 1, None, None, "fp8", None, "decoder", None, v_head_dim=v_dim,
+                       kv_b_proj=kv_b)
+    layer = SimpleNamespace(_k_scale=torch.tensor(0.05))
+    kv_cache = torch.zeros(8, block_size, rank + rope, dtype=torch.uint8)  # as vLLM allocates it
+    kv_c, k_pe = torch.randn(26, rank, generator=gen), torch.randn(26, 1, rope, generator=gen)
+    history = torch.arange(20) + 2 * block_size  # the decode request's cached tokens: blocks 2 and 3
+    impl.do_kv_cache_update(kv_c[:20], k_pe[:20], kv_cache, history, "fp8", layer._k_scale)
+    slots = torch.cat([torch.tensor([2 * block_size + 20]), torch.arange(5)])
+    impl.do_kv_cache_update(kv_c[20:], k_pe[20:], kv_cache, slots, "fp8", layer._k_scale)
+    prompt_rows = to_cache_dtype(torch.cat((kv_c[21:], k_pe[21:, 0]), dim=-1), torch.float8_e4m3fn, layer._k_scale)
+    assert torch.equal(kv_cache[0, :5], prompt_rows.view(torch.uint8))
+
+    q = torch.randn(6, heads, nope + rope, generator=gen)
+    meta = ATOMAttentionMetadata(num_actual_tokens=6, max_query_len=5, max_seq_len=21,
+                                 query_start_loc=torch.tensor([0, 1, 6], dtype=torch.int32),
+                                 seq_lens=torch.tensor([21, 5], dtype=torch.int32),
+                                 block_table=torch.tensor([[2, 3], [0, 1]], dtype=torch.int32), slot_mapping=slots,
+                                 num_decode_tokens=1)
+    out = impl.forward(layer, q, kv_c[20:], k_pe[20:], kv_cache, meta, torch.empty(6, heads * v_dim))
+    deq = from_cache(kv_cache.view(torch.float8_e4m3fn), torch.float32, layer._k_scale)
+    ref = latent_attention(q, deq[slots // block_size, slots % block_size], deq, meta.query_start_loc,
+                           meta.seq_lens, meta.block_table, 1, kv_b.weight, 0.1, v_dim)
+    assert torch.allclose(out, ref.flatten(1), atol=1e-5)
+
+
+def test_fp8_e5m2_refused():
+    from atom.plugin.vllm.mla import ATOMMLAImpl
+
+    with pytest.raises(NotImplementedError, match="KV cache dtype fp8_e5m2 yet; use --kv-cache-dtype auto or fp8"):
+        ATOMMLAImpl(4, 576, 0.1, 1, None, None, "fp8_e5m2", None, "decoder", None, v_head_dim=12, kv_b_proj=None)

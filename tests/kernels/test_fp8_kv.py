@@ -37,6 +37,22 @@ def test_store_kv_cache_fp8_bits(k_scale, v_scale, dtype):
     assert caches[0].float().abs().max() == 448.0  # saturated, not NaN
 
 
+@pytest.mark.parametrize("block_size, width", [(16, 576), (1, 40)])
+def test_store_kv_cache_fp8_latent_rows(block_size, width, dtype):
+    # The vLLM plugin's MLA write (atom/plugin/vllm/mla.py): one latent row per token as key and
+    # value at once, into one [num_blocks, 1, block_size, kv_lora_rank + rope] e4m3 cache.
+    num_tokens, num_blocks = 21, 24
+    rows = (torch.randn(num_tokens, 1, width) * 30).to(dtype)
+    slots = torch.randperm(num_blocks * block_size)[:num_tokens]
+    slots[5] = -1
+    scale = torch.tensor([0.37])
+    out, expected = (torch.zeros(num_blocks, block_size, width, dtype=FP8).unsqueeze(1) for _ in range(2))
+    store_kv_cache(rows, rows, out, out, slots, scale, scale)
+    reference.store_kv_cache(rows, rows, expected, expected, slots, scale, scale)
+    assert torch.equal(_bits(out), _bits(expected))
+    assert int((_bits(out) != 0).sum()) > 0
+
+
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_qk_norm_rope_store_fp8_bits(qk_norm, dtype):
     num_tokens, hq, hk, head_dim, block_size = 9, 4, 2, 64, 16

@@ -7,6 +7,12 @@ models (``MLAAttentionSpec``: one row of ``kv_lora_rank + rope`` values per toke
 its MLA custom ops (the graph's splitting points) call ``ATOMMLAImpl``: the cache write with
 ``ops.store_kv_cache``, then ``atom.layers.mla.latent_attention`` (``ops.mla_decode`` for decode
 rows, ``mla_prefill`` for prompt rows) with the metadata of ``ATOMAttentionMetadataBuilder``.
+
+``--kv-cache-dtype fp8`` (or ``fp8_e4m3``): vLLM allocates the latent cache as bytes and passes
+the layer's ``_k_scale`` (1.0 unless vLLM loads a checkpoint's) to the cache write; atom reads
+the bytes as e4m3 and stores and reads rows divided by that scale, as atom's own fp8 latent
+cache does.
+
 Imported only when a DeepSeek model is built.
 """
 
@@ -26,8 +32,7 @@ from atom.plugin.vllm.attention import ATOMAttentionBackend, ATOMAttentionMetada
 class ATOMMLABackend(ATOMAttentionBackend):
     """atom's latent attention over vLLM's MLA cache (same metadata as ``ATOMAttentionBackend``)."""
 
-    # an fp8 latent cache is not built in atom yet
-    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "float16", "bfloat16"]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "float16", "bfloat16", "fp8", "fp8_e4m3"]
 
     @staticmethod
     def get_impl_cls() -> type[ATOMMLAImpl]:
@@ -55,7 +60,7 @@ class ATOMMLAImpl(AttentionImpl[ATOMAttentionMetadata]):
         if kv_cache_dtype not in ATOMMLABackend.supported_kv_cache_dtypes:
             raise NotImplementedError(
                 f"atom's multi-head latent attention (DeepSeek) inside vLLM does not support KV cache dtype "
-                f"{kv_cache_dtype} yet; use --kv-cache-dtype auto, or set ATOM_DISABLE_VLLM_PLUGIN=1"
+                f"{kv_cache_dtype} yet; use --kv-cache-dtype auto or fp8, or set ATOM_DISABLE_VLLM_PLUGIN=1"
             )
         self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
         self.num_kv_heads, self.kv_cache_dtype = 1, kv_cache_dtype
@@ -65,16 +70,23 @@ class ATOMMLAImpl(AttentionImpl[ATOMAttentionMetadata]):
         self.is_sparse = False
         self.supports_quant_query_input = False
 
+    def _cache(self, kv_cache: torch.Tensor, k_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(latent cache, its scale); an fp8 cache comes as bytes and is read as e4m3."""
+        if not self.kv_cache_dtype.startswith("fp8"):
+            return kv_cache, None
+        return kv_cache.view(torch.float8_e4m3fn), k_scale
+
     def do_kv_cache_update(self, kv_c_normed: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
                            slot_mapping: torch.Tensor, kv_cache_dtype: str, k_scale: torch.Tensor) -> None:
         if kv_cache.numel() == 0:  # memory-profiling run
             return
+        cache, scale = self._cache(kv_cache, k_scale)
         n = slot_mapping.shape[0]
         latent = torch.cat((kv_c_normed[:n], k_pe[:n, 0]), dim=-1).unsqueeze(1)
         # the latent row is MLA's key and its value: one [num_blocks, 1, block_size, r + rope]
-        # cache as both, written twice with the same row
-        cache = kv_cache.unsqueeze(1)
-        ops.store_kv_cache(latent, latent, cache, cache, slot_mapping)
+        # cache as both, written twice with the same row (and scale)
+        cache = cache.unsqueeze(1)
+        ops.store_kv_cache(latent, latent, cache, cache, slot_mapping, scale, scale)
 
     def forward(self, layer, q: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata: ATOMAttentionMetadata | None, output: torch.Tensor,
@@ -89,8 +101,9 @@ class ATOMMLAImpl(AttentionImpl[ATOMAttentionMetadata]):
         # the builder splits off decode rows only in mixed batches
         num_decodes = n if m.max_query_len == 1 else m.num_decode_tokens
         latents = torch.cat((kv_c_normed[:n], k_pe[:n, 0]), dim=-1)
-        out = latent_attention(q[:n], latents, kv_cache, m.query_start_loc, m.seq_lens, m.block_table, num_decodes,
-                               self.kv_b_proj.weight, self.scale, self.v_head_dim)
+        cache, k_scale = self._cache(kv_cache, layer._k_scale)
+        out = latent_attention(q[:n], latents, cache, m.query_start_loc, m.seq_lens, m.block_table, num_decodes,
+                               self.kv_b_proj.weight, self.scale, self.v_head_dim, k_scale)
         output[:n].copy_(out.flatten(1))
         return output
 
