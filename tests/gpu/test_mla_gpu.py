@@ -196,17 +196,20 @@ def test_tiny_deepseek_fp8_cache_on_cuda(arch, tmp_path):
 def test_tiny_deepseek_fp8_weights_on_cuda(dtype, tmp_path):
     """A block-FP8 DeepSeek-V3 checkpoint (R1's format, MTP layer included; 32x32 blocks on the
     tiny shapes) on CUDA with the Triton FP8 GEMMs and MoE, an fp8 latent cache and CUDA
-    graphs: top-1 agreement with the same model's dequantised weights (the CPU test measured
-    16 of 18 clear prompt positions at init 0.2), MTP drafts that leave float32's greedy output
-    unchanged, and ``--quantization fp8`` (per-channel, ``torch._scaled_mm`` in bf16) with MTP
-    too. Not run yet."""
+    graphs: top-1 agreement with the same FP8 model run by the reference ops on the CPU in
+    float32 (the same quantisation of weights, activations and cache: only rounding differs),
+    MTP drafts that leave float32's greedy output unchanged, and ``--quantization fp8``
+    (per-channel, ``torch._scaled_mm`` in bf16) with MTP too. Against the dequantised model
+    instead, this tiny V3 (whose logits move 31% under FP8, docs/fp8.md) agreed on 78.6% (float32)
+    and 78.4% (bf16) of clear positions on an H100: a property of the model, too loose a check
+    of the kernels."""
     from atom import LLMEngine, SamplingParams
     from atom.testing.agreement import teacher_forced_agreement
     from atom.testing.fp8_checkpoint import write
     from atom.testing.tiny_checkpoint import build
 
     src = build(str(tmp_path / "src"), "deepseek_v3", initializer_range=0.2)
-    path = write(src, str(tmp_path / "fp8"), "block", str(tmp_path / "deq"), block=32)
+    path = write(src, str(tmp_path / "fp8"), "block", block=32)
     prompts = ["The quick brown fox", "Once upon a time, a small model learned to count: one, two,",
                "def add(a, b):", "Paged attention stores keys and values in"]
     common = dict(max_model_len=512, dtype=dtype, device="cuda", kv_cache_memory_bytes=1 << 26,
@@ -214,9 +217,9 @@ def test_tiny_deepseek_fp8_weights_on_cuda(dtype, tmp_path):
     fp8 = LLMEngine(path, **common)
     attn = fp8.core.runner.model.model.layers[1].self_attn
     assert attn.q_a_proj.weight.dtype == FP8 and attn.kv_b_proj.weight.dtype == getattr(torch, dtype)
-    fraction, positions = teacher_forced_agreement(LLMEngine(str(tmp_path / "deq"), **common), fp8, prompts, 16,
-                                                   min_margin=0.5)  # fmt: skip
-    assert positions >= 30 and fraction >= 0.8
+    cpu = LLMEngine(path, max_model_len=512, dtype="float32", device="cpu", kv_cache_dtype="fp8")
+    fraction, positions = teacher_forced_agreement(cpu, fp8, prompts, 16, min_margin=0.5)
+    assert positions >= 30 and fraction >= (0.95 if dtype == "float32" else 0.85)
     greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     for model, kwargs in ((path, {}), (src, {"quantization": "fp8"})):
         plain = LLMEngine(model, **kwargs, **common)
