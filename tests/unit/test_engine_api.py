@@ -172,7 +172,7 @@ def test_unsupported_architecture_lists_supported(tiny_model, tmp_path):
 
 def test_unbuilt_features_raise_not_implemented(tiny_model):
     path = tiny_model("qwen3")
-    for kwargs in (dict(method="shared_weights", tensor_parallel_size=2),
+    for kwargs in (dict(enable_dp_attention=True, data_parallel_size=2, method="shared_weights"),
                    dict(enable_dp_attention=True, data_parallel_size=2, tensor_parallel_size=2)):
         with pytest.raises(NotImplementedError):
             LLMEngine(path, **kwargs)
