@@ -89,6 +89,21 @@ def write(src: str, dst: str, fmt: str, dequantized_dst: str | None = None, bloc
     return dst
 
 
+def add_kv_scales(src: str, dst: str, scales: dict[str, float]) -> str:
+    """A copy of checkpoint ``src`` (one ``model.safetensors``) at ``dst`` with fp8 KV cache scales
+    on every decoder layer: ``scales`` maps a name under ``model.layers.N.self_attn.`` (vLLM's
+    ``k_scale``, ModelOpt's ``k_proj.k_scale``) to its value."""
+    shutil.copytree(src, dst)
+    path = os.path.join(dst, "model.safetensors")
+    with open(os.path.join(dst, "config.json")) as f:
+        layers = json.load(f)["num_hidden_layers"]
+    tensors = load_file(path)
+    tensors.update({f"model.layers.{i}.self_attn.{name}": torch.tensor(value)
+                    for i in range(layers) for name, value in scales.items()})
+    save_file(tensors, path, metadata={"format": "pt"})
+    return dst
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("src")

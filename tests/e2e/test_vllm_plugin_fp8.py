@@ -1,9 +1,9 @@
 """FP8 through the vLLM plugin. The attention backend with ``--kv-cache-dtype fp8``: vLLM hands a
 byte cache and the layer's ``_k_scale``/``_v_scale``; the backend writes e4m3 keys/values divided
 by the scales and its attention equals the reference over the dequantised cache. And an FP8
-(block-scaled) checkpoint served by ``vllm.LLM`` through atom's layers with an fp8 KV cache gives
-atom's ``LLMEngine`` tokens. Runs where vLLM and atom's entry points are installed (the plugin's
-environment)."""
+(block-scaled) checkpoint with KV cache scales served by ``vllm.LLM`` through atom's layers with
+an fp8 KV cache gives atom's ``LLMEngine`` tokens (the checkpoint's scales, not vLLM's 1.0). Runs
+where vLLM and atom's entry points are installed (the plugin's environment)."""
 
 import json
 import subprocess
@@ -67,20 +67,29 @@ def test_fp8_kv_cache_through_the_backend(kv_cache_dtype):
 
 
 def test_fp8_checkpoint_and_kv_cache_in_vllm(tmp_path):
+    """The checkpoint's k_scale/v_scale (ModelOpt's names) go to atom's layers; vLLM's layers
+    quantise with them, as ``LLMEngine`` does."""
     from atom import LLMEngine, SamplingParams
-    from atom.testing.fp8_checkpoint import write
+    from atom.testing.fp8_checkpoint import add_kv_scales, write
     from atom.testing.tiny_checkpoint import build
 
     path = write(build(str(tmp_path / "bf16"), "qwen3", head_dim=32), str(tmp_path / "fp8"), "block", block=32)
+    scaled = add_kv_scales(path, str(tmp_path / "fp8-kv-scales"), {"k_proj.k_scale": 0.37, "v_proj.v_scale": 0.53})
     script = tmp_path / "offline.py"
     script.write_text(OFFLINE)
-    out = subprocess.run([sys.executable, str(script), path, json.dumps(PROMPTS)], env=_env(), capture_output=True,
+    out = subprocess.run([sys.executable, str(script), scaled, json.dumps(PROMPTS)], env=_env(), capture_output=True,
                          text=True, timeout=600)
     line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT")]
     assert out.returncode == 0 and line, out.stdout[-3000:] + out.stderr[-3000:]
     log = out.stdout + out.stderr  # vLLM's log lines: atom's model and attention backend ran
     assert "atom model ATOMQwen3ForCausalLM" in log and "ATOMAttentionBackend" in log
-    engine = LLMEngine(path, dtype="bfloat16", kv_cache_dtype="fp8", max_model_len=256)
-    ours = [o["token_ids"] for o in engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12),
-                                                    use_tqdm=False)]
-    assert json.loads(line[0][len("RESULT"):]) == ours
+
+    def engine_tokens(model):
+        engine = LLMEngine(model, dtype="bfloat16", kv_cache_dtype="fp8", max_model_len=256)
+        return [o["token_ids"] for o in engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12),
+                                                        use_tqdm=False)]
+
+    ours = json.loads(line[0][len("RESULT"):])
+    assert ours == engine_tokens(scaled)
+    # the scales are in use: with 1.0 (vLLM's default) the greedy tokens differ
+    assert ours != engine_tokens(path)

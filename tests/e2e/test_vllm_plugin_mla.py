@@ -16,8 +16,10 @@ kv_lora_rank 512 + rope 64 = 576, its CPU MLA decode kernel's only size):
   ``enable_expert_parallel=True`` (the DeepSeek-R1 launch, ``-tp 8 --enable-expert-parallel``,
   scaled down).
 
-And ``kv_cache_dtype="fp8"`` (an e4m3 latent cache) on ``deepseek_v2``: atom's plugin vs
-``LLMEngine`` with the same cache dtype (both quantise the rows alike, so greedy tokens match).
+And ``kv_cache_dtype="fp8"`` (an e4m3 latent cache) on ``deepseek_v2`` with a ``k_scale`` per layer
+in the checkpoint (vLLM's name, ``model.layers.N.self_attn.k_scale``): atom's plugin vs ``LLMEngine``
+with the same cache dtype (both quantise the rows alike, with the checkpoint's scale, so greedy
+tokens match).
 
 atom's runs keep prefix caching and chunked prefill on (a 64-token budget, so long prompts are
 chunked; a second batch reuses the prefix the first left in the latent cache). vLLM native runs
@@ -53,6 +55,7 @@ CHECKPOINTS = {
     # vLLM reads noaux_tc routing (and the bias) from topk_method; atom defaults to it for V3
     "deepseek_v3": ("deepseek_v3", dict(topk_method="noaux_tc")),
 }
+KV_SCALE = 0.37  # the fp8 run's checkpoint scale (not a power of two: e4m3 rounds otherwise than at 1.0)
 
 SCRIPT = textwrap.dedent("""
     import gc, json, sys
@@ -61,8 +64,10 @@ SCRIPT = textwrap.dedent("""
     def shards(worker):  # runs on each rank
         model = worker.get_model()
         attn, mlp = model.model.layers[1].self_attn, model.model.layers[1].mlp
-        cache = attn.attn.host_attention.kv_cache
-        return {"class": type(model).__name__, "host": type(attn.attn.host_attention).__name__,
+        host = attn.attn.host_attention
+        cache = host.kv_cache
+        return {"class": type(model).__name__, "host": type(host).__name__,
+                "kv_scales": [host._k_scale.item(), host._k_scale_float],
                 "kv_b": list(attn.kv_b_proj.weight.shape), "cache": list(cache.shape),
                 "cache_bytes_per_element": cache.element_size(),
                 "experts": [mlp.experts.local_experts.start, mlp.experts.local_experts.stop]
@@ -99,11 +104,15 @@ SCRIPT = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
+    from atom.testing.fp8_checkpoint import add_kv_scales
     from atom.testing.tiny_checkpoint import build
 
     root = tmp_path_factory.mktemp("vllm-plugin-mla-ckpt")
-    return {name: build(str(root / name), arch, **CPU_KERNEL_SIZES, **config)
-            for name, (arch, config) in CHECKPOINTS.items()}
+    paths = {name: build(str(root / name), arch, **CPU_KERNEL_SIZES, **config)
+             for name, (arch, config) in CHECKPOINTS.items()}
+    paths["deepseek_v2_kv_scale"] = add_kv_scales(paths["deepseek_v2"], str(root / "deepseek_v2_kv_scale"),
+                                                  {"k_scale": KV_SCALE})
+    return paths
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +124,7 @@ def mla_runs(ckpts, tmp_path_factory):
     procs = {}
     for name, native, env, runs in (
         ("atom", "plugin", {}, [f"{ckpts['deepseek_v2']}|1|auto", f"{ckpts['deepseek_v3_dense']}|1|auto",
-                                f"{ckpts['deepseek_v3']}|2|auto", f"{ckpts['deepseek_v2']}|1|fp8"]),
+                                f"{ckpts['deepseek_v3']}|2|auto", f"{ckpts['deepseek_v2_kv_scale']}|1|fp8"]),
         ("vllm", "native", {"ATOM_DISABLE_VLLM_PLUGIN": "1"},
          [f"{ckpts['deepseek_v2']}|1|auto", f"{ckpts['deepseek_v3_dense']}|1|auto"]),
     ):
@@ -143,8 +152,9 @@ def _reference(model: str, kv_cache_dtype: str = "auto") -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def references(ckpts):
-    refs = {name: _reference(path) for name, path in ckpts.items()}
+    refs = {name: _reference(ckpts[name]) for name in CHECKPOINTS}
     refs["deepseek_v2_fp8"] = _reference(ckpts["deepseek_v2"], "fp8")
+    refs["deepseek_v2_kv_scale_fp8"] = _reference(ckpts["deepseek_v2_kv_scale"], "fp8")
     return refs
 
 
@@ -176,15 +186,19 @@ def test_tp2_expert_parallel_matches_llm_engine(mla_runs, ckpts, references):
 
 def test_fp8_latent_cache_matches_llm_engine(mla_runs, ckpts, references):
     """``kv_cache_dtype="fp8"``: vLLM allocates the latent cache as bytes; atom's backend stores
-    e4m3 rows divided by the layer's ``_k_scale`` (1.0 without checkpoint scales) and reads them
-    back as atom's own fp8 latent cache does: ``LLMEngine``'s tokens with the same cache dtype."""
-    ours = _result(mla_runs["atom"], f"{ckpts['deepseek_v2']}|1|fp8")
-    assert ours["tokens"] == references["deepseek_v2_fp8"]
-    # the rows were quantised: this checkpoint's greedy tokens move off the float32 cache's
+    e4m3 rows divided by the layer's ``_k_scale`` (the checkpoint's ``k_scale``, which atom's loader
+    put on atom's layer) and reads them back as atom's own fp8 latent cache does: ``LLMEngine``'s
+    tokens with the same cache dtype and scale."""
+    ours = _result(mla_runs["atom"], f"{ckpts['deepseek_v2_kv_scale']}|1|fp8")
+    assert ours["tokens"] == references["deepseek_v2_kv_scale_fp8"]
+    # the rows were quantised with the checkpoint's scale: the greedy tokens move off the float32
+    # cache's and off those of an fp8 cache at vLLM's default scale 1.0
     assert ours["tokens"] != references["deepseek_v2"]
+    assert ours["tokens"] != references["deepseek_v2_fp8"]
     assert ours["prefix_cache_hits"] >= 128
     (shard,) = ours["shards"]
     assert shard["cache"][1:] == [16, 512 + 64] and shard["cache_bytes_per_element"] == 1
+    assert shard["kv_scales"] == [pytest.approx(KV_SCALE)] * 2  # the tensor and vLLM's float copy
 
 
 def test_fp8_latent_cache_through_the_backend():

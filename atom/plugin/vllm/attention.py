@@ -11,8 +11,9 @@ Head-major ("HND", vLLM 0.32's ``LBHNC``) is asked for first: atom's own layout,
 keys of one (block, KV head) are one strided tile.
 
 ``--kv-cache-dtype fp8`` (or ``fp8_e4m3``): vLLM allocates the cache as bytes; atom reads it as
-e4m3 and quantises/dequantises with the layer's ``_k_scale``/``_v_scale`` (vLLM's per-tensor
-scales: the checkpoint's, else 1.0).
+e4m3 and quantises/dequantises with the layer's ``_k_scale``/``_v_scale``: the checkpoint's
+``k_scale``/``v_scale`` (atom's loader puts them on atom's layer, ``use_atom_kv_scales`` copies
+them onto vLLM's after loading), else 1.0.
 
 Multi-head latent attention (DeepSeek): ``atom.plugin.vllm.mla``.
 """
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+from vllm.model_executor.layers.attention import Attention
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionCGSupport,
@@ -197,6 +199,30 @@ class ATOMAttentionImpl(AttentionImpl[ATOMAttentionMetadata]):
                                   k_scale, v_scale)
         output[:n].copy_(out.view_as(output[:n]))
         return output
+
+
+def use_atom_kv_scales(host) -> None:
+    """Give vLLM's layer ``host`` the fp8 cache scales of its atom layer (``host.atom_layer``, a
+    weak reference: atom's layer holds the host). atom's loader puts a checkpoint's
+    ``k_scale``/``v_scale`` on atom's layer; the backends (atom's, and vLLM's own with
+    ATOM_DISABLE_VLLM_PLUGIN_ATTENTION=1) read the host's, which vLLM sets to 1.0 after loading
+    (it loads no scales itself: the host has no quantisation config)."""
+    layer = host.atom_layer()
+    k, v = float(layer.k_scale), float(layer.v_scale)
+    host._k_scale.fill_(k)
+    host._v_scale.fill_(v)
+    # vLLM's host-side copies (backends that take the scales as numbers)
+    host._k_scale_float, host._v_scale_float = k, v
+    host._k_scale_cpu.fill_(k)
+    host._v_scale_cpu.fill_(v)
+
+
+class VllmAttention(Attention):
+    """vLLM's ``Attention`` layer with atom's layer's fp8 cache scales (``use_atom_kv_scales``)."""
+
+    def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
+        super().process_weights_after_loading(act_dtype)  # sets the scales to 1.0
+        use_atom_kv_scales(self)
 
 
 def register_attention_backend() -> None:

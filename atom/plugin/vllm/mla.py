@@ -9,9 +9,9 @@ its MLA custom ops (the graph's splitting points) call ``ATOMMLAImpl``: the cach
 rows, ``mla_prefill`` for prompt rows) with the metadata of ``ATOMAttentionMetadataBuilder``.
 
 ``--kv-cache-dtype fp8`` (or ``fp8_e4m3``): vLLM allocates the latent cache as bytes and passes
-the layer's ``_k_scale`` (1.0 unless vLLM loads a checkpoint's) to the cache write; atom reads
-the bytes as e4m3 and stores and reads rows divided by that scale, as atom's own fp8 latent
-cache does.
+the layer's ``_k_scale`` (the checkpoint's ``k_scale``, copied from atom's layer after loading,
+else 1.0) to the cache write; atom reads the bytes as e4m3 and stores and reads rows divided by
+that scale, as atom's own fp8 latent cache does.
 
 Imported only when a DeepSeek model is built.
 """
@@ -26,7 +26,7 @@ from vllm.v1.attention.backend import AttentionImpl
 
 from atom import ops
 from atom.layers.mla import latent_attention
-from atom.plugin.vllm.attention import ATOMAttentionBackend, ATOMAttentionMetadata
+from atom.plugin.vllm.attention import ATOMAttentionBackend, ATOMAttentionMetadata, use_atom_kv_scales
 
 
 class ATOMMLABackend(ATOMAttentionBackend):
@@ -115,4 +115,6 @@ class VllmMLAAttention(MLAAttention):
         return self.impl.forward(self, q, k_c_normed, k_pe, kv_cache, attn_metadata, output, *args, **kwargs)
 
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
-        pass  # atom reads kv_b_proj's weight as loaded: no absorbed copies to make
+        # atom reads kv_b_proj's weight as loaded: no absorbed copies to make; the checkpoint's
+        # k_scale is on atom's layer
+        use_atom_kv_scales(self)

@@ -12,6 +12,8 @@ splitting point of its piecewise CUDA graphs).
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 
@@ -94,7 +96,7 @@ def atom_fp8_config(vllm_config):
 def attach_vllm_attention(model: nn.Module, vllm_config, prefix: str = "") -> int:
     """Give every atom attention layer of ``model`` a vLLM ``Attention`` layer (an MLA layer
     vLLM's ``MLAAttention``); returns how many."""
-    from vllm.model_executor.layers.attention import Attention
+    from atom.plugin.vllm.attention import VllmAttention
 
     layers = [(name, m) for name, m in model.named_modules() if isinstance(m, AtomAttention)]
     for name, layer in layers:
@@ -102,9 +104,11 @@ def attach_vllm_attention(model: nn.Module, vllm_config, prefix: str = "") -> in
         if isinstance(layer, MLAAttention):
             host = vllm_mla_attention(layer, model.get_submodule(name.rpartition(".")[0]), vllm_config, host_prefix)
         else:
-            host = Attention(layer.num_heads, layer.head_dim, layer.scale, num_kv_heads=layer.num_kv_heads,
-                             cache_config=vllm_config.cache_config, quant_config=None, prefix=host_prefix)
+            host = VllmAttention(layer.num_heads, layer.head_dim, layer.scale, num_kv_heads=layer.num_kv_heads,
+                                 cache_config=vllm_config.cache_config, quant_config=None, prefix=host_prefix)
         layer.attach_host_attention(host)
+        # the host takes atom's loaded fp8 cache scales after loading (attention.use_atom_kv_scales)
+        host.atom_layer = weakref.ref(layer)
     return len(layers)
 
 
