@@ -19,6 +19,9 @@ _QWEN3.update(max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=
 _QWEN3.update(bos_token_id=151643, eos_token_id=151645)
 _MOE = dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], moe_intermediate_size=768, num_experts=128)
 _MOE.update(num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+# Qwen's own FP8 releases (Qwen3-8B-FP8, Qwen3-30B-A3B-FP8): e4m3 weights in 128x128 blocks
+_FP8_BLOCK = dict(quantization_config=dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic",
+                                           weight_block_size=[128, 128], modules_to_not_convert=["lm_head"]))
 _LLAMA3 = dict(_COMMON, model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=128256, rms_norm_eps=1e-5)
 _LLAMA3.update(max_position_embeddings=8192, rope_theta=500000.0, bos_token_id=128000, eos_token_id=128001)
 CONFIGS = {
@@ -27,6 +30,10 @@ CONFIGS = {
     "qwen3-30b-a3b": {**_QWEN3, **dict(zip(_SHAPE, (2048, 6144, 48, 32, 4))), **_MOE},
     "llama-3-8b": {**_LLAMA3, **dict(zip(_SHAPE, (4096, 14336, 32, 32, 8)))},
 }
+
+
+CONFIGS["qwen3-8b-fp8"] = {**CONFIGS["qwen3-8b"], **_FP8_BLOCK}
+CONFIGS["qwen3-30b-a3b-fp8"] = {**CONFIGS["qwen3-30b-a3b"], **_FP8_BLOCK}
 
 
 def model_dir(name_or_path: str) -> str:
@@ -68,6 +75,8 @@ def parse_offline_args(doc: str, argv: list[str] | None, default_model: str, row
     p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1, help="GPUs per engine (both engines)")
     p.add_argument("--enable-expert-parallel", action="store_true", help="MoE experts sharded over the -tp ranks")
     p.add_argument("--disable-custom-all-reduce", action="store_true", help="NCCL for every all-reduce (both engines)")
+    p.add_argument("--quantization", "-q", choices=["fp8"], help="quantise the weights on load (both engines)")
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto, fp8 or fp8_e4m3 (both engines)")
     return p.parse_args(argv)
 
 
@@ -80,6 +89,7 @@ class Engine:
         kwargs.update(tensor_parallel_size=args.tensor_parallel_size)
         kwargs.update(enable_expert_parallel=args.enable_expert_parallel)
         kwargs.update(disable_custom_all_reduce=args.disable_custom_all_reduce)
+        kwargs.update(quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
         if self.vllm:
             from vllm import LLM, SamplingParams
 

@@ -82,7 +82,9 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
             param.data.copy_(cpu)
         else:  # large tensors: generate on the device, seeded from the CPU generator
             dev_gen = torch.Generator(device=param.device).manual_seed(int(torch.randint(1 << 30, (1,), generator=gen)))
-            param.data.normal_(0.0, 0.02, generator=dev_gen)
+            # normal_ has no float8 kernel: FP8 weights are drawn in bf16, then rounded
+            draw = param.data if param.element_size() > 1 else torch.empty_like(param.data, dtype=torch.bfloat16)
+            param.data.copy_(draw.normal_(0.0, 0.02, generator=dev_gen))
 
 
 def build_model(cls: type[nn.Module], model_config: ModelConfig, device: torch.device, tp: TPInfo) -> nn.Module:

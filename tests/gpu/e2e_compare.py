@@ -8,7 +8,9 @@ A run is ``TREE:MODEL[:FLAG,...]`` with TREE a ``--tree`` name or ``vllm`` (vLLM
 first tree's PYTHONPATH with the plugin disabled); flags: ``async`` (--async-scheduling),
 ``sync`` (--no-async-scheduling), ``eager`` (--enforce-eager), ``latency`` (benchmark_latency
 instead of benchmark_throughput), ``tpN`` (-tp N), ``ep`` (--enable-expert-parallel), ``levelN`` (atom's --level N),
-``nocar`` (--disable-custom-all-reduce: NCCL for every all-reduce).
+``nocar`` (--disable-custom-all-reduce: NCCL for every all-reduce), ``fp8`` (--quantization fp8: weights
+quantised on load), ``fp8kv`` (--kv-cache-dtype fp8). FP8 checkpoints: the models ``qwen3-8b-fp8`` and
+``qwen3-30b-a3b-fp8`` (block-128 e4m3 weights, as Qwen's FP8 releases).
 Each run's log and JSON go to $OUT (or ./gpu-results). A run that times out has its whole
 process group killed (engine and rank processes included), after ``py-spy dump`` of every
 process in it where ``py-spy`` is on PATH (the stacks go to the run's log).
@@ -40,6 +42,8 @@ def run_one(spec: str, trees: dict[str, str], out: str, timeout: int) -> dict:
     cmd += ["--enforce-eager"] if "eager" in flags else []
     cmd += ["--enable-expert-parallel"] if "ep" in flags else []
     cmd += ["--disable-custom-all-reduce"] if "nocar" in flags else []
+    cmd += ["--quantization", "fp8"] if "fp8" in flags else []
+    cmd += ["--kv-cache-dtype", "fp8"] if "fp8kv" in flags else []
     cmd += [a for f in flags if f.startswith("tp") for a in ("-tp", f[2:])]
     cmd += [a for f in flags if f.startswith("level") for a in ("--level", f[5:])]
     env = dict(os.environ, PYTHONPATH=":".join(p for p in ("/tmp/site", path) if os.path.isdir(p)),

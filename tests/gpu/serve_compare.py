@@ -6,7 +6,8 @@ one server at a time, ``benchmark_serving`` against each, a short table last.
 
 A run is ``TREE:MODEL[:FLAG,...]``; flags: ``async`` / ``sync`` (atom's scheduling mode; default: the tree's),
 ``mnbt=N`` (--max-num-batched-tokens), ``c=N`` (the client's concurrency; default --concurrency),
-``tpN`` / ``dpN`` (-tp N / -dp N), ``ep`` (--enable-expert-parallel), for both engines; ``dpattn``
+``tpN`` / ``dpN`` (-tp N / -dp N), ``ep`` (--enable-expert-parallel), ``fp8`` (--quantization fp8),
+``fp8kv`` (--kv-cache-dtype fp8), for both engines; ``dpattn``
 (atom's --enable-dp-attention; vLLM's equivalent is ``dpN,ep``: attention data-parallel, experts over the replicas).
 Every run first sends a warm-up pass (Triton compiles
 kernels on first use) and then the measured one. atom runs write a step timeline
@@ -144,6 +145,8 @@ def run_one(spec: str, args, trees: dict[str, str], port: int) -> dict:
     cmd += ["--max-num-batched-tokens", mnbt[0]] if mnbt else []
     cmd += ["--enable-expert-parallel"] if "ep" in flags else []
     cmd += ["--enable-dp-attention"] if "dpattn" in flags else []
+    cmd += ["--quantization", "fp8"] if "fp8" in flags else []
+    cmd += ["--kv-cache-dtype", "fp8"] if "fp8kv" in flags else []
     cmd += [a for f in flags if f[:2] in ("tp", "dp") and f[2:].isdigit() for a in (f"-{f[:2]}", f[2:])]
     result, since = {"run": spec}, None
     log = open(os.path.join(args.out, f"log_{name}.txt"), "w")

@@ -248,3 +248,17 @@ def test_quantization_fp8_on_load_deepseek(tiny_model):
     draft_layer = engine.core.runner.spec.proposer.draft.model.layers["3"]
     assert draft_layer.self_attn.q_a_proj.weight.dtype == FP8 and draft_layer.eh_proj.weight.dtype == torch.float32
     assert [o["token_ids"] for o in engine.generate(PROMPTS, GREEDY, use_tqdm=False)] == expected
+
+
+def test_dummy_weights_fill_large_fp8_tensors():
+    """``--load_dummy`` on an FP8 checkpoint's shapes (the benchmarks' ``qwen3-8b-fp8``): tensors
+    above the CPU-drawn size are drawn on their device, where ``normal_`` has no float8 kernel."""
+    from atom.model_loader.loader import init_dummy_weights
+
+    model = torch.nn.Module()
+    model.weight = torch.nn.Parameter(torch.empty(4097, 4096, dtype=torch.float8_e4m3fn), requires_grad=False)
+    model.weight_scale_inv = torch.nn.Parameter(torch.empty(33, 32), requires_grad=False)
+    init_dummy_weights(model, seed=0)
+    w = model.weight.float()
+    assert torch.isfinite(w).all() and abs(w.std().item() - 0.02) < 1e-3 and abs(w.mean().item()) < 1e-3
+    assert (model.weight_scale_inv == 1).all()
