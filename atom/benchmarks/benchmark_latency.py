@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from atom.benchmarks.model_configs import Engine, copy_bandwidth, parse_offline_args, report, weight_bytes
+from atom.benchmarks.model_configs import Engine, copy_bandwidth, hf_config, parse_offline_args, report, weight_bytes
 
 
 def tpot(args) -> float:
@@ -35,7 +35,7 @@ def tpot(args) -> float:
 def main(argv=None) -> dict:
     rows = [("--input-len", 128, None), ("--output-len", 256, None), ("--repeats", 3, None)]
     args = parse_offline_args(__doc__, argv, "qwen3-8b", rows)
-    t, bw, weights = tpot(args), copy_bandwidth(), weight_bytes(args.model)
+    t, bw, weights = tpot(args), copy_bandwidth(), weight_bytes(hf_config(args.model))
     floor = weights / bw / args.tensor_parallel_size
     result = dict(engine=args.engine, model=args.model, tp=args.tensor_parallel_size, tpot_ms=round(t * 1e3, 3))
     result |= dict(floor_ms=round(floor * 1e3, 3))

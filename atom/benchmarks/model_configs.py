@@ -5,6 +5,7 @@ token-id prompts, the device's copy bandwidth and the report."""
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import tempfile
@@ -24,11 +25,28 @@ _FP8_BLOCK = dict(quantization_config=dict(quant_method="fp8", fmt="e4m3", activ
                                            weight_block_size=[128, 128], modules_to_not_convert=["lm_head"]))
 _LLAMA3 = dict(_COMMON, model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=128256, rms_norm_eps=1e-5)
 _LLAMA3.update(max_position_embeddings=8192, rope_theta=500000.0, bos_token_id=128000, eos_token_id=128001)
+# DeepSeek's MLA + MoE models: their Hugging Face config.json fields (atom and vLLM read the same ones)
+_MLA = dict(_COMMON, hidden_size=2048, num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16)
+_MLA.update(q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+_MLA.update(moe_intermediate_size=1408, n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=2)
+_MLA.update(first_k_dense_replace=1, moe_layer_freq=1, n_group=1, topk_group=1, attention_bias=False)
+_DEEPSEEK_V2_LITE = dict(_MLA, model_type="deepseek_v2", architectures=["DeepseekV2ForCausalLM"])
+_DEEPSEEK_V2_LITE.update(intermediate_size=10944, topk_method="greedy", scoring_func="softmax", norm_topk_prob=False)
+_DEEPSEEK_V2_LITE.update(routed_scaling_factor=1.0, vocab_size=102400, rope_theta=10000.0, rms_norm_eps=1e-6)
+_DEEPSEEK_V2_LITE.update(max_position_embeddings=163840, bos_token_id=100000, eos_token_id=100001)
+_DEEPSEEK_V2_LITE["rope_scaling"] = dict(type="yarn", factor=40, original_max_position_embeddings=4096, mscale=0.707,
+                                         mscale_all_dim=0.707, beta_fast=32, beta_slow=1)
+_MOONLIGHT = dict(_MLA, model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], intermediate_size=11264)
+_MOONLIGHT.update(topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.446)
+_MOONLIGHT.update(vocab_size=163840, rope_theta=50000.0, rope_scaling=None, max_position_embeddings=8192)
+_MOONLIGHT.update(rms_norm_eps=1e-5, bos_token_id=163584, eos_token_id=163585, num_nextn_predict_layers=0)
 CONFIGS = {
     "qwen3-0.6b": {**_QWEN3, **dict(zip(_SHAPE, (1024, 3072, 28, 16, 8))), "tie_word_embeddings": True},
     "qwen3-8b": {**_QWEN3, **dict(zip(_SHAPE, (4096, 12288, 36, 32, 8)))},
     "qwen3-30b-a3b": {**_QWEN3, **dict(zip(_SHAPE, (2048, 6144, 48, 32, 4))), **_MOE},
     "llama-3-8b": {**_LLAMA3, **dict(zip(_SHAPE, (4096, 14336, 32, 32, 8)))},
+    "deepseek-v2-lite": _DEEPSEEK_V2_LITE,  # deepseek-ai/DeepSeek-V2-Lite
+    "moonlight-16b-a3b": _MOONLIGHT,  # moonshotai/Moonlight-16B-A3B
 }
 
 
@@ -45,13 +63,52 @@ def model_dir(name_or_path: str) -> str:
     return path
 
 
-def weight_bytes(name: str, dtype_bytes: int = 2) -> int:
-    """Bytes of weights a dense decode step reads: every layer and the LM head (the embedding lookup
-    reads one row only)."""
-    c = CONFIGS[name]
-    h, heads, kv_heads = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
-    attn = h * c.get("head_dim", h // heads) * (heads + kv_heads) * 2
-    return (c["num_hidden_layers"] * (attn + 3 * h * c["intermediate_size"]) + c["vocab_size"] * h) * dtype_bytes
+def scaled_down(name: str, **fields) -> dict:
+    """``CONFIGS[name]`` at toy sizes for the CPU (tests, ``--tiny`` runs): the same architecture,
+    routing, rope and vocabulary, with a small hidden size, 3 layers and 8 experts; ``fields``
+    override any of it."""
+    c = dict(CONFIGS[name], hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4)
+    if "kv_lora_rank" in c:
+        c.update(num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+    else:
+        c.update(num_key_value_heads=2, head_dim=16)
+    if "moe_intermediate_size" in c:
+        c.update(moe_intermediate_size=32, num_experts_per_tok=min(c["num_experts_per_tok"], 4))
+        c["n_routed_experts" if "n_routed_experts" in c else "num_experts"] = 8
+    return c | fields
+
+
+def weight_bytes(c: dict, dtype_bytes: int = 2) -> int:
+    """Bytes of weights a batch-1 decode step reads, from a config.json's fields ``c``: every layer's
+    attention and MLP, of a mixture of experts only the router, the token's top-k experts and the
+    shared experts, and the LM head (the embedding lookup reads one row only; norms are left out)."""
+    h, heads = c["hidden_size"], c["num_attention_heads"]
+    if "kv_lora_rank" in c:  # DeepSeek's multi-head latent attention (atom.models.deepseek_v2)
+        rank, nope, rope, v = c["kv_lora_rank"], c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
+        q_rank, q_out = c["q_lora_rank"], heads * (nope + rope)
+        attn = (h * q_rank + q_rank * q_out if q_rank else h * q_out) + h * (rank + rope)  # q; kv_a_proj_with_mqa
+        attn += rank * heads * (nope + v) + heads * v * h  # kv_b_proj, o_proj
+    else:
+        head_dim = c.get("head_dim", h // heads)
+        attn = h * head_dim * (heads + c["num_key_value_heads"]) * 2  # q, k, v, o
+    experts = c.get("num_experts") or c.get("n_routed_experts") or 0
+    active = c.get("num_experts_per_tok", 0) + c.get("n_shared_experts", 0)
+    moe = experts * h + 3 * h * c.get("moe_intermediate_size", 0) * active  # router, routed and shared experts
+    mlps = sum(moe if _is_moe_layer(c, i) else 3 * h * c["intermediate_size"] for i in range(c["num_hidden_layers"]))
+    return (c["num_hidden_layers"] * attn + mlps + c["vocab_size"] * h) * dtype_bytes
+
+
+def _is_moe_layer(c: dict, i: int) -> bool:
+    """As the models decide it: atom.models.deepseek_v2.is_moe_layer and qwen3_moe.moe_or_dense."""
+    if c.get("n_routed_experts"):
+        return i >= c["first_k_dense_replace"] and i % c["moe_layer_freq"] == 0
+    return bool(c.get("num_experts")) and i not in c["mlp_only_layers"] and (i + 1) % c["decoder_sparse_step"] == 0
+
+
+def hf_config(name_or_path: str) -> dict:
+    """The fields of ``config.json`` of a shape name or a model directory."""
+    with open(os.path.join(model_dir(name_or_path), "config.json")) as f:
+        return json.load(f)
 
 
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:
