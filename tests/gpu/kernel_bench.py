@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import importlib.util
 import itertools
 import logging
 from collections.abc import Callable
@@ -310,6 +311,17 @@ def triton_mla_call(x: SimpleNamespace) -> Callable:
     return call
 
 
+MLA_BASELINE: list[Callable] = []  # --mla-baseline: an earlier atom's mla_decode, timed as one more reference
+
+
+def load_mla_decode(path: str) -> Callable:
+    """``mla_decode`` of the file ``path``, e.g. main's atom/ops/triton/mla.py."""
+    spec = importlib.util.spec_from_file_location("mla_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.mla_decode
+
+
 MLA_MODELS = [("V3", 128), ("V2-Lite", 16)]  # DeepSeek-V3 at -tp 1 (16 heads: V3 at -tp 8, V2-Lite, Moonlight)
 MLA_REFS = {False: {"FLASH_ATTN_MLA": fa3_mla_call, "FLASHMLA": flashmla_call},
             True: {"FLASHMLA": flashmla_call, "TRITON_MLA": triton_mla_call}}  # fmt: skip
@@ -321,7 +333,8 @@ def mla_case(batch: int, context: int, num_heads: int, fp8: bool = False):
     (vLLM's pick first), and the float32 reference (``EXACT``); bytes: the latent rows once, q and out."""
     x = mla_inputs(batch, context, num_heads, fp8)
     cache, tables = x.caches[16]
-    fn = functools.partial(tk.mla_decode, x.q, cache, x.seq_lens, tables, MLA_SCALE, MLA_RANK, x.k_scale)
+    args = (x.q, cache, x.seq_lens, tables, MLA_SCALE, MLA_RANK, x.k_scale)
+    fn = functools.partial(tk.mla_decode, *args)
     refs = {}
     for name, make in MLA_REFS[fp8].items():
         if not isinstance(vllm_mla()[name], str) and name not in _mla_failed:
@@ -330,8 +343,9 @@ def mla_case(batch: int, context: int, num_heads: int, fp8: bool = False):
             except Exception as e:  # reported once, then skipped
                 logging.warning("%s: %s: %s", name, type(e).__name__, e)
                 _mla_failed.add(name)
-    args = (x.q.float(), cache, x.seq_lens, tables, MLA_SCALE, MLA_RANK, x.k_scale)
-    refs[EXACT] = functools.partial(mla_reference.mla_decode, *args)
+    for baseline in MLA_BASELINE:
+        refs["atom baseline"] = functools.partial(baseline, *args)
+    refs[EXACT] = functools.partial(mla_reference.mla_decode, x.q.float(), *args[1:])
     rows = batch * (context + 1)
     nbytes = rows * cache[0, 0].nbytes + x.q.nbytes + batch * num_heads * MLA_RANK * x.q.element_size()
     return fn, refs, nbytes, 2 * num_heads * (2 * MLA_RANK + MLA_ROPE) * rows  # QK^T over 576 dims, PV over 512
@@ -431,8 +445,10 @@ def compare(fns: list[Callable], refs: dict[str, list[Callable]], nbytes: int, f
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     only = ("--only", "", "run only the cases whose kernel name contains this")
-    add_arguments(parser, [("--output-json", str, "write all results here"), only])
+    baseline = ("--mla-baseline", str, "also time the mla_decode of this file (an earlier atom/ops/triton/mla.py)")
+    add_arguments(parser, [("--output-json", str, "write all results here"), only, baseline])
     args = parser.parse_args()
+    MLA_BASELINE.extend([load_mla_decode(args.mla_baseline)] if args.mla_baseline else [])
     logging.basicConfig(level=logging.INFO)
     fa3, fused_experts = vllm_kernels()
     bw, tf = copy_bandwidth() / 1e9, gemm_tflops()
