@@ -1,6 +1,7 @@
 """Compile atom's MLA decode kernel for sm_90 without a GPU, at its default tile config and those of
 ``kernel_sweep.py mla``, over a bf16 and an fp8 latent cache, and print registers, spill bytes and shared
-memory (Triton's bundled ptxas; see gluon_compile_check.py):
+memory, and how many latent tiles the software pipeliner keeps in flight (Triton's bundled ptxas; see
+gluon_compile_check.py):
 
     PYTHONPATH=$PWD python tests/gpu/mla_compile_check.py
 
@@ -9,6 +10,7 @@ Exit status 1 if the default config fails to compile or spills.
 
 from __future__ import annotations
 
+import re
 import sys
 
 import triton
@@ -54,7 +56,10 @@ def main() -> int:
                 continue
             regs, spills = resources(k)
             wgmma = "wgmma" in k.asm["ptx"]
-            print(f"{name}: regs={regs} spill_bytes={spills} smem={k.metadata.shared} wgmma={wgmma}")
+            # latent tiles in flight: the depth of the pipeliner's shared buffers for them (none: not async)
+            depth = re.findall(r"local_alloc : \(\) -> !ttg.memdesc<(\d+)x\d+x512x", k.asm["ttgir"])
+            print(f"{name}: regs={regs} spill_bytes={spills} smem={k.metadata.shared} wgmma={wgmma} "
+                  f"latent_buffers={depth[0] if depth else 0}")  # fmt: skip
             bad |= config is default and spills > 0
     return 1 if bad else 0
 
