@@ -13,6 +13,12 @@ tests/gpu/kernel_sweep.py times alternative tile configs the same way (how the d
 Where vLLM is importable, each attention case also runs its FlashAttention 3 (``flash_attn_varlen_func``,
 paged, as its FLASH_ATTN backend calls it) and each MoE case its ``fused_experts``, on the same data:
 ``ratio`` = reference time / atom time (> 1: atom is faster), ``diff`` = max abs difference of the outputs.
+
+MLA decode (``--only mla``; DeepSeek-V3's 128 heads and V2-Lite / Moonlight's 16, latent 512 + rope 64, a
+bf16 and an fp8 latent cache) runs against the decode kernels of vLLM's MLA backends on Hopper, each called
+with the arguments its ``forward_mqa`` passes, on the same tokens (each in its own cache layout): one row
+per backend below atom's. GB/s counts the latent rows read once; ``fp32 diff`` is the max abs difference
+from atom's PyTorch reference (``atom.ops.mla.mla_decode``) in float32.
 """
 
 from __future__ import annotations
@@ -20,18 +26,23 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import importlib.util
 import itertools
 import logging
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import torch
 import triton
 
 from atom.benchmarks.benchmark_utils import add_arguments, write_to_json
 from atom.benchmarks.model_configs import copy_bandwidth
+from atom.ops import mla as mla_reference
 from atom.ops import triton as tk
+from atom.ops.reference import to_cache_dtype
 
 BF16 = torch.bfloat16
+FP8 = torch.float8_e4m3fn
 DEV = "cuda"
 
 
@@ -168,6 +179,178 @@ def sampling_case(rows, ref, vocab=151936, plain=False):
     return fn, functools.partial(ref, logits, temps, top_k, top_p), logits.nbytes, 0
 
 
+# --- MLA decode: atom's kernel against the decode kernels of vLLM 0.26's MLA backends on Hopper. vLLM's
+# priority there is FLASH_ATTN_MLA, FLASHMLA, (FLASHINFER_MLA: sm100 only), TRITON_MLA: a bf16 cache gets
+# FLASH_ATTN_MLA (block size 16); it has no fp8 cache, so an fp8 cache gets FLASHMLA (block size 64)
+# where vLLM's FlashMLA extensions load, else TRITON_MLA (block size 16).
+
+MLA_RANK, MLA_ROPE = 512, 64
+MLA_SCALE = (128 + 64) ** -0.5  # qk_nope_head_dim + qk_rope_head_dim (without DeepSeek-V3's yarn factor)
+FA3_SPLITS = 32  # vLLM's flash_attn_max_num_splits_for_cuda_graph: its decode batches run in full CUDA graphs
+EXACT = "float32 reference"  # a case's refs entry that is checked against, not timed
+
+
+@functools.cache
+def vllm_mla() -> dict[str, object]:
+    """vLLM's MLA decode entry points by backend name, or the reason one is missing (a str)."""
+    found = {}
+    try:
+        from vllm.v1.attention.backends.fa_utils import flash_attn_supports_mla
+        from vllm.vllm_flash_attn import flash_attn_varlen_func, get_scheduler_metadata
+
+        ok = flash_attn_supports_mla()
+        found["FLASH_ATTN_MLA"] = (flash_attn_varlen_func, get_scheduler_metadata) if ok else "not supported here"
+    except Exception as e:  # ImportError, or no CUDA platform
+        found["FLASH_ATTN_MLA"] = f"{type(e).__name__}: {e}"
+    try:
+        from vllm.v1.attention.ops import flashmla
+
+        ok, why = flashmla.is_flashmla_dense_supported()
+        found["FLASHMLA"] = flashmla if ok else why
+    except Exception as e:
+        found["FLASHMLA"] = f"{type(e).__name__}: {e}"
+    try:
+        from vllm.v1.attention.ops.triton_decode_attention import decode_attention_fwd
+
+        found["TRITON_MLA"] = decode_attention_fwd
+    except Exception as e:
+        found["TRITON_MLA"] = f"{type(e).__name__}: {e}"
+    return found
+
+
+def paged(tokens: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``tokens`` [B, S, D] in a paged cache [blocks, block_size, D] (unused rows zero, as vLLM allocates
+    its cache), each sequence's blocks scattered: (cache, block_tables)."""
+    batch, seq_len, dim = tokens.shape
+    max_blocks = -(-seq_len // block_size)
+    tables = torch.randperm(batch * max_blocks, dtype=torch.int32, device=DEV).view(batch, max_blocks)
+    cache = torch.zeros(batch * max_blocks, block_size, dim, dtype=tokens.dtype, device=DEV)
+    offs = torch.arange(block_size, device=DEV)
+    slots = (tables.long()[:, :, None] * block_size + offs).flatten(1)[:, :seq_len]
+    cache.view(-1, dim)[slots] = tokens
+    return cache, tables
+
+
+def mla_inputs(batch: int, context: int, num_heads: int, fp8: bool) -> SimpleNamespace:
+    """One decode token per sequence over ``context`` cached ones (its own row included in the cache), the
+    query as vLLM's MLA layer hands it over: ``q_nope`` (W_UK absorbed) a [B, H, 512] view of [H, B, 512],
+    ``q_pe`` a slice of the [B, H, 192] query; ``q`` the two concatenated (atom's input). The same latent
+    rows in a block-16 cache (atom, FLASH_ATTN_MLA, TRITON_MLA) and a block-64 one (FLASHMLA); an fp8
+    cache holds them divided by ``k_scale``."""
+    seq_len = context + 1
+    q_nope = torch.randn(num_heads, batch, MLA_RANK, dtype=BF16, device=DEV).transpose(0, 1)
+    q_pe = torch.randn(batch, num_heads, 128 + MLA_ROPE, dtype=BF16, device=DEV)[..., 128:]
+    k_scale = torch.tensor([0.5], device=DEV) if fp8 else None  # randn latents: far inside e4m3's range
+    tokens = to_cache_dtype(torch.randn(batch, seq_len, MLA_RANK + MLA_ROPE, device=DEV), FP8 if fp8 else BF16, k_scale)
+    tokens = tokens.view(torch.uint8) if fp8 else tokens  # index_put has no float8 kernels
+    caches = {bs: paged(tokens, bs) for bs in (16, 64)}
+    caches = {bs: (c.view(FP8) if fp8 else c, t) for bs, (c, t) in caches.items()}
+    seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device=DEV)
+    q = torch.cat((q_nope, q_pe), dim=-1)
+    return SimpleNamespace(q=q, q_nope=q_nope, q_pe=q_pe, caches=caches, seq_lens=seq_lens, k_scale=k_scale)
+
+
+def fa3_mla_call(x: SimpleNamespace) -> Callable:
+    """FLASH_ATTN_MLA: FA3 with the latent as V and the rope part as K, ``q_v`` the absorbed query; scheduler
+    metadata built once per step (shared by the layers), as its metadata builder does."""
+    fa3, scheduler_metadata = vllm_mla()["FLASH_ATTN_MLA"]
+    (batch, num_heads), (cache, tables) = x.q.shape[:2], x.caches[16]
+    cu = torch.arange(batch + 1, dtype=torch.int32, device=DEV)
+    max_len = int(x.seq_lens.max())
+    meta = scheduler_metadata(
+        batch_size=batch, max_seqlen_q=1, max_seqlen_k=max_len, num_heads_q=num_heads, num_heads_kv=1,
+        headdim=MLA_ROPE, cache_seqlens=x.seq_lens, qkv_dtype=BF16, headdim_v=MLA_RANK, page_size=16,
+        cu_seqlens_q=cu, causal=True, num_splits=FA3_SPLITS,
+    )  # fmt: skip
+    k_pe, kv_c = cache[..., MLA_RANK:].unsqueeze(-2), cache[..., :MLA_RANK].unsqueeze(-2)
+    return functools.partial(
+        fa3, q=x.q_pe, k=k_pe, v=kv_c, q_v=x.q_nope, max_seqlen_q=1, cu_seqlens_q=cu, max_seqlen_k=max_len,
+        seqused_k=x.seq_lens, block_table=tables, softmax_scale=MLA_SCALE, causal=True, fa_version=3,
+        scheduler_metadata=meta, num_splits=FA3_SPLITS,
+    )  # fmt: skip
+
+
+def flashmla_call(x: SimpleNamespace) -> Callable:
+    """FLASHMLA: FlashMLA's dense decode over the block-64 cache, q [B, 1, H, 576]; an fp8 cache takes an
+    fp8 query (vLLM quantises it with the layer's q_scale, 1.0 without a checkpoint scale) and scheduler
+    metadata from ``get_mla_metadata_dense_fp8``."""
+    fm = vllm_mla()["FLASHMLA"]
+    num_heads, (cache, tables) = x.q.shape[1], x.caches[64]
+    args = dict(k_cache=cache.unsqueeze(-2), block_table=tables, cache_seqlens=x.seq_lens, head_dim_v=MLA_RANK)
+    args.update(softmax_scale=MLA_SCALE, causal=True)
+    if x.k_scale is None:
+        meta, _ = fm.get_mla_metadata(x.seq_lens, num_heads, 1, is_fp8_kvcache=False)
+        call = functools.partial(fm.flash_mla_with_kvcache, q=x.q.unsqueeze(1), tile_scheduler_metadata=meta, **args)
+    else:
+        q_scale = torch.ones(1, device=DEV)
+        tiles, splits = fm.get_mla_metadata_dense_fp8(x.seq_lens, num_heads, 1)
+        q8 = to_cache_dtype(x.q, FP8, q_scale).unsqueeze(1)  # vLLM's separate quantisation op, not timed
+        args.update(tile_scheduler_metadata=tiles, num_splits=splits, descale_q=q_scale, descale_k=x.k_scale)
+        call = functools.partial(fm.flash_mla_with_kvcache_fp8, q=q8, **args)
+    return lambda: call()[0].squeeze(1)
+
+
+def triton_mla_call(x: SimpleNamespace) -> Callable:
+    """TRITON_MLA: vLLM's grouped Triton decode (its ``forward_mqa``: zeroed output and LSE, split count
+    from the longest sequence), a bf16 query over the block-16 cache."""
+    decode = vllm_mla()["TRITON_MLA"]
+    (batch, num_heads), (cache, tables) = x.q.shape[:2], x.caches[16]
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    splits = min(triton.next_power_of_2(max(1, int(x.seq_lens.max()) // 512)), 2 * sms)
+    logits = torch.empty(batch, num_heads, splits, MLA_RANK + 1, device=DEV)
+    kv = cache.unsqueeze(2)
+    scale = torch.ones(1, device=DEV) if x.k_scale is None else x.k_scale
+
+    def call():
+        o = torch.zeros(batch, num_heads, MLA_RANK, dtype=x.q.dtype, device=DEV)
+        lse = torch.zeros(batch, num_heads, dtype=x.q.dtype, device=DEV)
+        decode(x.q, kv, kv[..., :MLA_RANK], o, lse, tables, x.seq_lens, logits, splits, MLA_SCALE, 16,
+               k_scale=scale, v_scale=scale, is_mla=True)  # fmt: skip
+        return o
+
+    return call
+
+
+MLA_BASELINE: list[Callable] = []  # --mla-baseline: an earlier atom's mla_decode, timed as one more reference
+
+
+def load_mla_decode(path: str) -> Callable:
+    """``mla_decode`` of the file ``path``, e.g. main's atom/ops/triton/mla.py."""
+    spec = importlib.util.spec_from_file_location("mla_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.mla_decode
+
+
+MLA_MODELS = [("V3", 128), ("V2-Lite", 16)]  # DeepSeek-V3 at -tp 1 (16 heads: V3 at -tp 8, V2-Lite, Moonlight)
+MLA_REFS = {False: {"FLASH_ATTN_MLA": fa3_mla_call, "FLASHMLA": flashmla_call},
+            True: {"FLASHMLA": flashmla_call, "TRITON_MLA": triton_mla_call}}  # fmt: skip
+_mla_failed: set[str] = set()
+
+
+def mla_case(batch: int, context: int, num_heads: int, fp8: bool = False):
+    """atom's ``mla_decode`` (over the block-16 cache) and the vLLM backends of ``MLA_REFS`` that load
+    (vLLM's pick first), and the float32 reference (``EXACT``); bytes: the latent rows once, q and out."""
+    x = mla_inputs(batch, context, num_heads, fp8)
+    cache, tables = x.caches[16]
+    args = (x.q, cache, x.seq_lens, tables, MLA_SCALE, MLA_RANK, x.k_scale)
+    fn = functools.partial(tk.mla_decode, *args)
+    refs = {}
+    for name, make in MLA_REFS[fp8].items():
+        if not isinstance(vllm_mla()[name], str) and name not in _mla_failed:
+            try:
+                refs[name] = make(x)
+            except Exception as e:  # reported once, then skipped
+                logging.warning("%s: %s: %s", name, type(e).__name__, e)
+                _mla_failed.add(name)
+    for baseline in MLA_BASELINE:
+        refs["atom baseline"] = functools.partial(baseline, *args)
+    refs[EXACT] = functools.partial(mla_reference.mla_decode, x.q.float(), *args[1:])
+    rows = batch * (context + 1)
+    nbytes = rows * cache[0, 0].nbytes + x.q.nbytes + batch * num_heads * MLA_RANK * x.q.element_size()
+    return fn, refs, nbytes, 2 * num_heads * (2 * MLA_RANK + MLA_ROPE) * rows  # QK^T over 576 dims, PV over 512
+
+
 # prefill (q_lens, context) shapes; chunked prefill next to 64 decode rows, which come first in the batch
 PREFILL = [([512], 0), ([2048], 0), ([8192], 0), ([2048] * 8, 0), ([512], 4096), ([2048], 4096), ([2048], 6144)]
 PREFILL += [([512] * 4, 4096)]
@@ -195,16 +378,21 @@ def cases() -> list[tuple[str, str, Callable]]:
         out.append(("sample", "  vs torch.topk", case(sampling_case, rows, topk_sample, vocab)))
     for rows in [1, 4, 8, 64, 256]:
         out.append(("sample", f"B={rows} temperature only", case(sampling_case, rows, plain_sample, plain=True)))
+    mla_shapes = [*itertools.product([1, 8, 32, 64, 128], [1024, 4096, 8192]), (1, 32768), (8, 32768)]
+    for (model, heads), fp8, (b, c) in itertools.product(MLA_MODELS, [False, True], mla_shapes):
+        label = f"{model} b={b} ctx={c // 1024}k"
+        out.append((f"mla {'fp8' if fp8 else 'bf16'}", label, case(mla_case, b, c, heads, fp8)))
     return out
 
 
-def prepare(builder: Callable) -> tuple[list[Callable], list[Callable] | None, int, int]:
-    """The case's atom and reference calls over enough input copies (4x L2) to defeat the cache, its
-    bytes and flops."""
+def prepare(builder: Callable) -> tuple[list[Callable], dict[str, list[Callable]], int, int]:
+    """The case's atom call and references (by name; an unnamed one is "") over enough input copies (4x L2)
+    to defeat the cache, its bytes and flops."""
     fn, ref, nbytes, flops = builder()
     l2 = torch.cuda.get_device_properties(DEV).L2_cache_size
     more = [builder()[:2] for _ in range(min(64, max(1, -(-4 * l2 // max(nbytes, 1)))) - 1)]
-    return [fn] + [f for f, _ in more], None if ref is None else [ref] + [r for _, r in more], nbytes, flops
+    named = [{} if r is None else r if isinstance(r, dict) else {"": r} for r in [ref] + [r for _, r in more]]
+    return [fn] + [f for f, _ in more], {name: [r[name] for r in named] for name in named[0]}, nbytes, flops
 
 
 def graph_ms(fns: list[Callable], rep: int = 100) -> float:
@@ -223,40 +411,79 @@ def row(ms: float, nbytes: int, flops: int) -> dict:
     return dict(ms=ms, gbps=nbytes / ms / 1e6, tflops=flops / ms / 1e9)
 
 
-def compare(fns: list[Callable], refs: list[Callable] | None) -> dict:
-    """Reference time and max abs difference of the outputs."""
-    if refs is None:
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+def compare(fns: list[Callable], refs: dict[str, list[Callable]], nbytes: int, flops: int) -> dict:
+    """Each reference's time and the max abs difference of its output from atom's; with an ``EXACT``
+    entry (computed once, not timed), every output's difference from it too. The unnamed reference goes
+    into ``ref_ms`` / ``diff``, named ones into ``refs``."""
+    if not refs:
         return {}
-    out, ref = fns[0](), refs[0]()  # sampled tokens (different noise): no diff
-    diff = (out.float() - ref.float()).abs().max().item() if out.is_floating_point() else float("nan")
-    return dict(ref_ms=graph_ms(refs), diff=diff)
+    out, exact = fns[0](), refs.pop(EXACT, [None])[0]
+    exact = exact and exact()
+    result = {} if exact is None else dict(fp32_diff=max_diff(out, exact))
+    for name, calls in refs.items():
+        try:
+            ref = calls[0]()
+            # sampled tokens (different noise): no diff
+            diff = max_diff(out, ref) if out.is_floating_point() else float("nan")
+            timed = dict(ms=graph_ms(calls), diff=diff)
+        except Exception as e:  # a vLLM kernel refusing these inputs: reported, the others still run
+            logging.warning("%s: %s: %s", name, type(e).__name__, e)
+            result.setdefault("refs", {})[name] = dict(error=f"{type(e).__name__}: {e}")
+            continue
+        if name == "":
+            result.update(ref_ms=timed["ms"], diff=diff)
+        else:
+            timed |= {} if exact is None else dict(fp32_diff=max_diff(ref, exact))
+            result.setdefault("refs", {})[name] = row(timed["ms"], nbytes, flops) | timed
+    return result
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     only = ("--only", "", "run only the cases whose kernel name contains this")
-    add_arguments(parser, [("--output-json", str, "write all results here"), only])
+    baseline = ("--mla-baseline", str, "also time the mla_decode of this file (an earlier atom/ops/triton/mla.py)")
+    add_arguments(parser, [("--output-json", str, "write all results here"), only, baseline])
     args = parser.parse_args()
+    MLA_BASELINE.extend([load_mla_decode(args.mla_baseline)] if args.mla_baseline else [])
     logging.basicConfig(level=logging.INFO)
     fa3, fused_experts = vllm_kernels()
     bw, tf = copy_bandwidth() / 1e9, gemm_tflops()
-    refs = f"FA3 {'yes' if fa3 else 'no'}, fused_experts {'yes' if fused_experts else 'no'}"
+    mla = ", ".join(f"{k} {'no' if isinstance(v, str) else 'yes'}" for k, v in vllm_mla().items())
+    refs = f"FA3 {'yes' if fa3 else 'no'}, fused_experts {'yes' if fused_experts else 'no'}, MLA: {mla}"
     print(f"{torch.cuda.get_device_name()}: copy {bw:.0f} GB/s, bf16 matmul {tf:.0f} TFLOP/s; references: {refs}")
+    for name, why in vllm_mla().items():
+        if isinstance(why, str):
+            print(f"  {name} not loaded: {why}")
     results = []
     for kernel, shape, builder in (c for c in cases() if args.only in c[0]):
         fns, refs, nbytes, flops = prepare(builder)
-        results.append(dict(kernel=kernel, shape=shape, **row(graph_ms(fns), nbytes, flops), **compare(fns, refs)))
+        results.append(dict(kernel=kernel, shape=shape, **row(graph_ms(fns), nbytes, flops)))
+        results[-1] |= compare(fns, refs, nbytes, flops)
         logging.info("%s %s: %s", kernel, shape, results[-1])
         del fns, refs
         torch.cuda.empty_cache()
 
-    head = ("kernel", "shape", "ms", "GB/s", "%copy", "TF/s", "%gemm", "ref ms", "ratio", "diff")
-    print("\n{:<13} {:<29} {:>8} {:>6} {:>5} {:>6} {:>5} {:>8} {:>6} {:>7}".format(*head))
-    for r in results:
+    def line(kernel: str, shape: str, r: dict, ref: str) -> None:
         tflops = f"{r['tflops']:6.1f} {100 * r['tflops'] / tf:4.0f}%" if r["tflops"] else " " * 12
-        ref = f"{r['ref_ms']:8.4f} {r['ref_ms'] / r['ms']:6.2f} {r['diff']:7.4f}" if "ref_ms" in r else ""
         gbps = f"{r['gbps']:6.0f} {100 * r['gbps'] / bw:4.0f}%"
-        print(f"{r['kernel']:<13} {r['shape']:<29} {r['ms']:8.4f} {gbps} {tflops} {ref}")
+        fp32 = f" {r['fp32_diff']:9.4f}" if "fp32_diff" in r else ""
+        print(f"{kernel:<13} {shape:<29} {r['ms']:8.4f} {gbps} {tflops} {ref}{fp32}")
+
+    head = ("kernel", "shape", "ms", "GB/s", "%copy", "TF/s", "%gemm", "ref ms", "ratio", "diff", "fp32 diff")
+    print("\n{:<13} {:<29} {:>8} {:>6} {:>5} {:>6} {:>5} {:>8} {:>6} {:>7} {:>9}".format(*head))
+    for r in results:
+        ref = f"{r['ref_ms']:8.4f} {r['ref_ms'] / r['ms']:6.2f} {r['diff']:7.4f}" if "ref_ms" in r else ""
+        ref = ref or (" " * 23 if "fp32_diff" in r else "")  # MLA rows: their fp32 diff in its column
+        line(r["kernel"], r["shape"], r, ref)
+        for name, v in r.get("refs", {}).items():  # named references (MLA: vLLM's backends), ratio = theirs / atom's
+            if "error" in v:
+                print(f"{'':<13} {'  ' + name}: {v['error'][:100]}")
+            else:
+                line("", f"  {name}", v, f"{'':8} {v['ms'] / r['ms']:6.2f} {v['diff']:7.4f}")
     if args.output_json:
         machine = dict(device=torch.cuda.get_device_name(), copy_gbps=bw, bf16_matmul_tflops=tf)
         write_to_json(args.output_json, dict(machine=machine, results=results), indent=2)

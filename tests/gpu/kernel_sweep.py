@@ -1,13 +1,13 @@
-"""Alternative tile configs of atom's MoE GEMM and prefill attention kernels, timed as
+"""Alternative tile configs of atom's MoE GEMM, prefill attention and MLA decode kernels, timed as
 ``tests/gpu/kernel_bench.py`` times its cases (how the defaults in ``atom.ops.triton``
 were picked). GPU only:
 
-    python tests/gpu/kernel_sweep.py [moe] [prefill] [--output-json sweep.json]
+    python tests/gpu/kernel_sweep.py [moe] [prefill] [mla] [--output-json sweep.json]
 
 Prints the best two configs per case and the default; ``--output-json`` writes every row
 (case, config, ms, GB/s, TFLOP/s; prefill rows also the compiler's resource report and the max abs
-difference from ``paged_attention``). Configs that cannot run here (e.g. out of shared memory) are
-reported and skipped.
+difference from ``paged_attention``, MLA rows from the float32 reference). Configs that cannot run
+here (e.g. out of shared memory) are reported and skipped.
 """
 
 from __future__ import annotations
@@ -20,11 +20,22 @@ from collections.abc import Callable
 import torch
 
 # tests/gpu/kernel_bench.py: python puts this script's directory on sys.path
-from kernel_bench import attention_cost, attention_inputs, graph_ms, moe_case, new_kv, prepare, row
+from kernel_bench import (
+    EXACT,
+    attention_cost,
+    attention_inputs,
+    graph_ms,
+    max_diff,
+    mla_case,
+    moe_case,
+    new_kv,
+    prepare,
+    row,
+)
 
 from atom.benchmarks.benchmark_utils import write_to_json
 from atom.ops import triton as tk
-from atom.ops.triton import moe, prefill_attention
+from atom.ops.triton import mla, moe, prefill_attention
 
 
 def _cfgs(keys: str, rows: list[tuple]) -> list[dict]:
@@ -111,15 +122,61 @@ def prefill_sweep() -> list[dict]:
     return [r for r in rows if r]
 
 
+def _diff_from(exact: torch.Tensor, fns: list[Callable]) -> dict:
+    return dict(diff=max_diff(fns[0](), exact))
+
+
+# MLA decode tile configs: (16, 32, 4, 3) is the default. tests/gpu/mla_compile_check.py prints their
+# registers and spills: with Triton 3.9 for sm_90 the default spills 176 bytes over an fp8 cache, and
+# the pipeliner gives the latent tile one buffer below 5 stages (the load behind the block-table load
+# takes two of them), two from 5; the 64-head configs spill (of those only the least-spilling is here).
+MLA_CONFIGS = _cfgs(
+    "BLOCK_H BLOCK_N num_warps num_stages",
+    [
+        (16, 16, 4, 3),
+        (16, 16, 4, 5),
+        (16, 32, 4, 5),
+        (16, 32, 8, 3),
+        (16, 32, 8, 5),
+        (32, 32, 8, 3),
+        (32, 32, 8, 5),
+        (64, 16, 8, 3),
+    ],
+)
+
+
+def mla_sweep() -> list[dict]:
+    """MLA decode tile configs (``BLOCK_H`` heads per program share each tile of ``BLOCK_N`` latent rows it
+    loads; 64 heads let Hopper's wgmma run, 16 cannot), each patched in as ``_decode_config``, at
+    kernel_bench's MLA shapes; ``diff``: max abs difference from the float32 reference."""
+    cfgs = MLA_CONFIGS
+    rows, default = [], mla._decode_config
+    shapes = [(128, False, 1, 8192), (128, False, 8, 4096), (128, False, 32, 4096), (128, False, 128, 4096)]
+    shapes += [(128, True, 32, 4096), (16, False, 8, 8192), (16, False, 128, 4096)]
+    for heads, fp8, b, ctx in shapes:
+        prepared = prepare(functools.partial(mla_case, b, ctx, heads, fp8))
+        check = functools.partial(_diff_from, prepared[1][EXACT][0]())
+        case = f"mla h={heads}{' fp8' if fp8 else ''} b={b} ctx={ctx}"
+        try:
+            for cfg in [None, *(c for c in cfgs if c["BLOCK_H"] <= max(16, heads))]:  # None: the default
+                mla._decode_config = default if cfg is None else (lambda *_, c=cfg: c)
+                rows.append(_timed(case, cfg or "default", lambda p=prepared: p, check))
+        finally:
+            mla._decode_config = default
+        del prepared, check
+    return [r for r in rows if r]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # no argparse choices: Python 3.10 rejects an empty list against them
-    parser.add_argument("kernels", nargs="*", default=["moe", "prefill"], help="moe and/or prefill (default: both)")
+    kernels = "moe, prefill and/or mla (default: moe and prefill)"
+    parser.add_argument("kernels", nargs="*", default=["moe", "prefill"], help=kernels)
     parser.add_argument("--output-json", help="write every row here")
     args = parser.parse_args()
-    if unknown := set(args.kernels) - {"moe", "prefill"}:
-        parser.error(f"unknown kernels {sorted(unknown)}: choose from moe, prefill")
-    sweeps = dict(moe=moe_sweep, prefill=prefill_sweep)
+    sweeps = dict(moe=moe_sweep, prefill=prefill_sweep, mla=mla_sweep)
+    if unknown := set(args.kernels) - set(sweeps):
+        parser.error(f"unknown kernels {sorted(unknown)}: choose from {', '.join(sweeps)}")
     sweep_rows = [r for name in dict.fromkeys(args.kernels) for r in sweeps[name]()]
     print("\nsweep (best 2 per case, and the default):")
     for case in dict.fromkeys(r["case"] for r in sweep_rows):

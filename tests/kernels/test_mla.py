@@ -181,3 +181,25 @@ def test_mla_prefill_reads_the_fp8_cache():
     args = (cu, torch.tensor(lens, dtype=torch.int32), tables, w, 0.2, v_dim)
     out = reference.mla_prefill(q, cache, torch.randn(16, rank + rope), *args, k)
     assert torch.equal(out, reference.mla_prefill(q, deq, deq.flatten(0, 1)[slots], *args))
+
+
+@pytest.mark.parametrize("block_h, block_n", [(32, 16), (64, 32), (8, 64)])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_mla_decode_tile_configs(block_h, block_n, fp8, monkeypatch, assert_close):
+    """Other tile configs (tests/gpu/kernel_sweep.py mla): head blocks wider than the heads or
+    not dividing them, row tiles across cache blocks, with context splits."""
+    from atom.ops.triton import mla
+
+    config = dict(BLOCK_H=block_h, BLOCK_N=block_n, num_warps=8, num_stages=2)
+    monkeypatch.setattr(mla, "_decode_config", lambda *_: config)
+    lens, num_heads, rank, rope, block_size = CASES["many_heads"]
+    max_blocks = -(-max(lens) // block_size)
+    tables = torch.randperm(len(lens) * max_blocks, dtype=torch.int32).view(len(lens), max_blocks)
+    cache = torch.randn(len(lens) * max_blocks, block_size, rank + rope)
+    k = torch.tensor([0.5]) if fp8 else None
+    cache = (cache / k).to(FP8) if fp8 else cache.to(torch.bfloat16)
+    q = torch.randn(len(lens), num_heads, rank + rope, dtype=torch.bfloat16)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    for splits in (1, 3):
+        out = mla_decode(q, cache, seq_lens, tables, 0.2, rank, k, num_splits=splits)
+        assert_close(out, reference.mla_decode(q.float(), cache, seq_lens, tables, 0.2, rank, k), torch.bfloat16)

@@ -127,11 +127,13 @@ def _mla_decode_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SPLIT: tl.constexpr, HAS_SCALE: tl.constexpr,
 ):  # fmt: skip
-    # Program (sequence, head block, split): online softmax over the split's latent rows,
-    # loaded once for all the block's heads (the point of absorption). With SPLIT the
-    # partial results go to part_* for _mla_merge_kernel.
-    seq = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    # Program (head block, sequence, split): online softmax over the split's latent rows,
+    # loaded once for all the block's heads (the point of absorption). Head blocks vary
+    # fastest, so the programs reading the same rows run side by side and share them in L2
+    # (sequence first, the head blocks of a large batch ran in separate waves, each reading the
+    # rows from memory again). With SPLIT the partial results go to part_* for _mla_merge_kernel.
+    heads = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
+    seq = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
     hmask = heads < num_heads
     offs_r = tl.arange(0, BLOCK_RANK)
@@ -211,6 +213,12 @@ def _num_splits(device: torch.device, num_programs: int) -> int:
     return 1 if fill < 2 else 1 << (fill.bit_length() - 1)
 
 
+def _decode_config(num_heads: int, block_rank: int) -> dict:
+    """Tile config of ``_mla_decode_kernel``: ``BLOCK_H`` heads per program share each tile of
+    ``BLOCK_N`` latent rows it loads (tests/gpu/kernel_sweep.py mla times alternatives)."""
+    return dict(BLOCK_H=16, BLOCK_N=32 if block_rank >= 256 else 64, num_warps=4, num_stages=3)
+
+
 def mla_decode(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -231,22 +239,22 @@ def mla_decode(
     if not fp8:
         q = q.to(kv_cache.dtype)
     has_scale = fp8 and k_scale is not None
-    block_h = 16
     block_rank = _pow2(kv_lora_rank)
-    head_blocks = triton.cdiv(num_heads, block_h)
+    config = _decode_config(num_heads, block_rank)
+    head_blocks = triton.cdiv(num_heads, config["BLOCK_H"])
     splits = num_splits or _num_splits(q.device, num_seqs * head_blocks)
     part_out = part_ml = out
     if splits > 1:
         part_out = torch.empty(num_seqs, num_heads, splits, block_rank, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(num_seqs, num_heads, splits, 2, dtype=torch.float32, device=q.device)
-    _mla_decode_kernel[(num_seqs, head_blocks, splits)](
+    _mla_decode_kernel[(head_blocks, num_seqs, splits)](
         q, kv_cache, seq_lens, block_tables, k_scale if has_scale else seq_lens, out, part_out, part_ml, scale,
         num_heads, splits,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1),
         RANK=kv_lora_rank, ROPE=dim - kv_lora_rank, BLOCK_RANK=block_rank, BLOCK_ROPE=_pow2(dim - kv_lora_rank),
-        BLOCK_H=block_h, BLOCK_N=32 if block_rank >= 256 else 64, BLOCK_SIZE=kv_cache.shape[1],
-        DOT_PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32", SPLIT=splits > 1, HAS_SCALE=has_scale,
+        BLOCK_SIZE=kv_cache.shape[1], DOT_PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32",
+        SPLIT=splits > 1, HAS_SCALE=has_scale, **config,
     )  # fmt: skip
     if splits > 1:
         _mla_merge_kernel[(num_seqs, num_heads)](

@@ -1,0 +1,68 @@
+"""Compile atom's MLA decode kernel for sm_90 without a GPU, at its default tile config and those of
+``kernel_sweep.py mla``, over a bf16 and an fp8 latent cache, and print registers, spill bytes and shared
+memory, and how many latent tiles the software pipeliner keeps in flight (Triton's bundled ptxas; see
+gluon_compile_check.py):
+
+    PYTHONPATH=$PWD python tests/gpu/mla_compile_check.py
+
+Exit status 1 if the default config fails to compile or spills.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import triton
+from gluon_compile_check import resources  # tests/gpu/, next to this script
+from kernel_sweep import MLA_CONFIGS
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from atom.ops.triton import mla
+
+# the pointers and strides that the launcher sees as multiples of 16 at DeepSeek's shapes
+ALIGNED = "q_ptr cache_ptr seq_lens_ptr tables_ptr k_scale_ptr out_ptr part_out_ptr part_ml_ptr"
+ALIGNED += " stride_qb stride_qh stride_cb stride_cs stride_ob stride_oh"
+
+
+def compile_config(config: dict, fp8: bool):
+    """The kernel at DeepSeek's dims (latent 512 + rope 64, block size 16, one context split)."""
+    kernel, tile = mla._mla_decode_kernel, {k: v for k, v in config.items() if k.isupper()}
+    signature = {name: "i32" for name in kernel.arg_names}
+    signature.update(q_ptr="*bf16", cache_ptr="*fp8e4nv" if fp8 else "*bf16", seq_lens_ptr="*i32",
+                     tables_ptr="*i32", k_scale_ptr="*fp32", out_ptr="*bf16", part_out_ptr="*fp32",
+                     part_ml_ptr="*fp32", scale="fp32")  # fmt: skip
+    constexprs = dict(RANK=512, ROPE=64, BLOCK_RANK=512, BLOCK_ROPE=64, BLOCK_SIZE=16, DOT_PRECISION="tf32",
+                      SPLIT=False, HAS_SCALE=fp8, **tile)  # fmt: skip
+    signature.update({k: "constexpr" for k in constexprs})
+    attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in ALIGNED.split()}
+    options = dict(num_warps=config["num_warps"], num_stages=config["num_stages"])
+    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=options)  # fmt: skip
+
+
+def main() -> int:
+    print(f"triton {triton.__version__}, sm_90")
+    default, bad = mla._decode_config(128, 512), False
+    for config in [default, *MLA_CONFIGS]:
+        for fp8 in (False, True):
+            name = f"{'default ' if config is default else ''}{config} {'fp8' if fp8 else 'bf16'}"
+            try:
+                k = compile_config(config, fp8)
+            except Exception as e:  # report and go on to the next config
+                print(f"{name}: FAILED {type(e).__name__}: {str(e)[:300]}")
+                bad |= config is default
+                continue
+            regs, spills = resources(k)
+            wgmma = "wgmma" in k.asm["ptx"]
+            # latent tiles in flight: the depth of the pipeliner's shared buffers for them (none: not async)
+            depth = re.findall(r"local_alloc : \(\) -> !ttg.memdesc<(\d+)x\d+x512x", k.asm["ttgir"])
+            print(f"{name}: regs={regs} spill_bytes={spills} smem={k.metadata.shared} wgmma={wgmma} "
+                  f"latent_buffers={depth[0] if depth else 0}")  # fmt: skip
+            bad |= config is default and spills > 0
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
