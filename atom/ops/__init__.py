@@ -246,7 +246,8 @@ per_token_group_quant_fp8 = register_op(
     triton=f"{_T}.fp8_gemm:per_token_group_quant_fp8",
     fake=lambda x, group_k: (
         x.new_empty(x.shape, dtype=torch.float8_e4m3fn),
-        x.new_empty((x.shape[0], -(-x.shape[1] // (group_k or x.shape[1]))), dtype=torch.float32),
+        # group-major scales (strides (1, M)): the layout both implementations return
+        x.new_empty((-(-x.shape[1] // (group_k or x.shape[1])), x.shape[0]), dtype=torch.float32).t(),
     ),
 )(reference_fp8.per_token_group_quant_fp8)
 w8a8_matmul = register_op(

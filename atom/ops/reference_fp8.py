@@ -30,7 +30,9 @@ def per_token_group_quant_fp8(x: torch.Tensor, group_k: int) -> tuple[torch.Tens
     # times the float32 reciprocal (what CUDA's division by a scalar does), the same on every device
     scale = (padded.abs().amax(dim=-1) * (1.0 / FP8_MAX)).clamp(min=SCALE_MIN)
     q = (padded / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return q.view(m, groups * group_k)[:, :k], scale
+    # the scales group-major (strides (1, M)), as the Triton kernel stores them: one layout for the
+    # op's fake tensor under torch.compile, whichever implementation runs
+    return q.view(m, groups * group_k)[:, :k].contiguous(), scale.t().contiguous().t()
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, group_k: int) -> torch.Tensor:

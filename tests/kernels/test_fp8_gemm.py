@@ -4,7 +4,9 @@ products times the same scales, in a different order)."""
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
+from atom import ops
 from atom.ops import reference_fp8 as ref
 from atom.ops.triton.fp8_gemm import per_token_group_quant_fp8, w8a8_matmul
 
@@ -20,6 +22,15 @@ def test_per_token_group_quant(m, k, group_k, dtype):
     # the quantisation itself is close: e4m3 keeps 3 mantissa bits
     err = (ref.dequantize(q, s, group_k) - x.float()).abs()
     assert (err <= x.float().abs() / 16 + s.max() * 2**-9).all()
+
+    # one layout for the kernel, the reference and the op's fake tensor, which torch.compile
+    # checks the kernel's outputs against (the strides of dimensions longer than 1)
+    with FakeTensorMode() as mode:
+        fake = ops._OPS["per_token_group_quant_fp8"].fake(mode.from_tensor(x), group_k)
+    for kernel_out, ref_out, fake_out in zip((q, s), (q_ref, s_ref), fake):
+        layouts = {(t.shape, tuple(st for n, st in zip(t.shape, t.stride()) if n > 1), t.dtype)
+                   for t in (kernel_out, ref_out, fake_out)}
+        assert len(layouts) == 1, layouts
 
 
 # (m, n, k, group_k, block_n): block-scaled (128x128 like DeepSeek-V3, and small blocks with

@@ -32,7 +32,7 @@ def _rope_pair(x_ptr, offs, mask, cos, sin, HALF: tl.constexpr, INTERLEAVED: tl.
     return x1 * cos - x2 * sin, x2 * cos + x1 * sin
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["pos_ptr", "slot_ptr"])
 def _mla_rope_store_kernel(
     q_ptr, kv_c_ptr, k_pe_ptr, pos_ptr, cos_sin_ptr, cache_ptr, slot_ptr, k_scale_ptr, q_out_ptr, k_out_ptr,
     num_heads, stride_qt, stride_qh, stride_qot, stride_qoh, stride_ct, stride_kt, stride_kot,
@@ -118,7 +118,12 @@ def mla_rope_store(
     return q_out, k_out
 
 
-@triton.jit
+# per-step values (split count, block-table width, metadata slices) are not specialized on: each
+# new combination would compile a variant in the middle of serving (as in attention.py)
+@triton.jit(
+    do_not_specialize=["num_splits", "stride_tb"],
+    do_not_specialize_on_alignment=["seq_lens_ptr", "tables_ptr"],
+)
 def _mla_decode_kernel(
     q_ptr, cache_ptr, seq_lens_ptr, tables_ptr, k_scale_ptr, out_ptr, part_out_ptr, part_ml_ptr, scale, num_heads,
     num_splits,
@@ -180,7 +185,7 @@ def _mla_decode_kernel(
         tl.store(o_ptrs, (acc / denom[:, None]).to(out_ptr.dtype.element_ty), mask=omask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _mla_merge_kernel(
     out_ptr, part_out_ptr, part_ml_ptr, num_heads, num_splits, stride_ob, stride_oh,
     RANK: tl.constexpr, BLOCK_RANK: tl.constexpr, BLOCK_S: tl.constexpr,
