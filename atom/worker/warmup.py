@@ -8,7 +8,7 @@ later one. The kinds: a full-budget prefill (torch.compile's graph, large prefil
 the largest MoE tiles), a mid-size prompt, a short chunk over a cached prefix (small
 prefill tiles), a mixed batch (decode rows launched apart from the chunk), decode batches
 outside the CUDA graphs at every split-K factor, a prompt of every power-of-two length (the
-MoE and FP8 tile buckets), and the sampler with every filter on.
+MoE and FP8 tile buckets), and the sampler without and with every filter on.
 The batches write no KV (slot -1) and read block 0 for every page: only shapes matter.
 """
 
@@ -24,9 +24,9 @@ from atom.worker.sampler import SamplingTensors, sample
 logger = logging.getLogger(__name__)
 
 MAX_SPLITS = 64  # atom.ops.triton.attention._num_splits: at most 64 splits of at least 32 keys
-# the LM head and temperature-only sampling at these row counts meet every row bucket of the
-# skinny GEMM (``gemv.skinny_gemm``: BLOCK_M is the next power of two) and every split count
-# of ``split_sample`` (``sampling_fused._splits`` halves with each doubling of the rows)
+# the LM head and sampling at these row counts meet every row bucket of the skinny GEMM
+# (``gemv.skinny_gemm``: BLOCK_M is the next power of two) and every split count of the
+# samplers (``sampling_fused._splits`` halves with each doubling of the rows)
 SAMPLER_ROWS = tuple(1 << i for i in range(9))
 
 
@@ -79,23 +79,20 @@ def sampler_rows(max_rows: int) -> list[int]:
 
 
 def warm_up_sampler(compute_logits, hidden: torch.Tensor, max_rows: int) -> None:
-    """The LM head and temperature-only sampling at 1, 2, 4 .. 256 rows (up to ``max_rows``:
-    the scheduler's ``max_num_seqs``, which start-up's memory profile covers), and filtered
-    sampling on two rows. The LM head runs outside the CUDA graphs, and its skinny GEMM (up
-    to 32 rows of a vocabulary-wide weight) compiles a variant per power-of-two row bucket;
-    each split of the few-rows sampler (``split_sample``: the split count is a compile-time
-    constant) and the filter kernel compile on first use too."""
+    """The LM head, temperature-only and filtered sampling at 1, 2, 4 .. 256 rows (up to
+    ``max_rows``: the scheduler's ``max_num_seqs``, which start-up's memory profile covers).
+    The LM head runs outside the CUDA graphs, and its skinny GEMM (up to 32 rows of a
+    vocabulary-wide weight) compiles a variant per power-of-two row bucket; the samplers split
+    a few rows over slices (``sampling_fused._splits``: the slice count is a compile-time
+    constant), and each split compiles on first use too."""
     for rows in sampler_rows(max_rows):
         logits = compute_logits(hidden[:1].expand(rows, -1).contiguous())
-        temperatures = torch.full((rows,), 0.7, device=logits.device)
+        device = logits.device
+        temperatures = torch.full((rows,), 0.7, device=device)
         sample(logits, SamplingTensors(temperatures, None, None, None, [None] * rows, all_greedy=False))
-    logits = compute_logits(hidden[:2])
-    device = logits.device
-    rows = logits.shape[0]
-    params = torch.tensor([[0.7, 0.0][:rows], [5.0, 0.0][:rows], [0.9, 1.0][:rows], [0.05, 0.0][:rows]],
-                          dtype=torch.float32, device=device)  # fmt: skip
-    sample(logits, SamplingTensors(temperatures=params[0], top_k=params[1].to(torch.int32), top_p=params[2],
-                                   min_p=params[3], generators=[None] * rows, all_greedy=False))  # fmt: skip
+        top_k = torch.full((rows,), 5, dtype=torch.int32, device=device)
+        top_p, min_p = torch.full((rows,), 0.9, device=device), torch.full((rows,), 0.05, device=device)
+        sample(logits, SamplingTensors(temperatures, top_k, top_p, min_p, [None] * rows, all_greedy=False))
 
 
 def log_late_compiles() -> None:

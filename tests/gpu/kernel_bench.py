@@ -167,15 +167,19 @@ def plain_sample(logits, temps, top_k, top_p):
     return (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1)
 
 
-def sampling_case(rows, ref, vocab=151936, plain=False):
-    """float32 logits, temperature 0.8, top_k=50 top_p=0.9 (Qwen3 recommends 20 / 0.95), or
-    temperature only (``plain``): atom's kernel against ``ref``; the floor is reading the logits once."""
+def sampling_case(rows, ref, vocab=151936, plain=False, top_p_only=False):
+    """float32 logits, temperature 0.8, top_k=50 top_p=0.9 (Qwen3 recommends 20 / 0.95), top_p=0.9
+    only (``top_p_only``: the sort reference keeps all k), or temperature only (``plain``): atom's
+    kernel against ``ref``; the floor is reading the logits once."""
     logits, temps = torch.randn(rows, vocab, device=DEV) * 3, torch.full((rows,), 0.8, device=DEV)
     top_k, top_p = torch.full((rows,), SAMPLE_TOP_K, device=DEV), torch.full((rows,), 0.9, device=DEV)
     seeds = torch.randint(1 << 62, (rows,), device=DEV)
     if plain:
         top_k = top_p = None
     fn = functools.partial(tk.sample_tokens, logits, temps, top_k, top_p, None, seeds)
+    if top_p_only:
+        fn = functools.partial(tk.sample_tokens, logits, temps, None, top_p, None, seeds)
+        top_k = torch.full((rows,), vocab, device=DEV)
     return fn, functools.partial(ref, logits, temps, top_k, top_p), logits.nbytes, 0
 
 
@@ -373,9 +377,11 @@ def cases() -> list[tuple[str, str, Callable]]:
     out.append(("attn mixed", "  +packed K/V", case(attention_case, *MIXED, packed=True, num_decode_tokens=64)))
     out += [("fused_moe", f"T={n} E=128 top8", case(moe_case, n)) for n in [1, 16, 128, 512, 2048, 4096, 8192]]
     out += [("rms_norm+res", f"T={n} H=4096", case(rms_norm_case, n)) for n in [1, 512, 8192]]
-    for rows, vocab in [(1, 151936), (8, 151936), (64, 151936), (256, 151936), (256, 128256), (256, 49152)]:
+    for rows, vocab in [(r, 151936) for r in [1, 4, 8, 32, 64, 256]] + [(256, 128256), (256, 49152)]:
         out.append(("sample", f"B={rows} V={vocab} vs sort", case(sampling_case, rows, sort_sample, vocab)))
         out.append(("sample", "  vs torch.topk", case(sampling_case, rows, topk_sample, vocab)))
+    for rows in [1, 8, 64]:
+        out.append(("sample", f"B={rows} top-p only vs sort", case(sampling_case, rows, sort_sample, top_p_only=True)))
     for rows in [1, 4, 8, 64, 256]:
         out.append(("sample", f"B={rows} temperature only", case(sampling_case, rows, plain_sample, plain=True)))
     mla_shapes = [*itertools.product([1, 8, 32, 64, 128], [1024, 4096, 8192]), (1, 32768), (8, 32768)]

@@ -90,3 +90,31 @@ def test_frequencies(top_k, top_p, min_p):
     # times is drawn 4 times in 1 of 20,000 cases), so the band gets 6 draws more, still far
     # below the head tokens' 6 sigma (~1,500 draws' worth at p 0.1)
     assert ((freq - expect).abs() <= 6 * (expect * (1 - expect) / n).sqrt() + 6 / n).all()
+
+
+@pytest.mark.parametrize("filters", ["k_p", "p", "k", "k_p_min_p", "min_p"])
+@pytest.mark.parametrize("rows", [1, 2, 4, 8, 16, 32, 64])
+def test_filtered_rows_split_over_programs(rows, filters):
+    """Rows with top-k / top-p / min-p split over slices when few (``_splits``): the same tokens
+    as one program per row (``splits=1``) and as the reference up to rounding at a cut;
+    greedy rows, ties, a masked row and a flat row (top-p past the buffer) among them."""
+    from atom.ops.triton.sampling_fused import _splits
+
+    vocab = 151936
+    logits = torch.randn(rows, vocab, device=DEV) * 3
+    logits[1::3] = logits[1::3].bfloat16().float()  # many equal values
+    if rows > 2:
+        logits[2, :] = float("-inf")
+        logits[2, [3, vocab // 2, vocab - 1]] = 1.0
+    if rows > 4:
+        logits[4] *= 0.01  # flat: top-p keeps more than the buffer
+    temps, top_k, top_p, min_p = mixed_params(rows, vocab)
+    temps[-1] = 0.8  # a sampled row even at 1 row
+    top_k[-1], top_p[-1] = 20, 0.95  # Qwen3's generation_config
+    names = filters.split("_")
+    args = (top_k if "k" in names else None, top_p if "p" in names else None, min_p if "min" in names else None)
+    seeds = torch.randint(1 << 62, (rows,), device=DEV)
+    out = check_tokens(sample_tokens, logits, temps, *args, seeds)
+    assert _splits(rows, vocab, logits.device) > 1
+    assert torch.equal(out, sample_tokens(logits, temps, *args, seeds, splits=1))
+    assert torch.equal(out, sample_tokens(logits, temps, *args, seeds, splits=3))

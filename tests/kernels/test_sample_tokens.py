@@ -9,8 +9,6 @@ import triton.language as tl
 
 from atom.ops import reference, sampling
 from atom.ops.triton import sample_tokens, sampling_fused
-from atom.ops.triton.sampling import _row_stats
-from atom.ops.triton.sampling_fused import _candidate_bound
 from atom.testing.sampling_checks import check_tokens
 
 
@@ -107,33 +105,76 @@ def test_several_blocks(capacity):
     check_tokens(sample_tokens, logits, temps, None, top_p, None, seeds)
 
 
-@triton.jit
-def _bound_kernel(x_ptr, k_ptr, p_ptr, out_ptr, vocab, HAS_TOP_K: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    row_max, row_min, num_finite, _ = _row_stats(x_ptr + row * vocab, vocab, BLOCK)
-    c, n, total = _candidate_bound(
-        x_ptr + row * vocab, vocab, row, row_min, row_max, num_finite, 1.0, k_ptr, p_ptr, HAS_TOP_K, True, BLOCK, 16
-    )
-    tl.store(out_ptr + row * 2, c)
-    tl.store(out_ptr + row * 2 + 1, n.to(tl.float32))
-
-
-def test_candidate_bound():
-    """The bound pass: every token top-k / top-p keeps lies above c, and n counts the tokens
-    above c; with a small k, far fewer than the vocabulary (the buffer path is taken)."""
+@pytest.mark.parametrize("splits, block", [(1, None), (3, 16), (8, 32)])
+def test_candidate_bound(splits, block):
+    """The bound and the buffer: every token top-k / top-p keeps lies above c, n counts the
+    tokens above c, and the buffer holds them in order, whatever the slicing; with a small
+    k, far fewer than the vocabulary."""
     rows, vocab = 4, 3000
     x = 3 * torch.randn(rows, vocab)
     top_k = torch.tensor([5, 0, 0, 2999], dtype=torch.int32)
     top_p = torch.tensor([0.9, 0.5, 1.0, 0.9])
     for has_k in (True, False):
-        out = torch.empty(rows, 2)
-        _bound_kernel[(rows,)](x, top_k, top_p, out, vocab, has_k, 1024)
+        ws = sampling_fused.gather_candidates(x, torch.ones(rows), top_k if has_k else None, top_p, splits, block)
         kept = ~reference.top_k_top_p_min_p(x, top_k if has_k else None, top_p, None).isinf()
         for row in range(rows):
-            c, n = out[row, 0].item(), int(out[row, 1])
-            assert n == int((x[row] > c).sum()) and (x[row][kept[row]] > c).all()
+            c, n = ws["bound"][row, 0].item(), int(ws["bound"][row, 1])
+            above = torch.nonzero(x[row] > c).flatten()
+            assert n == len(above) and (x[row][kept[row]] > c).all()
+            if n <= sampling_fused._CAPACITY:
+                assert torch.equal(ws["indices"][row, :n].long(), above)
+                assert torch.equal(ws["values"][row, :n], x[row, above])
         if has_k:
-            assert out[0, 1] < vocab / 10  # top_k = 5: a tight bound
+            assert ws["bound"][0, 1] < vocab / 10  # top_k = 5: a tight bound
+
+
+def test_bound_masses_are_exact_over_slices():
+    """The pivot table's masses are integer sums, so each slicing gives the same table: here
+    a row whose top-p cut lies near a pivot's mass (many equal tokens) still gets one bound."""
+    rows, vocab = 3, 2000
+    x = torch.randn(rows, vocab).round()  # few distinct values: the masses above pivots are coarse
+    top_p = torch.tensor([0.3, 0.6, 0.95])
+    bounds = [
+        sampling_fused.gather_candidates(x, torch.full((rows,), 0.9), None, top_p, s, b)["bound"]
+        for s, b in [(1, None), (2, 64), (7, 16), (16, 16)]
+    ]
+    for b in bounds[1:]:
+        assert torch.equal(b, bounds[0])
+
+
+def filtered_rows(rows, vocab, dtype):
+    """Logits with ties, a row masked to a few tokens, one all but flat; mixed parameters with
+    greedy rows."""
+    logits = 3 * torch.randn(rows, vocab)
+    logits[1::3] = (logits[1::3] * 2).round() / 2  # many exact ties, across slices too
+    if rows > 2:
+        logits[2, :] = float("-inf")
+        logits[2, [3, vocab // 2, vocab - 1]] = torch.tensor([1.0, 2.0, 1.0])  # in the first, a middle, the last slice
+    if rows > 4:
+        logits[4] = 0.01 * torch.randn(vocab)  # flat: top-p keeps most of the row
+    params = mixed_params(max(rows, 8), vocab)
+    pick = torch.arange(max(rows, 8)).roll(-4)[:rows]  # rows 4, 5, .. 0 (greedy), 1 (top-k 1), ..
+    return logits.to(dtype), *(t[pick] for t in params)
+
+
+@pytest.mark.parametrize("filters", ["k", "p", "min_p", "k_p", "k_p_min_p"])
+@pytest.mark.parametrize(
+    "rows, vocab, dtype, buffer",
+    [(1, 301, torch.float32, 4096), (3, 257, torch.bfloat16, 4096), (9, 1001, torch.float16, 40)],
+)
+def test_split_rows_with_filters_same_tokens(filters, rows, vocab, dtype, buffer, monkeypatch):
+    """Rows with top-k / top-p / min-p split over slices (odd sizes: the last slice is short;
+    small blocks: several blocks a slice): the same tokens as one program per row, and as the
+    reference up to rounding at a cut. A small buffer: the flat row, and others, overflow it."""
+    monkeypatch.setattr(sampling_fused, "_CAPACITY", buffer)
+    logits, temps, top_k, top_p, min_p = filtered_rows(rows, vocab, dtype)
+    names = filters.split("_")
+    args = (top_k if "k" in names else None, top_p if "p" in names else None, min_p if "min" in names else None)
+    seeds = torch.randint(1 << 62, (rows,))
+    one = sample_tokens(logits, temps, *args, seeds, splits=1)
+    check_tokens(lambda *a: one, logits, temps, *args, seeds)
+    for splits, block in [(2, None), (3, 16), (8, 32)]:
+        assert torch.equal(sample_tokens(logits, temps, *args, seeds, splits=splits, block=block), one), splits
 
 
 @pytest.mark.parametrize("splits", [2, 4, 8])

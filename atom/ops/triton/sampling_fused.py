@@ -1,19 +1,33 @@
-"""Temperature, top-k / top-p / min-p and the draw in one kernel (``atom.ops.sampling``).
+"""Temperature, top-k / top-p / min-p and the draw without a sort (``atom.ops.sampling``).
 
-One program per row. Usually the row is read three times: its statistics; one pass of
-pivots evenly spaced over its value range, which bounds every kept token from below by the
-highest pivot that top-k (or, without top-k, top-p) cannot cross; and a pass that copies
-the tokens above that bound, in order, to a small per-row buffer. The exact threshold
-searches (``sampling._filter_threshold``) and the draw then run on that buffer. A row
-whose bound leaves more than ``_CAPACITY`` tokens (no top-k and a flat distribution) runs
-them on the whole row instead. The kept set is decided on ``u = x / T`` rounded as torch
-divides, from thresholds found on ``x`` (division preserves the order, ties included).
+Rows with top-k, top-p or min-p run in four launches; the first three split each row into
+``slices`` slices of the vocabulary, one program each (``_splits``: many slices when the
+rows are fewer than the SMs, one per row once the rows fill the GPU):
 
-A few rows with no top-k, top-p or min-p (plain temperature or greedy: batch-1 decode) would
-leave all but a few SMs idle, one SM reading a whole vocabulary row four times: such rows are
-split over programs instead (``_split_kernel``), each racing its slice of the vocabulary once,
-and a second launch takes the best of the slices. The Gumbel race is decomposable, and each
-token's noise depends on its index only, so the tokens are the same.
+1. ``_stats_kernel``: each slice's max (and its first index), smallest finite value and
+   number of finite values.
+2. ``_pivot_kernel``: pivots evenly spaced over the row's value range and, for each, the
+   slice's number of tokens above it and (top-p without top-k) their mass, in fixed point.
+3. ``_gather_kernel``: every program of a row sums the slices' tables and picks the bound
+   c: the highest pivot that top-k (or, without top-k, top-p) cannot cross, so every kept
+   token is above it. Each slice copies its tokens above c, in order, to the row's buffer
+   of ``_CAPACITY`` tokens, after those of the slices before it (their counts above c are in
+   the tables).
+4. ``_finish_kernel``, one program per row: the exact threshold searches
+   (``sampling._filter_threshold``) and the draw on the buffer. A row whose bound leaves more
+   than ``_CAPACITY`` tokens (no top-k and a flat distribution) runs them on the whole row
+   instead, and a row with min-p only draws from the whole row.
+
+The tokens do not depend on the number of slices: the statistics, the counts and the fixed
+point masses combine exactly (integer sums, max, min), so every slicing gathers the same
+buffer, and the float arithmetic (the search on the buffer, the draw) is the same kernel. The
+kept set is decided on ``u = x / T`` rounded as torch divides, from thresholds found on ``x``
+(division preserves the order, ties included).
+
+Rows with no top-k, top-p or min-p (plain temperature or greedy) need no row maximum: they
+race their slices in one pass (``split_sample``, one program per slice when the rows are few)
+and a second launch takes the best slice. The Gumbel race is decomposable, and each token's
+noise depends on its index only, so the tokens are the same.
 """
 
 from __future__ import annotations
@@ -25,69 +39,166 @@ import triton.language as tl
 from atom.ops.triton.sampling import _argmax, _filter_threshold, _row_stats
 
 _CAPACITY = 4096  # candidate tokens a row may keep in its buffer
+_NUM_PIVOTS = 16
+# The pivot pass sums each token's weight exp((u - max) / T) in [0, 1] rounded down to a
+# multiple of 2^-20 in int32 lanes (at most 2^11 tokens a lane: vocabularies up to 2^21),
+# and the row's total mass to 2^-40 in int64: integer sums do not depend on their order.
+_MAX_VOCAB = 1 << 21
 
 
 @triton.jit
-def _candidate_bound(
-    row_ptr, vocab, row, row_min, row_max, num_finite, inv_temp, top_k_ptr, top_p_ptr,
-    HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, BLOCK: tl.constexpr, NUM_PIVOTS: tl.constexpr,
-):  # fmt: skip
-    """(c, n, total): every kept token is > c, and n tokens are. Top-k keeps only tokens
-    above a pivot that at least k tokens exceed; without top-k, top-p keeps only tokens
-    above a pivot whose mass above is at least top_p of ``total``, the row's mass (negative
-    when top-k bounds: top-p then renormalises over what top-k keeps)."""
-    offs_p = tl.arange(0, NUM_PIVOTS)
-    pivots = row_min + (row_max - row_min) * (offs_p.to(tl.float32) / (NUM_PIVOTS - 1))
-    count = tl.zeros([BLOCK, NUM_PIVOTS], tl.int32)
-    mass = tl.zeros([BLOCK, NUM_PIVOTS], tl.float32)
-    total = tl.zeros([BLOCK], tl.float32)
-    k = 0
+def _filters(row, top_k_ptr, top_p_ptr, HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr):
+    """(k, p, by_mass): k = 0 without top-k, p = 1 without top-p; ``by_mass`` when top-p
+    bounds the kept tokens (top-p renormalises over what top-k keeps: with top-k only
+    top-k's bound holds)."""
+    k = tl.zeros([], tl.int32)
+    p = tl.full([], 1.0, tl.float32)
     if HAS_TOP_K:
         k = tl.load(top_k_ptr + row)
     if HAS_TOP_P:
         p = tl.load(top_p_ptr + row).to(tl.float32)
-        # top-p renormalises over what top-k keeps, so with top-k only top-k's bound holds
-        by_mass = (p < 1.0) & (k <= 0)
-    for start in range(0, vocab, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        u = tl.load(row_ptr + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
-        gt = u[:, None] > pivots[None, :]
-        count += gt.to(tl.int32)
-        if HAS_TOP_P:
-            if by_mass:
-                w = tl.exp((u - row_max) * inv_temp)
-                mass += tl.where(gt, w[:, None], 0.0)
-                total += w
-    count = tl.sum(count, axis=0)
-    j = tl.zeros([], tl.int32)  # pivots [0, j) bound the kept tokens
-    row_total = tl.sum(total, axis=0)
-    if HAS_TOP_P:
-        j = tl.where(by_mass, tl.sum((tl.sum(mass, axis=0) >= p * row_total).to(tl.int32), axis=0), 0)
-    if HAS_TOP_K:
-        j = tl.where(k > 0, tl.sum((count >= k).to(tl.int32), axis=0), j)
-        row_total = tl.where(k > 0, -1.0, row_total)
-    c = tl.max(tl.where(offs_p == j - 1, pivots, float("-inf")), axis=0)
-    n = tl.where(j > 0, tl.sum(tl.where(offs_p == j - 1, count, 0), axis=0), num_finite)
-    return c, n, row_total
+    return k, p, (p < 1.0) & (k <= 0)
 
 
 @triton.jit
-def _gather_above(row_ptr, vocab, c, val_ptr, idx_ptr, BLOCK: tl.constexpr):
-    """Copy the tokens > c (values and indices, in order) to the buffer; their number and
-    minimum."""
+def _row_from_slices(fstats_ptr, istats_ptr, row, num_slices, MAX_SLICES: tl.constexpr):
+    """The row's max, smallest finite value, number of finite values and first index of the
+    max (as ``_row_stats``), from its slices' (``_stats_kernel``)."""
+    s = tl.arange(0, MAX_SLICES)
+    ok = s < num_slices
+    at = (row * num_slices + s) * 2
+    best = tl.load(fstats_ptr + at, mask=ok, other=float("-inf"))
+    low = tl.load(fstats_ptr + at + 1, mask=ok, other=float("inf"))
+    first = tl.load(istats_ptr + at, mask=ok, other=2147483647)
+    finite = tl.load(istats_ptr + at + 1, mask=ok, other=0)
+    row_max, argmax = _argmax(best, first, 2147483647)  # slices in order: the first slice's index
+    return row_max, tl.min(low, axis=0), tl.sum(finite, axis=0), argmax
+
+
+@triton.jit
+def _stats_kernel(logits_ptr, fstats_ptr, istats_ptr, vocab, stride_l, chunk, BLOCK: tl.constexpr):
+    row, split = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    lo = split * chunk
+    num = tl.minimum(chunk, vocab - lo)
+    row_max, row_min, finite, argmax = _row_stats(logits_ptr + row * stride_l + lo, num, BLOCK)
+    at = (row * tl.num_programs(1) + split) * 2
+    tl.store(fstats_ptr + at, row_max)
+    tl.store(fstats_ptr + at + 1, row_min)
+    tl.store(istats_ptr + at, lo + argmax)
+    tl.store(istats_ptr + at + 1, finite)
+
+
+@triton.jit
+def _pivot_kernel(
+    logits_ptr, temp_ptr, top_k_ptr, top_p_ptr, fstats_ptr, istats_ptr, pivot_ptr, count_ptr, mass_ptr, total_ptr,
+    vocab, stride_l, chunk,
+    HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, MAX_SLICES: tl.constexpr, BLOCK: tl.constexpr,
+    NUM_PIVOTS: tl.constexpr,
+):  # fmt: skip
+    """One slice's number of tokens above each pivot and, where top-p bounds, their mass and
+    the slice's total mass (fixed point, see ``_MAX_VOCAB``)."""
+    row, split = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    num_slices = tl.num_programs(1)
+    temp = tl.load(temp_ptr + row).to(tl.float32)
+    if temp > 0:  # greedy rows need only the statistics
+        row_max, row_min, _, _ = _row_from_slices(fstats_ptr, istats_ptr, row, num_slices, MAX_SLICES)
+        _, _, by_mass = _filters(row, top_k_ptr, top_p_ptr, HAS_TOP_K, HAS_TOP_P)
+        inv_temp = 1.0 / temp
+        offs_p = tl.arange(0, NUM_PIVOTS)
+        pivots = row_min + (row_max - row_min) * (offs_p.to(tl.float32) / (NUM_PIVOTS - 1))
+        lo = split * chunk
+        num = tl.minimum(chunk, vocab - lo)
+        slice_ptr = logits_ptr + row * stride_l + lo
+        count = tl.zeros([BLOCK, NUM_PIVOTS], tl.int32)
+        mass = tl.zeros([BLOCK, NUM_PIVOTS], tl.int32)
+        total = tl.zeros([BLOCK], tl.int64)
+        for start in range(0, num, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            u = tl.load(slice_ptr + offs, mask=offs < num, other=float("-inf")).to(tl.float32)
+            gt = u[:, None] > pivots[None, :]
+            count += gt.to(tl.int32)
+            if HAS_TOP_P:
+                if by_mass:
+                    w = tl.exp((u - row_max) * inv_temp)
+                    mass += tl.where(gt, (w * 1048576.0).to(tl.int32)[:, None], 0)  # 2^20
+                    total += (w * 1099511627776.0).to(tl.int64)  # 2^40
+        at = (row * num_slices + split) * NUM_PIVOTS + offs_p
+        tl.store(count_ptr + at, tl.sum(count, axis=0))
+        tl.store(mass_ptr + at, tl.sum(mass.to(tl.int64), axis=0))
+        tl.store(total_ptr + row * num_slices + split, tl.sum(total, axis=0))
+        if split == 0:  # the gather compares with exactly these values
+            tl.store(pivot_ptr + row * NUM_PIVOTS + offs_p, pivots)
+
+
+@triton.jit
+def _gather_kernel(
+    logits_ptr, temp_ptr, top_k_ptr, top_p_ptr, fstats_ptr, istats_ptr, pivot_ptr, count_ptr, mass_ptr, total_ptr,
+    bound_ptr, low_ptr, val_ptr, idx_ptr, vocab, stride_l, chunk,
+    HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, MAX_SLICES: tl.constexpr, BLOCK: tl.constexpr,
+    NUM_PIVOTS: tl.constexpr, CAPACITY: tl.constexpr,
+):  # fmt: skip
+    """The bound c (every kept token is > c) from the row's summed tables, and this slice's
+    tokens above it copied in order to the buffer, after the earlier slices' tokens. The
+    first slice stores (c, n, total) in ``bound_ptr``: n tokens are above c, and ``total`` is
+    the row's mass (negative when top-k bounds: top-p then renormalises over what top-k keeps)."""
+    row, split = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    num_slices = tl.num_programs(1)
+    temp = tl.load(temp_ptr + row).to(tl.float32)
+    if temp > 0:
+        s = tl.arange(0, MAX_SLICES)
+        offs_p = tl.arange(0, NUM_PIVOTS)
+        at = (row * num_slices + s)[:, None] * NUM_PIVOTS + offs_p[None, :]
+        ok = (s < num_slices)[:, None]
+        counts = tl.load(count_ptr + at, mask=ok, other=0)
+        count = tl.sum(counts, axis=0)
+        mass = tl.sum(tl.load(mass_ptr + at, mask=ok, other=0), axis=0)
+        total = tl.sum(tl.load(total_ptr + row * num_slices + s, mask=s < num_slices, other=0), axis=0)
+        finite = tl.load(istats_ptr + (row * num_slices + s) * 2 + 1, mask=s < num_slices, other=0)
+        pivots = tl.load(pivot_ptr + row * NUM_PIVOTS + offs_p)
+        k, p, by_mass = _filters(row, top_k_ptr, top_p_ptr, HAS_TOP_K, HAS_TOP_P)
+        row_total = total.to(tl.float32) * 9.094947017729282e-13  # 2^-40
+        # Pivots [0, j) bound the kept tokens. The masses are rounded down (by less than 2^-20
+        # a token), so a pivot counts for top-p with a margin of 1/1024 over its cut: the
+        # float search on the buffer could not keep a token below it either.
+        dropped = mass.to(tl.float32) * 9.5367431640625e-07 >= p * row_total * (1.0 + 1.0 / 1024)  # 2^-20
+        j = tl.where(by_mass, tl.sum(dropped.to(tl.int32), axis=0), 0)
+        j = tl.where(k > 0, tl.sum((count >= k).to(tl.int32), axis=0), j)
+        row_total = tl.where(k > 0, -1.0, row_total)
+        c = tl.max(tl.where(offs_p == j - 1, pivots, float("-inf")), axis=0)
+        # each slice's tokens above c: the count at pivot j - 1, or its finite values (c = -inf)
+        above = tl.where(j > 0, tl.sum(tl.where(offs_p[None, :] == j - 1, counts, 0), axis=1), finite)
+        n = tl.sum(above, axis=0)
+        if split == 0:
+            tl.store(bound_ptr + row * 3, c)
+            tl.store(bound_ptr + row * 3 + 1, n.to(tl.float32))  # exact: n <= vocab < 2^24
+            tl.store(bound_ptr + row * 3 + 2, row_total)
+        if n <= CAPACITY:
+            lo = split * chunk
+            base = row * CAPACITY + tl.sum(tl.where(s < split, above, 0), axis=0)
+            _, low = _gather_above(
+                logits_ptr + row * stride_l + lo, tl.minimum(chunk, vocab - lo), lo, c, val_ptr + base, idx_ptr + base,
+                BLOCK,
+            )  # fmt: skip
+            tl.store(low_ptr + row * num_slices + split, low)
+
+
+@triton.jit
+def _gather_above(ptr, num, first, c, val_ptr, idx_ptr, BLOCK: tl.constexpr):
+    """Copy the tokens > c among ``num`` (values and indices from ``first``, in order) to the
+    buffer; their number and minimum."""
     base = tl.zeros([], tl.int32)
     low = tl.full([BLOCK], float("inf"), tl.float32)
-    for start in range(0, vocab, BLOCK):
+    for start in range(0, num, BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        u = tl.load(row_ptr + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
+        u = tl.load(ptr + offs, mask=offs < num, other=float("-inf")).to(tl.float32)
         sel = u > c
-        num = tl.sum(sel.to(tl.int32), axis=0)
-        if num > 0:
+        count = tl.sum(sel.to(tl.int32), axis=0)
+        if count > 0:
             pos = base + tl.cumsum(sel.to(tl.int32), axis=0) - 1
             tl.store(val_ptr + pos, u, mask=sel)
-            tl.store(idx_ptr + pos, offs, mask=sel)
+            tl.store(idx_ptr + pos, first + offs, mask=sel)
             low = tl.minimum(low, tl.where(sel, u, float("inf")))
-            base += num
+            base += count
     return base, tl.min(low, axis=0)
 
 
@@ -125,15 +236,17 @@ def _draw(
 
 
 @triton.jit
-def _sample_kernel(
-    logits_ptr, out_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, val_ptr, idx_ptr, vocab, stride_l,
-    HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
+def _finish_kernel(
+    logits_ptr, out_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, fstats_ptr, istats_ptr, bound_ptr,
+    low_ptr, val_ptr, idx_ptr, vocab, stride_l, num_slices,
+    HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr, MAX_SLICES: tl.constexpr,
     BLOCK: tl.constexpr, NUM_PIVOTS: tl.constexpr, CAPACITY: tl.constexpr,
 ):  # fmt: skip
-    """One row: the argmax if its temperature is 0, else the Gumbel race over its kept tokens."""
+    """One row: the argmax if its temperature is 0, else the Gumbel race over its kept tokens,
+    searched for on the buffer if the bound gathered one (``CAPACITY`` > 0), else on the row."""
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_l
-    row_max, row_min, num_finite, token = _row_stats(row_ptr, vocab, BLOCK)
+    row_max, row_min, num_finite, token = _row_from_slices(fstats_ptr, istats_ptr, row, num_slices, MAX_SLICES)
     temp = tl.load(temp_ptr + row).to(tl.float32)
     if temp > 0:
         inv_temp = 1.0 / temp
@@ -142,14 +255,14 @@ def _sample_kernel(
             min_p = tl.load(min_p_ptr + row).to(tl.float32)
         u_max = tl.div_rn(row_max, temp)
         seed = tl.load(seed_ptr + row)
-        c, n, total = _candidate_bound(
-            row_ptr, vocab, row, row_min, row_max, num_finite, inv_temp, top_k_ptr, top_p_ptr, HAS_TOP_K, HAS_TOP_P,
-            BLOCK, NUM_PIVOTS,
-        )  # fmt: skip
+        n = CAPACITY + 1
+        if CAPACITY > 0:
+            n = tl.load(bound_ptr + row * 3 + 1).to(tl.int32)
         if n <= CAPACITY:
+            s = tl.arange(0, MAX_SLICES)
+            low = tl.min(tl.load(low_ptr + row * num_slices + s, mask=s < num_slices, other=float("inf")), axis=0)
+            total = tl.load(bound_ptr + row * 3 + 2)
             val_row, idx_row = val_ptr + row * CAPACITY, idx_ptr + row * CAPACITY
-            n, low = _gather_above(row_ptr, vocab, c, val_row, idx_row, BLOCK)
-            tl.debug_barrier()  # the buffer is written and read by different threads
             threshold = _filter_threshold(
                 val_row, n, row, row_max, low, n, inv_temp, top_k_ptr, top_p_ptr, total, HAS_TOP_K, HAS_TOP_P,
                 BLOCK, NUM_PIVOTS,
@@ -226,6 +339,53 @@ def _splits(num_rows: int, vocab: int, device: torch.device) -> int:
     return 1 << (want.bit_length() - 1) if want >= 2 else 1
 
 
+
+def gather_candidates(
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    splits: int,
+    block: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """Launches 1-3: each row's statistics over ``splits`` slices and, with top-k or top-p,
+    its bound and buffer. ``block``: the slice kernels' block (any power of two: the result
+    does not depend on it)."""
+    num_rows, vocab = logits.shape
+    dev = logits.device
+    chunk = triton.cdiv(triton.cdiv(vocab, splits), 16) * 16  # 16-aligned slices
+    slices = triton.cdiv(vocab, chunk)
+    block = block or min(1024, max(16, triton.next_power_of_2(chunk)))
+    warps = 4 if slices > 1 else 16
+    grid, max_slices = (num_rows, slices), triton.next_power_of_2(slices)
+    fstats = torch.empty(num_rows, slices, 2, dtype=torch.float32, device=dev)
+    istats = torch.empty(num_rows, slices, 2, dtype=torch.int32, device=dev)
+    _stats_kernel[grid](logits, fstats, istats, vocab, logits.stride(0), chunk, BLOCK=block, num_warps=warps)
+    ws = dict(fstats=fstats, istats=istats, slices=slices, max_slices=max_slices)
+    capacity = _CAPACITY if top_k is not None or top_p is not None else 0
+    ws["capacity"] = capacity
+    ws["values"] = torch.empty(num_rows, capacity, dtype=torch.float32, device=dev)
+    ws["indices"] = torch.empty(num_rows, capacity, dtype=torch.int32, device=dev)
+    ws["bound"] = torch.empty(num_rows, 3, dtype=torch.float32, device=dev)  # c, n, total
+    ws["low"] = torch.empty(num_rows, slices, dtype=torch.float32, device=dev)
+    if capacity == 0:
+        return ws
+    pivots = torch.empty(num_rows, _NUM_PIVOTS, dtype=torch.float32, device=dev)
+    count = torch.empty(num_rows, slices, _NUM_PIVOTS, dtype=torch.int32, device=dev)
+    mass = torch.empty(num_rows, slices, _NUM_PIVOTS, dtype=torch.int64, device=dev)
+    total = torch.empty(num_rows, slices, dtype=torch.int64, device=dev)
+    filters = (temperatures, top_k if top_k is not None else temperatures, top_p if top_p is not None else temperatures)
+    flags = dict(HAS_TOP_K=top_k is not None, HAS_TOP_P=top_p is not None, MAX_SLICES=max_slices,
+                 NUM_PIVOTS=_NUM_PIVOTS)  # fmt: skip
+    # [block, 16] counts and masses: 16 warps keep them in registers
+    _pivot_kernel[grid](logits, *filters, fstats, istats, pivots, count, mass, total, vocab, logits.stride(0), chunk,
+                        BLOCK=min(block, 1024), num_warps=16, **flags)  # fmt: skip
+    _gather_kernel[grid](logits, *filters, fstats, istats, pivots, count, mass, total, ws["bound"], ws["low"],
+                         ws["values"], ws["indices"], vocab, logits.stride(0), chunk, BLOCK=block, CAPACITY=capacity,
+                         num_warps=warps, **flags)  # fmt: skip
+    return ws
+
+
 def sample_tokens(
     logits: torch.Tensor,
     temperatures: torch.Tensor,
@@ -233,20 +393,25 @@ def sample_tokens(
     top_p: torch.Tensor | None,
     min_p: torch.Tensor | None,
     seeds: torch.Tensor,
+    splits: int | None = None,
+    block: int | None = None,
 ) -> torch.Tensor:
     """See ``atom.ops.sampling.sample_tokens``: no sort; rows without top-k / top-p / min-p
-    in one pass (``split_sample``), the others one program per row."""
+    in one pass (``split_sample``), the others in four launches. ``splits`` (slices per row;
+    default ``_splits``) and ``block`` (the slice kernels' block) change the speed, never the
+    tokens."""
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
     num_rows, vocab = logits.shape
+    if vocab > _MAX_VOCAB:
+        raise ValueError(f"sample_tokens: a vocabulary of {vocab} tokens is over the kernel's {_MAX_VOCAB}")
+    splits = splits or _splits(num_rows, vocab, logits.device)
     if num_rows > 0 and top_k is None and top_p is None and min_p is None:
-        return split_sample(logits, temperatures, seeds, _splits(num_rows, vocab, logits.device))
+        return split_sample(logits, temperatures, seeds, splits)
     out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
     if num_rows == 0:
         return out
-    capacity = _CAPACITY if top_k is not None or top_p is not None else 0
-    values = torch.empty(num_rows, capacity, dtype=torch.float32, device=logits.device)
-    indices = torch.empty(num_rows, capacity, dtype=torch.int32, device=logits.device)
-    _sample_kernel[(num_rows,)](
+    ws = gather_candidates(logits, temperatures, top_k, top_p, splits, block)
+    _finish_kernel[(num_rows,)](
         logits,
         out,
         temperatures,
@@ -254,16 +419,22 @@ def sample_tokens(
         top_p if top_p is not None else temperatures,
         min_p if min_p is not None else temperatures,
         seeds,
-        values,
-        indices,
+        ws["fstats"],
+        ws["istats"],
+        ws["bound"],
+        ws["low"],
+        ws["values"],
+        ws["indices"],
         vocab,
         logits.stride(0),
+        ws["slices"],
         HAS_TOP_K=top_k is not None,
         HAS_TOP_P=top_p is not None,
         HAS_MIN_P=min_p is not None,
+        MAX_SLICES=ws["max_slices"],
         BLOCK=min(1024, max(16, triton.next_power_of_2(vocab))),
-        NUM_PIVOTS=16,
-        CAPACITY=capacity,
+        NUM_PIVOTS=_NUM_PIVOTS,
+        CAPACITY=ws["capacity"],
         num_warps=16,
     )
     return out
