@@ -200,12 +200,17 @@ def test_split_rows_same_tokens(splits, vocab, dtype):
     assert torch.equal(sampling_fused.split_sample(logits, greedy, seeds, splits), logits.float().argmax(dim=-1))
 
 
-def test_plain_rows_take_the_one_pass_kernel_split_by_row_count(monkeypatch):
+def test_rows_split_by_row_count(monkeypatch):
     calls = []
     monkeypatch.setattr(sampling_fused, "split_sample", lambda *a: calls.append(a[-1]) or torch.zeros(1).long())
     for rows in (1, 64):
         logits, temps, seeds = torch.randn(rows, 20000), torch.ones(rows), torch.randint(1 << 62, (rows,))
         sample_tokens(logits, temps, None, None, None, seeds)
     assert calls == [4, 1]  # 8 "SMs" off the GPU: min(16 // rows, 20000 // 4096) -> 4, then 1
-    sample_tokens(logits, temps, torch.full((rows,), 5, dtype=torch.int32), None, None, seeds)  # top-k: general kernel
-    assert calls == [4, 1]
+    gather = sampling_fused.gather_candidates
+    monkeypatch.setattr(sampling_fused, "gather_candidates", lambda *a: calls.append(a[4]) or gather(*a))
+    for rows in (1, 9):  # top-k: the filtered launches, split the same way
+        logits, temps, seeds = torch.randn(rows, 20000), torch.ones(rows), torch.randint(1 << 62, (rows,))
+        tokens = sample_tokens(logits, temps, torch.full((rows,), 5, dtype=torch.int32), None, None, seeds)
+        assert (logits.gather(1, tokens[:, None]) >= logits.topk(5).values[:, -1:]).all()
+    assert calls == [4, 1, 4, 1]

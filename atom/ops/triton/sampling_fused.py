@@ -357,7 +357,7 @@ def gather_candidates(
     slices = triton.cdiv(vocab, chunk)
     block = block or min(1024, max(16, triton.next_power_of_2(chunk)))
     warps = 4 if slices > 1 else 16
-    grid, max_slices = (num_rows, slices), triton.next_power_of_2(slices)
+    grid, max_slices = (num_rows, slices), max(2, triton.next_power_of_2(slices))
     fstats = torch.empty(num_rows, slices, 2, dtype=torch.float32, device=dev)
     istats = torch.empty(num_rows, slices, 2, dtype=torch.int32, device=dev)
     _stats_kernel[grid](logits, fstats, istats, vocab, logits.stride(0), chunk, BLOCK=block, num_warps=warps)
