@@ -1,8 +1,9 @@
 """Temperature, top-k / top-p / min-p and the draw without a sort (``atom.ops.sampling``).
 
-Rows with top-k, top-p or min-p run in four launches; the first three split each row into
-``slices`` slices of the vocabulary, one program each (``_splits``: many slices when the
-rows are fewer than the SMs, one per row once the rows fill the GPU):
+Rows with top-k or top-p run in four launches (min-p alone: the first and the last); the
+first three split each row into slices of the vocabulary, one program each (``_splits``:
+many slices when the rows are fewer than the SMs, one per row once the rows fill the GPU),
+where one program per row would read the whole row several times from one SM:
 
 1. ``_stats_kernel``: each slice's max (and its first index), smallest finite value and
    number of finite values.
@@ -16,7 +17,7 @@ rows are fewer than the SMs, one per row once the rows fill the GPU):
 4. ``_finish_kernel``, one program per row: the exact threshold searches
    (``sampling._filter_threshold``) and the draw on the buffer. A row whose bound leaves more
    than ``_CAPACITY`` tokens (no top-k and a flat distribution) runs them on the whole row
-   instead, and a row with min-p only draws from the whole row.
+   instead, and so does a batch with min-p only (one pass: the draw).
 
 The tokens do not depend on the number of slices: the statistics, the counts and the fixed
 point masses combine exactly (integer sums, max, min), so every slicing gathers the same
@@ -397,9 +398,9 @@ def sample_tokens(
     block: int | None = None,
 ) -> torch.Tensor:
     """See ``atom.ops.sampling.sample_tokens``: no sort; rows without top-k / top-p / min-p
-    in one pass (``split_sample``), the others in four launches. ``splits`` (slices per row;
-    default ``_splits``) and ``block`` (the slice kernels' block) change the speed, never the
-    tokens."""
+    in one pass (``split_sample``), the others in four launches. ``splits`` (slices per row,
+    default ``_splits``; a power of two without filters) and ``block`` (the filter slice
+    kernels' block) change the speed, never the tokens."""
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
     num_rows, vocab = logits.shape
     if vocab > _MAX_VOCAB:
