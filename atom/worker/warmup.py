@@ -79,7 +79,7 @@ def sampler_rows(max_rows: int) -> list[int]:
 
 
 def warm_up_sampler(compute_logits, hidden: torch.Tensor, max_rows: int) -> None:
-    """The LM head, temperature-only and filtered sampling at 1, 2, 4 .. 256 rows (up to
+    """The LM head, temperature-only, min-p and filtered sampling at 1, 2, 4 .. 256 rows (up to
     ``max_rows``: the scheduler's ``max_num_seqs``, which start-up's memory profile covers).
     The LM head runs outside the CUDA graphs, and its skinny GEMM (up to 32 rows of a
     vocabulary-wide weight) compiles a variant per power-of-two row bucket; the samplers split
@@ -92,6 +92,7 @@ def warm_up_sampler(compute_logits, hidden: torch.Tensor, max_rows: int) -> None
         sample(logits, SamplingTensors(temperatures, None, None, None, [None] * rows, all_greedy=False))
         top_k = torch.full((rows,), 5, dtype=torch.int32, device=device)
         top_p, min_p = torch.full((rows,), 0.9, device=device), torch.full((rows,), 0.05, device=device)
+        sample(logits, SamplingTensors(temperatures, None, None, min_p, [None] * rows, all_greedy=False))
         sample(logits, SamplingTensors(temperatures, top_k, top_p, min_p, [None] * rows, all_greedy=False))
 
 

@@ -51,8 +51,9 @@ def test_matches_reference(rows, vocab):
 @pytest.mark.parametrize("vocab", [151936, 49152])
 @pytest.mark.parametrize("rows", [1, 4, 8, 64, 256])
 def test_plain_rows_split_over_programs(rows, vocab):
-    """Rows without top-k / top-p / min-p run in one pass, a few rows split over programs: the
-    same tokens as one program per row, as the general kernel (min-p 0), and as the reference."""
+    """Rows without top-k / top-p run in one pass, a few rows split over programs: the same
+    tokens as one program per row, as the filter path (top-p 1), and as the reference; with
+    min-p too."""
     from atom.ops.triton.sampling_fused import _splits, split_sample
 
     logits = torch.randn(rows, vocab, device=DEV) * 3
@@ -62,7 +63,11 @@ def test_plain_rows_split_over_programs(rows, vocab):
     out = check_tokens(sample_tokens, logits, temps, None, None, None, seeds)
     assert _splits(rows, vocab, logits.device) > 1 or rows >= 64
     assert torch.equal(out, split_sample(logits, temps, seeds, 1))
-    assert torch.equal(out, sample_tokens(logits, temps, None, None, torch.zeros(rows, device=DEV), seeds))
+    assert torch.equal(out, sample_tokens(logits, temps, None, torch.ones(rows, device=DEV), None, seeds))
+    min_p = torch.rand(rows, device=DEV) * 0.2
+    out = check_tokens(sample_tokens, logits, temps, None, None, min_p, seeds)
+    assert torch.equal(out, split_sample(logits, temps, seeds, 1, min_p))
+    assert torch.equal(out, sample_tokens(logits, temps, None, torch.ones(rows, device=DEV), min_p, seeds))
 
 
 @pytest.mark.parametrize("top_k, top_p, min_p", [(20, 0.95, 0.0), (0, 0.8, 0.0), (50, 1.0, 0.05)])

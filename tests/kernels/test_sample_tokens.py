@@ -180,9 +180,10 @@ def test_split_rows_with_filters_same_tokens(filters, rows, vocab, dtype, buffer
 @pytest.mark.parametrize("splits", [2, 4, 8])
 @pytest.mark.parametrize("vocab", [3000, 4097])
 def test_split_rows_same_tokens(splits, vocab, dtype):
-    """A few rows without top-k / top-p / min-p, each split over programs: the same tokens as
-    one program per row (exactly: same noise, same scores, first index on ties) and as the
-    reference; greedy rows, a row with ties, a row masked to a few tokens, slices past the end."""
+    """A few rows without top-k / top-p (without, then with min-p), each split over programs:
+    the same tokens as one program per row (exactly: same noise, same scores, first index on
+    ties), as the filter path and as the reference; greedy rows, a row with ties, a row masked
+    to a few tokens, slices past the end."""
     rows = 3
     logits = (3 * torch.randn(rows, vocab)).to(dtype)
     logits[1] = (logits[1] * 2).round() / 2  # many exact ties, across slices too
@@ -193,16 +194,22 @@ def test_split_rows_same_tokens(splits, vocab, dtype):
     split = sampling_fused.split_sample(logits, temps, seeds, splits)
     assert torch.equal(split, sampling_fused.split_sample(logits, temps, seeds, 1))
     assert torch.equal(split, sample_tokens(logits, temps, None, None, None, seeds))
-    one_program = sample_tokens(logits, temps, None, None, torch.zeros(rows), seeds)  # min-p 0: the general kernel
-    assert torch.equal(split, one_program)
+    four_launches = sample_tokens(logits, temps, None, torch.ones(rows), None, seeds)  # top-p 1: the filter path
+    assert torch.equal(split, four_launches)
     check_tokens(lambda *a: split, logits, temps, None, None, None, seeds)
     greedy = torch.zeros(rows)
     assert torch.equal(sampling_fused.split_sample(logits, greedy, seeds, splits), logits.float().argmax(dim=-1))
+    # min-p: the row maximum first, then the same one pass
+    min_p = torch.tensor([0.1, 0.05, 0.3])
+    split = sampling_fused.split_sample(logits, temps, seeds, splits, min_p)
+    assert torch.equal(split, sampling_fused.split_sample(logits, temps, seeds, 1, min_p))
+    assert torch.equal(split, sample_tokens(logits, temps, None, torch.ones(rows), min_p, seeds))
+    check_tokens(lambda *a: split, logits, temps, None, None, min_p, seeds)
 
 
 def test_rows_split_by_row_count(monkeypatch):
     calls = []
-    monkeypatch.setattr(sampling_fused, "split_sample", lambda *a: calls.append(a[-1]) or torch.zeros(1).long())
+    monkeypatch.setattr(sampling_fused, "split_sample", lambda *a: calls.append(a[3]) or torch.zeros(1).long())
     for rows in (1, 64):
         logits, temps, seeds = torch.randn(rows, 20000), torch.ones(rows), torch.randint(1 << 62, (rows,))
         sample_tokens(logits, temps, None, None, None, seeds)

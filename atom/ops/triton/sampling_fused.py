@@ -1,9 +1,9 @@
 """Temperature, top-k / top-p / min-p and the draw without a sort (``atom.ops.sampling``).
 
-Rows with top-k or top-p run in four launches (min-p alone: the first and the last); the
-first three split each row into slices of the vocabulary, one program each (``_splits``:
-many slices when the rows are fewer than the SMs, one per row once the rows fill the GPU),
-where one program per row would read the whole row several times from one SM:
+Rows with top-k or top-p run in four launches; the first three split each row into slices
+of the vocabulary, one program each (``_splits``: many slices when the rows are fewer than
+the SMs, one per row once the rows fill the GPU), where one program per row would read the
+whole row several times from one SM:
 
 1. ``_stats_kernel``: each slice's max (and its first index), smallest finite value and
    number of finite values.
@@ -17,7 +17,7 @@ where one program per row would read the whole row several times from one SM:
 4. ``_finish_kernel``, one program per row: the exact threshold searches
    (``sampling._filter_threshold``) and the draw on the buffer. A row whose bound leaves more
    than ``_CAPACITY`` tokens (no top-k and a flat distribution) runs them on the whole row
-   instead, and so does a batch with min-p only (one pass: the draw).
+   instead.
 
 The tokens do not depend on the number of slices: the statistics, the counts and the fixed
 point masses combine exactly (integer sums, max, min), so every slicing gathers the same
@@ -25,10 +25,10 @@ buffer, and the float arithmetic (the search on the buffer, the draw) is the sam
 kept set is decided on ``u = x / T`` rounded as torch divides, from thresholds found on ``x``
 (division preserves the order, ties included).
 
-Rows with no top-k, top-p or min-p (plain temperature or greedy) need no row maximum: they
-race their slices in one pass (``split_sample``, one program per slice when the rows are few)
-and a second launch takes the best slice. The Gumbel race is decomposable, and each token's
-noise depends on its index only, so the tokens are the same.
+Rows with no top-k or top-p (plain temperature, min-p, greedy) race their slices in one
+pass (``split_sample``, one program per slice when the rows are few; min-p needs the row's
+maximum first, ``amax``) and a second launch takes the best slice. The Gumbel race is
+decomposable, and each token's noise depends on its index only, so the tokens are the same.
 """
 
 from __future__ import annotations
@@ -244,7 +244,7 @@ def _finish_kernel(
     BLOCK: tl.constexpr, NUM_PIVOTS: tl.constexpr, CAPACITY: tl.constexpr,
 ):  # fmt: skip
     """One row: the argmax if its temperature is 0, else the Gumbel race over its kept tokens,
-    searched for on the buffer if the bound gathered one (``CAPACITY`` > 0), else on the row."""
+    searched for on the buffer if the bound gathered one, else on the whole row."""
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_l
     row_max, row_min, num_finite, token = _row_from_slices(fstats_ptr, istats_ptr, row, num_slices, MAX_SLICES)
@@ -256,9 +256,7 @@ def _finish_kernel(
             min_p = tl.load(min_p_ptr + row).to(tl.float32)
         u_max = tl.div_rn(row_max, temp)
         seed = tl.load(seed_ptr + row)
-        n = CAPACITY + 1
-        if CAPACITY > 0:
-            n = tl.load(bound_ptr + row * 3 + 1).to(tl.int32)
+        n = tl.load(bound_ptr + row * 3 + 1).to(tl.int32)
         if n <= CAPACITY:
             s = tl.arange(0, MAX_SLICES)
             low = tl.min(tl.load(low_ptr + row * num_slices + s, mask=s < num_slices, other=float("inf")), axis=0)
@@ -279,14 +277,17 @@ def _finish_kernel(
 
 
 @triton.jit
-def _split_kernel(logits_ptr, temp_ptr, seed_ptr, score_ptr, index_ptr, vocab, stride_l, chunk,
-                  SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+def _split_kernel(logits_ptr, temp_ptr, min_p_ptr, max_ptr, seed_ptr, score_ptr, index_ptr, vocab, stride_l, chunk,
+                  HAS_MIN_P: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     """The best (score, first index) of one slice of one row: the argmax of ``x`` for a greedy
-    row, of ``x / T - log(E)`` (``_draw``'s noise) otherwise."""
+    row, of ``x / T - log(E)`` (``_draw``'s noise) over the tokens min-p keeps otherwise."""
     row, split = tl.program_id(0).to(tl.int64), tl.program_id(1)
     row_ptr = logits_ptr + row * stride_l
     temp = tl.load(temp_ptr + row).to(tl.float32)
     seed = tl.load(seed_ptr + row)
+    if HAS_MIN_P:
+        min_p = tl.load(min_p_ptr + row).to(tl.float32)
+        u_max = tl.div_rn(tl.load(max_ptr + row), temp)
     lo = split * chunk
     hi = tl.minimum(lo + chunk, vocab)
     best = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -299,7 +300,10 @@ def _split_kernel(logits_ptr, temp_ptr, seed_ptr, score_ptr, index_ptr, vocab, s
             r0, r1, r2, r3 = tl.randint4x(seed, start // 4 + tl.arange(0, BLOCK // 4))
             bits = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), [BLOCK])
             unif = ((bits.to(tl.uint32, bitcast=True) >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
-            score = tl.div_rn(x, temp) - tl.log(-tl.log(unif))
+            u = tl.div_rn(x, temp)
+            score = u - tl.log(-tl.log(unif))
+            if HAS_MIN_P:  # as ``_draw``: prob >= min_p * max_prob
+                score = tl.where(tl.exp(u - u_max) >= min_p, score, float("-inf"))
         better = score > best
         best = tl.where(better, score, best)
         best_idx = tl.where(better, offs, best_idx)
@@ -316,17 +320,27 @@ def _best_split_kernel(score_ptr, index_ptr, out_ptr, SPLITS: tl.constexpr):
     tl.store(out_ptr + row, token.to(tl.int64))
 
 
-def split_sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, splits: int) -> torch.Tensor:
-    """``sample_tokens`` without top-k / top-p / min-p: one pass over each row (the Gumbel race
-    needs no row maximum), split over ``splits`` programs (a power of two; 1: a wider program
-    per row, for batches that fill the GPU by their rows alone)."""
+def split_sample(
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    seeds: torch.Tensor,
+    splits: int,
+    min_p: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``sample_tokens`` without top-k / top-p: one pass over each row (the Gumbel race needs
+    no row maximum; min-p needs it, from ``amax``), split over ``splits`` programs (rounded
+    down to a power of two; 1: a wider program per row, for batches that fill the GPU by their
+    rows alone)."""
     num_rows, vocab = logits.shape
+    splits = 1 << (splits.bit_length() - 1)
+    row_max = logits.amax(dim=-1).float() if min_p is not None else temperatures  # max is exact in any order
     block, warps = (2048, 16) if splits == 1 else (1024, 4)
     chunk = triton.cdiv(triton.cdiv(vocab, splits), block) * block
     scores = torch.empty(num_rows, splits, dtype=torch.float32, device=logits.device)
     index = torch.empty(num_rows, splits, dtype=torch.int32, device=logits.device)
-    _split_kernel[(num_rows, splits)](logits, temperatures, seeds, scores, index, vocab, logits.stride(0), chunk,
-                                      SPLITS=splits, BLOCK=block, num_warps=warps)
+    _split_kernel[(num_rows, splits)](logits, temperatures, min_p if min_p is not None else temperatures, row_max,
+                                      seeds, scores, index, vocab, logits.stride(0), chunk, HAS_MIN_P=min_p is not None,
+                                      SPLITS=splits, BLOCK=block, num_warps=warps)  # fmt: skip
     out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
     _best_split_kernel[(num_rows,)](scores, index, out, SPLITS=splits, num_warps=1)
     return out
@@ -349,9 +363,8 @@ def gather_candidates(
     splits: int,
     block: int | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Launches 1-3: each row's statistics over ``splits`` slices and, with top-k or top-p,
-    its bound and buffer. ``block``: the slice kernels' block (any power of two: the result
-    does not depend on it)."""
+    """Launches 1-3: each row's statistics, bound and buffer over ``splits`` slices. ``block``:
+    the slice kernels' block (any power of two: the result does not depend on it)."""
     num_rows, vocab = logits.shape
     dev = logits.device
     chunk = triton.cdiv(triton.cdiv(vocab, splits), 16) * 16  # 16-aligned slices
@@ -363,14 +376,10 @@ def gather_candidates(
     istats = torch.empty(num_rows, slices, 2, dtype=torch.int32, device=dev)
     _stats_kernel[grid](logits, fstats, istats, vocab, logits.stride(0), chunk, BLOCK=block, num_warps=warps)
     ws = dict(fstats=fstats, istats=istats, slices=slices, max_slices=max_slices)
-    capacity = _CAPACITY if top_k is not None or top_p is not None else 0
-    ws["capacity"] = capacity
-    ws["values"] = torch.empty(num_rows, capacity, dtype=torch.float32, device=dev)
-    ws["indices"] = torch.empty(num_rows, capacity, dtype=torch.int32, device=dev)
+    ws["values"] = torch.empty(num_rows, _CAPACITY, dtype=torch.float32, device=dev)
+    ws["indices"] = torch.empty(num_rows, _CAPACITY, dtype=torch.int32, device=dev)
     ws["bound"] = torch.empty(num_rows, 3, dtype=torch.float32, device=dev)  # c, n, total
     ws["low"] = torch.empty(num_rows, slices, dtype=torch.float32, device=dev)
-    if capacity == 0:
-        return ws
     pivots = torch.empty(num_rows, _NUM_PIVOTS, dtype=torch.float32, device=dev)
     count = torch.empty(num_rows, slices, _NUM_PIVOTS, dtype=torch.int32, device=dev)
     mass = torch.empty(num_rows, slices, _NUM_PIVOTS, dtype=torch.int64, device=dev)
@@ -380,9 +389,9 @@ def gather_candidates(
                  NUM_PIVOTS=_NUM_PIVOTS)  # fmt: skip
     # [block, 16] counts and masses: 16 warps keep them in registers
     _pivot_kernel[grid](logits, *filters, fstats, istats, pivots, count, mass, total, vocab, logits.stride(0), chunk,
-                        BLOCK=min(block, 1024), num_warps=16, **flags)  # fmt: skip
+                        BLOCK=block, num_warps=16, **flags)  # fmt: skip
     _gather_kernel[grid](logits, *filters, fstats, istats, pivots, count, mass, total, ws["bound"], ws["low"],
-                         ws["values"], ws["indices"], vocab, logits.stride(0), chunk, BLOCK=block, CAPACITY=capacity,
+                         ws["values"], ws["indices"], vocab, logits.stride(0), chunk, BLOCK=block, CAPACITY=_CAPACITY,
                          num_warps=warps, **flags)  # fmt: skip
     return ws
 
@@ -397,17 +406,17 @@ def sample_tokens(
     splits: int | None = None,
     block: int | None = None,
 ) -> torch.Tensor:
-    """See ``atom.ops.sampling.sample_tokens``: no sort; rows without top-k / top-p / min-p
-    in one pass (``split_sample``), the others in four launches. ``splits`` (slices per row,
-    default ``_splits``; a power of two without filters) and ``block`` (the filter slice
+    """See ``atom.ops.sampling.sample_tokens``: no sort; rows without top-k / top-p in one pass
+    (``split_sample``), the others in four launches. ``splits`` (slices per row,
+    default ``_splits``) and ``block`` (the filter slice
     kernels' block) change the speed, never the tokens."""
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
     num_rows, vocab = logits.shape
     if vocab > _MAX_VOCAB:
         raise ValueError(f"sample_tokens: a vocabulary of {vocab} tokens is over the kernel's {_MAX_VOCAB}")
     splits = splits or _splits(num_rows, vocab, logits.device)
-    if num_rows > 0 and top_k is None and top_p is None and min_p is None:
-        return split_sample(logits, temperatures, seeds, splits)
+    if num_rows > 0 and top_k is None and top_p is None:
+        return split_sample(logits, temperatures, seeds, splits, min_p)
     out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
     if num_rows == 0:
         return out
@@ -435,7 +444,7 @@ def sample_tokens(
         MAX_SLICES=ws["max_slices"],
         BLOCK=min(1024, max(16, triton.next_power_of_2(vocab))),
         NUM_PIVOTS=_NUM_PIVOTS,
-        CAPACITY=ws["capacity"],
+        CAPACITY=_CAPACITY,
         num_warps=16,
     )
     return out
