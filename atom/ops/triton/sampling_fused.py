@@ -285,9 +285,9 @@ def _split_kernel(logits_ptr, temp_ptr, min_p_ptr, max_ptr, seed_ptr, score_ptr,
     row_ptr = logits_ptr + row * stride_l
     temp = tl.load(temp_ptr + row).to(tl.float32)
     seed = tl.load(seed_ptr + row)
-    if HAS_MIN_P:
+    if HAS_MIN_P:  # (a greedy row ignores it)
         min_p = tl.load(min_p_ptr + row).to(tl.float32)
-        u_max = tl.div_rn(tl.load(max_ptr + row), temp)
+        u_max = tl.div_rn(tl.load(max_ptr + row), tl.where(temp > 0, temp, 1.0))
     lo = split * chunk
     hi = tl.minimum(lo + chunk, vocab)
     best = tl.full([BLOCK], float("-inf"), tl.float32)
