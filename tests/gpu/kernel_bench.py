@@ -167,20 +167,24 @@ def plain_sample(logits, temps, top_k, top_p):
     return (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1)
 
 
+SAMPLE_BASELINE: list[Callable] = []  # --sample-baseline: an earlier atom's sample_tokens, timed as a reference
+
+
 def sampling_case(rows, ref, vocab=151936, plain=False, top_p_only=False):
     """float32 logits, temperature 0.8, top_k=50 top_p=0.9 (Qwen3 recommends 20 / 0.95), top_p=0.9
     only (``top_p_only``: the sort reference keeps all k), or temperature only (``plain``): atom's
-    kernel against ``ref``; the floor is reading the logits once."""
+    kernel against ``ref`` (and ``SAMPLE_BASELINE``); the floor is reading the logits once."""
     logits, temps = torch.randn(rows, vocab, device=DEV) * 3, torch.full((rows,), 0.8, device=DEV)
     top_k, top_p = torch.full((rows,), SAMPLE_TOP_K, device=DEV), torch.full((rows,), 0.9, device=DEV)
     seeds = torch.randint(1 << 62, (rows,), device=DEV)
     if plain:
         top_k = top_p = None
-    fn = functools.partial(tk.sample_tokens, logits, temps, top_k, top_p, None, seeds)
+    args = (logits, temps, None if top_p_only else top_k, top_p, None, seeds)
+    refs = {"atom baseline": functools.partial(SAMPLE_BASELINE[0], *args)} if SAMPLE_BASELINE else {}
     if top_p_only:
-        fn = functools.partial(tk.sample_tokens, logits, temps, None, top_p, None, seeds)
         top_k = torch.full((rows,), vocab, device=DEV)
-    return fn, functools.partial(ref, logits, temps, top_k, top_p), logits.nbytes, 0
+    refs[""] = functools.partial(ref, logits, temps, top_k, top_p)
+    return functools.partial(tk.sample_tokens, *args), refs, logits.nbytes, 0
 
 
 # --- MLA decode: atom's kernel against the decode kernels of vLLM 0.26's MLA backends on Hopper. vLLM's
@@ -318,12 +322,12 @@ def triton_mla_call(x: SimpleNamespace) -> Callable:
 MLA_BASELINE: list[Callable] = []  # --mla-baseline: an earlier atom's mla_decode, timed as one more reference
 
 
-def load_mla_decode(path: str) -> Callable:
-    """``mla_decode`` of the file ``path``, e.g. main's atom/ops/triton/mla.py."""
-    spec = importlib.util.spec_from_file_location("mla_baseline", path)
+def load_baseline(path: str, name: str) -> Callable:
+    """``name`` of the file ``path``, an earlier atom kernel module (e.g. main's atom/ops/triton/mla.py)."""
+    spec = importlib.util.spec_from_file_location(f"baseline_{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.mla_decode
+    return getattr(module, name)
 
 
 MLA_MODELS = [("V3", 128), ("V2-Lite", 16)]  # DeepSeek-V3 at -tp 1 (16 heads: V3 at -tp 8, V2-Lite, Moonlight)
@@ -452,9 +456,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     only = ("--only", "", "run only the cases whose kernel name contains this")
     baseline = ("--mla-baseline", str, "also time the mla_decode of this file (an earlier atom/ops/triton/mla.py)")
-    add_arguments(parser, [("--output-json", str, "write all results here"), only, baseline])
+    sample = ("--sample-baseline", str, "also time the sample_tokens of this file (an earlier sampling_fused.py)")
+    add_arguments(parser, [("--output-json", str, "write all results here"), only, baseline, sample])
     args = parser.parse_args()
-    MLA_BASELINE.extend([load_mla_decode(args.mla_baseline)] if args.mla_baseline else [])
+    MLA_BASELINE.extend([load_baseline(args.mla_baseline, "mla_decode")] if args.mla_baseline else [])
+    SAMPLE_BASELINE.extend([load_baseline(args.sample_baseline, "sample_tokens")] if args.sample_baseline else [])
     logging.basicConfig(level=logging.INFO)
     fa3, fused_experts = vllm_kernels()
     bw, tf = copy_bandwidth() / 1e9, gemm_tflops()
@@ -485,7 +491,7 @@ def main():
         ref = f"{r['ref_ms']:8.4f} {r['ref_ms'] / r['ms']:6.2f} {r['diff']:7.4f}" if "ref_ms" in r else ""
         ref = ref or (" " * 23 if "fp32_diff" in r else "")  # MLA rows: their fp32 diff in its column
         line(r["kernel"], r["shape"], r, ref)
-        for name, v in r.get("refs", {}).items():  # named references (MLA: vLLM's backends), ratio = theirs / atom's
+        for name, v in r.get("refs", {}).items():  # named references (vLLM's, baselines), ratio = theirs / atom's
             if "error" in v:
                 print(f"{'':<13} {'  ' + name}: {v['error'][:100]}")
             else:
