@@ -50,6 +50,7 @@ CASES = {
     "tiny_rank": ([1, 9, 30], 3, 16, 8, 4),
     "many_heads": ([5, 70, 16, 1], 20, 64, 16, 16),
     "deepseek_dims": ([65, 3], 16, 512, 64, 32),
+    "odd_rank": ([3, 45, 17], 70, 40, 8, 16),  # latent columns not a power of two, heads past a 64 block
 }
 
 
@@ -186,7 +187,8 @@ def test_mla_prefill_reads_the_fp8_cache():
 @pytest.mark.parametrize("block_h, block_n, halves", [(32, 16, False), (64, 32, False), (8, 64, False),
                                                       (64, 16, True), (32, 32, True)])  # fmt: skip
 @pytest.mark.parametrize("fp8", [False, True])
-def test_mla_decode_tile_configs(block_h, block_n, halves, fp8, monkeypatch, assert_close):
+@pytest.mark.parametrize("case", ["many_heads", "odd_rank"])
+def test_mla_decode_tile_configs(case, block_h, block_n, halves, fp8, monkeypatch, assert_close):
     """Other tile configs (tests/gpu/kernel_sweep.py mla): head blocks wider than the heads or
     not dividing them, row tiles across cache blocks, the latent columns as two halves, with
     context splits."""
@@ -194,7 +196,7 @@ def test_mla_decode_tile_configs(block_h, block_n, halves, fp8, monkeypatch, ass
 
     config = dict(BLOCK_H=block_h, BLOCK_N=block_n, HALVES=halves, num_warps=8, num_stages=2)
     monkeypatch.setattr(mla, "_decode_config", lambda *_: config)
-    lens, num_heads, rank, rope, block_size = CASES["many_heads"]
+    lens, num_heads, rank, rope, block_size = CASES[case]
     max_blocks = -(-max(lens) // block_size)
     tables = torch.randperm(len(lens) * max_blocks, dtype=torch.int32).view(len(lens), max_blocks)
     cache = torch.randn(len(lens) * max_blocks, block_size, rank + rope)
