@@ -126,21 +126,31 @@ def _diff_from(exact: torch.Tensor, fns: list[Callable]) -> dict:
     return dict(diff=max_diff(fns[0](), exact))
 
 
-# MLA decode tile configs: (16, 32, 4, 3) is the default. tests/gpu/mla_compile_check.py prints their
-# registers and spills: with Triton 3.9 for sm_90 the default spills 176 bytes over an fp8 cache, and
-# the pipeliner gives the latent tile one buffer below 5 stages (the load behind the block-table load
-# takes two of them), two from 5; the 64-head configs spill (of those only the least-spilling is here).
+# MLA decode tile configs: the defaults are (64, 16, halves, 8, 2) from 64 heads over a 16-bit cache,
+# (16, 32, -, 4, 3) otherwise (the default everywhere before 2026-11-26, kept here for before/after).
+# tests/gpu/mla_compile_check.py prints their registers and spills: with Triton 3.9 for sm_90 the
+# 16-head default spills 48 bytes over an fp8 cache, and the pipeliner gives the latent tile one buffer
+# below 5 stages (the load behind the block-table load takes two of them), two from 5. 64 heads per
+# program (two warpgroups, wgmma) over a bf16 cache: (64, 16, halves, 8, 2/3) take 249/251 registers and
+# do not spill, two latent tiles in flight; 32 rows spill 8-40 bytes outside the loop, 64 rows inside it;
+# the 512 columns as one tile spill more; over an fp8 cache every 64-head config spills inside the loop.
 MLA_CONFIGS = _cfgs(
-    "BLOCK_H BLOCK_N num_warps num_stages",
+    "BLOCK_H BLOCK_N HALVES num_warps num_stages",
     [
-        (16, 16, 4, 3),
-        (16, 16, 4, 5),
-        (16, 32, 4, 5),
-        (16, 32, 8, 3),
-        (16, 32, 8, 5),
-        (32, 32, 8, 3),
-        (32, 32, 8, 5),
-        (64, 16, 8, 3),
+        (16, 32, False, 4, 3),
+        (16, 16, False, 4, 3),
+        (16, 16, False, 4, 5),
+        (16, 32, False, 4, 5),
+        (16, 32, False, 8, 3),
+        (16, 32, False, 8, 5),
+        (32, 32, False, 8, 3),
+        (32, 32, False, 8, 5),
+        (64, 16, False, 8, 3),
+        (64, 16, True, 8, 2),
+        (64, 16, True, 8, 3),
+        (64, 32, True, 8, 2),
+        (64, 32, True, 8, 3),
+        (64, 64, True, 8, 2),
     ],
 )
 
@@ -152,13 +162,15 @@ def mla_sweep() -> list[dict]:
     cfgs = MLA_CONFIGS
     rows, default = [], mla._decode_config
     shapes = [(128, False, 1, 8192), (128, False, 8, 4096), (128, False, 32, 4096), (128, False, 128, 4096)]
+    shapes += [(64, False, 32, 4096), (32, False, 32, 4096)]  # V3 at -tp 2 and 4
     shapes += [(128, True, 32, 4096), (16, False, 8, 8192), (16, False, 128, 4096)]
     for heads, fp8, b, ctx in shapes:
         prepared = prepare(functools.partial(mla_case, b, ctx, heads, fp8))
         check = functools.partial(_diff_from, prepared[1][EXACT][0]())
         case = f"mla h={heads}{' fp8' if fp8 else ''} b={b} ctx={ctx}"
         try:
-            for cfg in [None, *(c for c in cfgs if c["BLOCK_H"] <= max(16, heads))]:  # None: the default
+            # None: the default; head blocks at most half padding
+            for cfg in [None, *(c for c in cfgs if c["BLOCK_H"] <= 2 * heads)]:
                 mla._decode_config = default if cfg is None else (lambda *_, c=cfg: c)
                 rows.append(_timed(case, cfg or "default", lambda p=prepared: p, check))
         finally:

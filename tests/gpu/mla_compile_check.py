@@ -1,6 +1,8 @@
 """Compile atom's MLA decode kernel for sm_90 without a GPU, at its default tile config and those of
 ``kernel_sweep.py mla``, over a bf16 and an fp8 latent cache, and print registers, spill bytes and shared
-memory, and how many latent tiles the software pipeliner keeps in flight (Triton's bundled ptxas; see
+memory, the local-memory loads and stores inside the loop over the latent rows (spills outside it, e.g.
+output addresses kept across the loop, cost one store and load per thread), whether wgmma runs, and how
+many latent tiles the software pipeliner keeps in flight (Triton's bundled ptxas; see
 gluon_compile_check.py):
 
     PYTHONPATH=$PWD python tests/gpu/mla_compile_check.py
@@ -10,9 +12,13 @@ Exit status 1 if the default config fails to compile or spills.
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
 import sys
+import tempfile
 
+import torch
 import triton
 from gluon_compile_check import resources  # tests/gpu/, next to this script
 from kernel_sweep import MLA_CONFIGS
@@ -20,6 +26,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from atom.ops.triton import mla
+
+FP8 = torch.float8_e4m3fn
 
 # the pointers and strides that the launcher sees as multiples of 16 at DeepSeek's shapes
 ALIGNED = "q_ptr cache_ptr seq_lens_ptr tables_ptr k_scale_ptr out_ptr part_out_ptr part_ml_ptr"
@@ -42,25 +50,42 @@ def compile_config(config: dict, fp8: bool):
                           options=options)  # fmt: skip
 
 
+def loop_spills(kernel) -> int:
+    """Local-memory loads and stores (LDL/STL) inside the SASS's loops: the instructions between a
+    backward branch and its target, read with the cuobjdump that Triton bundles."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+    code = [(int(a, 16), op) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
+    loops = [(int(t, 16), a) for a, op in code for t in re.findall(r"BRA (?:`\()?0x([0-9a-f]+)", op)]
+    loops = [(t, a) for t, a in loops if t < a]
+    return sum(any(t <= a <= b for t, b in loops) for a, op in code if re.search(r"\b(LDL|STL)\b", op))
+
+
 def main() -> int:
     print(f"triton {triton.__version__}, sm_90")
-    default, bad = mla._decode_config(128, 512), False
-    for config in [default, *MLA_CONFIGS]:
-        for fp8 in (False, True):
-            name = f"{'default ' if config is default else ''}{config} {'fp8' if fp8 else 'bf16'}"
-            try:
-                k = compile_config(config, fp8)
-            except Exception as e:  # report and go on to the next config
-                print(f"{name}: FAILED {type(e).__name__}: {str(e)[:300]}")
-                bad |= config is default
-                continue
-            regs, spills = resources(k)
-            wgmma = "wgmma" in k.asm["ptx"]
-            # latent tiles in flight: the depth of the pipeliner's shared buffers for them (none: not async)
-            depth = re.findall(r"local_alloc : \(\) -> !ttg.memdesc<(\d+)x\d+x512x", k.asm["ttgir"])
-            print(f"{name}: regs={regs} spill_bytes={spills} smem={k.metadata.shared} wgmma={wgmma} "
-                  f"latent_buffers={depth[0] if depth else 0}")  # fmt: skip
-            bad |= config is default and spills > 0
+    # the default of each cache dtype at DeepSeek-V3's 128 heads, then every sweep config over both
+    defaults = [(mla._decode_config(128, 512, dtype), dtype == FP8) for dtype in (torch.bfloat16, FP8)]
+    bad = False
+    for i, (config, fp8) in enumerate([*defaults, *((c, fp8) for c in MLA_CONFIGS for fp8 in (False, True))]):
+        default = i < len(defaults)
+        name = f"{'default ' if default else ''}{config} {'fp8' if fp8 else 'bf16'}"
+        try:
+            k = compile_config(config, fp8)
+        except Exception as e:  # report and go on to the next config
+            print(f"{name}: FAILED {type(e).__name__}: {str(e)[:300]}")
+            bad |= default
+            continue
+        regs, spills = resources(k)
+        wgmma = "wgmma" in k.asm["ptx"]
+        # latent tiles in flight: the depth of the pipeliner's shared buffers for them (none: not async;
+        # HALVES tiles are 256 columns wide)
+        depth = re.findall(r"local_alloc : \(\) -> !ttg.memdesc<(\d+)x\d+x(?:256|512)x", k.asm["ttgir"])
+        print(f"{name}: regs={regs} spill_bytes={spills} loop_spills={loop_spills(k)} smem={k.metadata.shared} "
+              f"wgmma={wgmma} latent_buffers={depth[0] if depth else 0}")  # fmt: skip
+        bad |= default and spills > 0
     return 1 if bad else 0
 
 

@@ -30,7 +30,7 @@ def assert_close(out, ref, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("lens", [[1], [4097], [17, 300, 2048, 5, 999, 64, 1, 128]])
-@pytest.mark.parametrize("num_heads", [16, 128])
+@pytest.mark.parametrize("num_heads", [16, 32, 64, 128])  # V3 at -tp 8, 4, 2, 1 (64 heads per program from 64)
 def test_mla_decode_v3_shapes(lens, num_heads, dtype):
     rank, rope, block_size = 512, 64, 16
     max_blocks = -(-max(lens) // block_size)

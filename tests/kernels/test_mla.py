@@ -50,6 +50,7 @@ CASES = {
     "tiny_rank": ([1, 9, 30], 3, 16, 8, 4),
     "many_heads": ([5, 70, 16, 1], 20, 64, 16, 16),
     "deepseek_dims": ([65, 3], 16, 512, 64, 32),
+    "odd_rank": ([3, 45, 17], 70, 40, 8, 16),  # latent columns not a power of two, heads past a 64 block
 }
 
 
@@ -183,16 +184,19 @@ def test_mla_prefill_reads_the_fp8_cache():
     assert torch.equal(out, reference.mla_prefill(q, deq, deq.flatten(0, 1)[slots], *args))
 
 
-@pytest.mark.parametrize("block_h, block_n", [(32, 16), (64, 32), (8, 64)])
+@pytest.mark.parametrize("block_h, block_n, halves", [(32, 16, False), (64, 32, False), (8, 64, False),
+                                                      (64, 16, True), (32, 32, True)])  # fmt: skip
 @pytest.mark.parametrize("fp8", [False, True])
-def test_mla_decode_tile_configs(block_h, block_n, fp8, monkeypatch, assert_close):
+@pytest.mark.parametrize("case", ["many_heads", "odd_rank"])
+def test_mla_decode_tile_configs(case, block_h, block_n, halves, fp8, monkeypatch, assert_close):
     """Other tile configs (tests/gpu/kernel_sweep.py mla): head blocks wider than the heads or
-    not dividing them, row tiles across cache blocks, with context splits."""
+    not dividing them, row tiles across cache blocks, the latent columns as two halves, with
+    context splits."""
     from atom.ops.triton import mla
 
-    config = dict(BLOCK_H=block_h, BLOCK_N=block_n, num_warps=8, num_stages=2)
+    config = dict(BLOCK_H=block_h, BLOCK_N=block_n, HALVES=halves, num_warps=8, num_stages=2)
     monkeypatch.setattr(mla, "_decode_config", lambda *_: config)
-    lens, num_heads, rank, rope, block_size = CASES["many_heads"]
+    lens, num_heads, rank, rope, block_size = CASES[case]
     max_blocks = -(-max(lens) // block_size)
     tables = torch.randperm(len(lens) * max_blocks, dtype=torch.int32).view(len(lens), max_blocks)
     cache = torch.randn(len(lens) * max_blocks, block_size, rank + rope)
@@ -203,3 +207,27 @@ def test_mla_decode_tile_configs(block_h, block_n, fp8, monkeypatch, assert_clos
     for splits in (1, 3):
         out = mla_decode(q, cache, seq_lens, tables, 0.2, rank, k, num_splits=splits)
         assert_close(out, reference.mla_decode(q.float(), cache, seq_lens, tables, 0.2, rank, k), torch.bfloat16)
+
+
+@pytest.mark.parametrize("num_heads", [128, 64, 32, 16])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_mla_decode_deepseek_heads(num_heads, fp8, assert_close):
+    """DeepSeek-V3's dims (latent 512 + rope 64) at its 128 heads and the shards of -tp 2, 4, 8, each
+    with the tile config mla_decode picks for it (from 64 heads over bf16: 64 heads per program, the
+    columns as two halves), over odd context lengths, with and without context splits."""
+    from atom.ops.triton import mla
+
+    lens, rank, rope, block_size = [1, 37, 50], 512, 64, 16
+    cache_dtype = FP8 if fp8 else torch.bfloat16
+    assert mla._decode_config(num_heads, rank, cache_dtype)["HALVES"] == (num_heads >= 64 and not fp8)
+    max_blocks = -(-max(lens) // block_size)
+    tables = torch.randperm(len(lens) * max_blocks, dtype=torch.int32).view(len(lens), max_blocks)
+    k = torch.tensor([0.3]) if fp8 else None
+    cache = _fp8_latents(len(lens) * max_blocks, block_size, rank + rope, 0.3) if fp8 else (
+        torch.randn(len(lens) * max_blocks, block_size, rank + rope, dtype=torch.bfloat16))  # fmt: skip
+    q = torch.randn(len(lens), num_heads, rank + rope, dtype=torch.bfloat16)
+    seq_lens, scale = torch.tensor(lens, dtype=torch.int32), 192**-0.5
+    ref = reference.mla_decode(q.float(), cache, seq_lens, tables, scale, rank, k)
+    for splits in (1, 4):
+        out = mla_decode(q, cache, seq_lens, tables, scale, rank, k, num_splits=splits)
+        assert_close(out, ref, torch.bfloat16)

@@ -130,22 +130,29 @@ def _mla_decode_kernel(
     stride_qb, stride_qh, stride_cb, stride_cs, stride_tb, stride_ob, stride_oh,
     RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_RANK: tl.constexpr, BLOCK_ROPE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SPLIT: tl.constexpr, HAS_SCALE: tl.constexpr,
+    SPLIT: tl.constexpr, HAS_SCALE: tl.constexpr, HALVES: tl.constexpr,
 ):  # fmt: skip
     # Program (head block, sequence, split): online softmax over the split's latent rows,
     # loaded once for all the block's heads (the point of absorption). Head blocks vary
     # fastest, so the programs reading the same rows run side by side and share them in L2
     # (sequence first, the head blocks of a large batch ran in separate waves, each reading the
     # rows from memory again). With SPLIT the partial results go to part_* for _mla_merge_kernel.
+    # HALVES: the latent columns as two halves (two tiles, two accumulators, two dots sharing P)
+    # rather than one of each: at 64 heads the compiler then fits the loop in the registers.
+    COLS: tl.constexpr = BLOCK_RANK // 2 if HALVES else BLOCK_RANK
     heads = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
     seq = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
-    hmask = heads < num_heads
-    offs_r = tl.arange(0, BLOCK_RANK)
+    offs_r = tl.arange(0, COLS)
+    offs_r2 = COLS + offs_r  # the second half (HALVES)
     offs_p = tl.arange(0, BLOCK_ROPE)
-    q_rows = q_ptr + seq * stride_qb + heads[:, None] * stride_qh
-    q_lat = tl.load(q_rows + offs_r[None, :], mask=hmask[:, None] & (offs_r[None, :] < RANK), other=0.0)
-    q_pe = tl.load(q_rows + RANK + offs_p[None, :], mask=hmask[:, None] & (offs_p[None, :] < ROPE), other=0.0)
+    # heads past the last read its query again (their results are not stored): no head mask for the
+    # compiler to keep in registers across the loop until the store
+    q_rows = q_ptr + seq * stride_qb + tl.minimum(heads, num_heads - 1)[:, None] * stride_qh
+    q_lat = tl.load(q_rows + offs_r[None, :], mask=offs_r[None, :] < RANK, other=0.0)
+    if HALVES:
+        q_lat2 = tl.load(q_rows + offs_r2[None, :], mask=offs_r2[None, :] < RANK, other=0.0)
+    q_pe = tl.load(q_rows + RANK + offs_p[None, :], mask=offs_p[None, :] < ROPE, other=0.0)
     seq_len = tl.load(seq_lens_ptr + seq)
     if HAS_SCALE:  # fp8 cache: the scale of both halves of the row folds into the softmax scale
         scale *= tl.load(k_scale_ptr)
@@ -154,7 +161,9 @@ def _mla_decode_kernel(
     hi = tl.minimum(lo + chunk, seq_len)
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_RANK], tl.float32)
+    acc = tl.zeros([BLOCK_H, COLS], tl.float32)
+    if HALVES:
+        acc2 = tl.zeros([BLOCK_H, COLS], tl.float32)
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         nmask = offs_n < hi
@@ -165,21 +174,46 @@ def _mla_decode_kernel(
         lat, k_pe = lat.to(q_lat.dtype), k_pe.to(q_lat.dtype)
         s = tl.dot(q_lat, tl.trans(lat), input_precision=DOT_PRECISION)
         s += tl.dot(q_pe, tl.trans(k_pe), input_precision=DOT_PRECISION)
+        if HALVES:
+            lat2 = tl.load(rows + offs_r2[None, :], mask=nmask[:, None] & (offs_r2[None, :] < RANK), other=0.0)
+            lat2 = lat2.to(q_lat.dtype)
+            s += tl.dot(q_lat2, tl.trans(lat2), input_precision=DOT_PRECISION)
         s = tl.where(nmask[None, :], s * scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
         denom = denom * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(lat.dtype), lat, input_precision=DOT_PRECISION)
+        p = p.to(lat.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p, lat, input_precision=DOT_PRECISION)
+        if HALVES:
+            acc2 = acc2 * alpha[:, None] + tl.dot(p, lat2, input_precision=DOT_PRECISION)
         m = m_new
     if HAS_SCALE:  # ... and into the values (the latents)
         acc *= tl.load(k_scale_ptr)
+        if HALVES:
+            acc2 *= tl.load(k_scale_ptr)
+    _mla_decode_store(acc, m, denom, offs_r, seq, heads, split, out_ptr, part_out_ptr, part_ml_ptr, num_heads,
+                      num_splits, stride_ob, stride_oh, RANK, BLOCK_RANK, SPLIT, True)  # fmt: skip
+    if HALVES:
+        _mla_decode_store(acc2, m, denom, offs_r2, seq, heads, split, out_ptr, part_out_ptr, part_ml_ptr,
+                          num_heads, num_splits, stride_ob, stride_oh, RANK, BLOCK_RANK, SPLIT, False)  # fmt: skip
+
+
+@triton.jit
+def _mla_decode_store(
+    acc, m, denom, offs_r, seq, heads, split, out_ptr, part_out_ptr, part_ml_ptr, num_heads, num_splits,
+    stride_ob, stride_oh, RANK: tl.constexpr, BLOCK_RANK: tl.constexpr, SPLIT: tl.constexpr, STORE_ML: tl.constexpr,
+):  # fmt: skip
+    """A program's result for the latent columns ``offs_r``: normalised, or with SPLIT the partial
+    sums (and, once per program, ``STORE_ML``, the running max and denominator) for the merge."""
+    hmask = heads < num_heads
     omask = hmask[:, None] & (offs_r[None, :] < RANK)
     if SPLIT:
         row = (seq * num_heads + heads) * num_splits + split  # [BLOCK_H]
         tl.store(part_out_ptr + row[:, None] * BLOCK_RANK + offs_r[None, :], acc, mask=omask)
-        tl.store(part_ml_ptr + 2 * row, m, mask=hmask)
-        tl.store(part_ml_ptr + 2 * row + 1, denom, mask=hmask)
+        if STORE_ML:
+            tl.store(part_ml_ptr + 2 * row, m, mask=hmask)
+            tl.store(part_ml_ptr + 2 * row + 1, denom, mask=hmask)
     else:
         o_ptrs = out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_r[None, :]
         tl.store(o_ptrs, (acc / denom[:, None]).to(out_ptr.dtype.element_ty), mask=omask)
@@ -218,10 +252,16 @@ def _num_splits(device: torch.device, num_programs: int) -> int:
     return 1 if fill < 2 else 1 << (fill.bit_length() - 1)
 
 
-def _decode_config(num_heads: int, block_rank: int) -> dict:
+def _decode_config(num_heads: int, block_rank: int, cache_dtype: torch.dtype) -> dict:
     """Tile config of ``_mla_decode_kernel``: ``BLOCK_H`` heads per program share each tile of
-    ``BLOCK_N`` latent rows it loads (tests/gpu/kernel_sweep.py mla times alternatives)."""
-    return dict(BLOCK_H=16, BLOCK_N=32 if block_rank >= 256 else 64, num_warps=4, num_stages=3)
+    ``BLOCK_N`` latent rows it loads (tests/gpu/kernel_sweep.py mla times alternatives). From 64
+    heads over a 16-bit cache: 64 per program, two warpgroups, so the dots run on Hopper's wgmma
+    (64 rows a warpgroup), and the 512 latent columns as two halves, which keeps the tile within the
+    registers (tests/gpu/mla_compile_check.py: 249, no spills). An fp8 tile widened in registers
+    spills at 64 heads, so it keeps 16."""
+    if num_heads >= 64 and cache_dtype in (torch.bfloat16, torch.float16):
+        return dict(BLOCK_H=64, BLOCK_N=16, HALVES=block_rank >= 256, num_warps=8, num_stages=2)
+    return dict(BLOCK_H=16, BLOCK_N=32 if block_rank >= 256 else 64, HALVES=False, num_warps=4, num_stages=3)
 
 
 def mla_decode(
@@ -245,7 +285,7 @@ def mla_decode(
         q = q.to(kv_cache.dtype)
     has_scale = fp8 and k_scale is not None
     block_rank = _pow2(kv_lora_rank)
-    config = _decode_config(num_heads, block_rank)
+    config = _decode_config(num_heads, block_rank, kv_cache.dtype)
     head_blocks = triton.cdiv(num_heads, config["BLOCK_H"])
     splits = num_splits or _num_splits(q.device, num_seqs * head_blocks)
     part_out = part_ml = out
