@@ -191,7 +191,7 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=None, help="output tokens (default 256; --tiny: 24)")
     p.add_argument("--level", type=int, default=None, help="atom's compilation level (default: atom's, 3)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (default: atom's, graphs)")
-    p.add_argument("--timeout", type=int, default=300, help="seconds per engine")
+    p.add_argument("--timeout", type=int, default=450, help="seconds per engine")
     # a worker process: one engine
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--method", help=argparse.SUPPRESS)

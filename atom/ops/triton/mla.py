@@ -254,13 +254,11 @@ def _num_splits(device: torch.device, num_programs: int) -> int:
 
 def _decode_config(num_heads: int, block_rank: int, cache_dtype: torch.dtype) -> dict:
     """Tile config of ``_mla_decode_kernel``: ``BLOCK_H`` heads per program share each tile of
-    ``BLOCK_N`` latent rows it loads (tests/gpu/kernel_sweep.py mla times alternatives). From 64
-    heads over a 16-bit cache: 64 per program, two warpgroups, so the dots run on Hopper's wgmma
-    (64 rows a warpgroup), and the 512 latent columns as two halves, which keeps the tile within the
-    registers (tests/gpu/mla_compile_check.py: 249, no spills). An fp8 tile widened in registers
-    spills at 64 heads, so it keeps 16."""
-    if num_heads >= 64 and cache_dtype in (torch.bfloat16, torch.float16):
-        return dict(BLOCK_H=64, BLOCK_N=16, HALVES=block_rank >= 256, num_warps=8, num_stages=2)
+    ``BLOCK_N`` latent rows it loads (tests/gpu/kernel_sweep.py mla times alternatives). The
+    64-head form (two warpgroups on wgmma, the latent columns as two halves: ``BLOCK_H=64,
+    BLOCK_N=16, HALVES=True, num_warps=8, num_stages=2``) compiles without spills but measured
+    0.73x this config at 8 sequences and 1.03-1.10x at 64 (V3 heads, bf16, H100,
+    docs/performance.md): it stays a sweep candidate, not the default."""
     return dict(BLOCK_H=16, BLOCK_N=32 if block_rank >= 256 else 64, HALVES=False, num_warps=4, num_stages=3)
 
 
