@@ -12,6 +12,9 @@ by the layer's ``k_scale`` (the checkpoint's, else 1.0; loaded like ``Attention`
 - Decode rows absorb ``W_UK`` (the key half of ``kv_b_proj``) into the query and ``W_UV``
   (the value half) into the output, so the kernel reads only the latent rows
   (``ops.mla_decode``).
+- Batches whose sequences all bring a few rows (MTP verification: ``K + 1`` rows each) run every
+  row as a decode row over its causal prefix of the cache (vLLM's layout for spec decode): one
+  kernel for the batch, no per-sequence expansion, and each row the numbers plain decoding gives.
 
 As with ``Attention``, the whole layer is one opaque custom op (``atom::mla_attention``) for
 torch.compile, and the batch's metadata comes from the forward context. In plugin mode the
@@ -78,37 +81,59 @@ class MLAAttention(Attention):
         num_decodes = meta.num_decode_tokens if self.kv_cache is not None else 0
         out = latent_attention(q, torch.cat((kv_c, k_pe), dim=-1), self.kv_cache, meta.cu_seqlens_q, meta.seq_lens,
                                meta.block_tables, num_decodes, kv_b_weight, self.scale, self.v_head_dim,
-                               self.k_scale)  # fmt: skip
+                               self.k_scale, meta.max_seqlen_q)  # fmt: skip
         return out.flatten(1)
+
+
+# sequences bringing at most this many rows (MTP's K + 1) run them as decode rows
+SHORT_QUERY = 8
 
 
 def latent_attention(
     q: torch.Tensor, latents: torch.Tensor, kv_cache: torch.Tensor | None, cu_seqlens_q: torch.Tensor,
     seq_lens: torch.Tensor, block_tables: torch.Tensor, num_decodes: int, kv_b_weight: torch.Tensor, scale: float,
-    v_head_dim: int, k_scale: torch.Tensor | None = None,
+    v_head_dim: int, k_scale: torch.Tensor | None = None, max_query_len: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Attention over the latent cache (this step's rows already written), shared by atom's
     engine and its vLLM backend. ``q`` [T, H, nope + rope] (rotated), the first
     ``num_decodes`` rows one decode token each; ``latents`` [T, r + rope], this step's
     ``cat(kv_c, k_pe)``; ``kv_b_weight`` [H * (nope + v), r]; ``k_scale``: an fp8 cache's
-    scale. Returns [T, H, v]."""
+    scale; ``max_query_len``: the most rows a sequence brings (when known; up to
+    ``SHORT_QUERY`` every row runs as a decode row). Returns [T, H, v]."""
     num_tokens, num_heads = q.shape[:2]
     kv_lora_rank = kv_b_weight.shape[1]
     nope = q.shape[-1] - (latents.shape[-1] - kv_lora_rank)
     w = kv_b_weight.view(num_heads, nope + v_head_dim, kv_lora_rank)
     out = q.new_empty(num_tokens, num_heads, v_head_dim)
+
+    def absorbed(rows: slice, lens: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        q_lat = torch.bmm(q[rows, :, :nope].transpose(0, 1), w[:, :nope]).transpose(0, 1)
+        o_lat = ops.mla_decode(torch.cat((q_lat, q[rows, :, nope:]), dim=-1), kv_cache, lens, tables, scale,
+                               kv_lora_rank, k_scale)  # fmt: skip
+        return torch.bmm(o_lat.transpose(0, 1), w[:, nope:].transpose(1, 2)).transpose(0, 1)
+
     if num_decodes:
         d = slice(0, num_decodes)
-        q_lat = torch.bmm(q[d, :, :nope].transpose(0, 1), w[:, :nope]).transpose(0, 1)
-        o_lat = ops.mla_decode(torch.cat((q_lat, q[d, :, nope:]), dim=-1), kv_cache, seq_lens[d], block_tables[d],
-                               scale, kv_lora_rank, k_scale)  # fmt: skip
-        out[d] = torch.bmm(o_lat.transpose(0, 1), w[:, nope:].transpose(1, 2)).transpose(0, 1)
+        out[d] = absorbed(d, seq_lens[d], block_tables[d])
     if num_decodes < num_tokens:
         p = slice(num_decodes, None)
         cu = cu_seqlens_q[num_decodes:] - num_decodes
-        out[p] = mla_prefill(q[p], kv_cache, latents[p], cu, seq_lens[p], block_tables[p], kv_b_weight, scale,
-                             v_head_dim, k_scale)  # fmt: skip
+        if kv_cache is not None and max_query_len is not None and max_query_len <= SHORT_QUERY:
+            out[p] = absorbed(p, *causal_rows(cu, seq_lens[p], block_tables[p], num_tokens - num_decodes))
+        else:
+            out[p] = mla_prefill(q[p], kv_cache, latents[p], cu, seq_lens[p], block_tables[p], kv_b_weight, scale,
+                                 v_head_dim, k_scale)  # fmt: skip
     return out
+
+
+def causal_rows(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Each query row as a decode row: the tokens it sees (its sequence's length less the rows
+    after it) and its sequence's block table; computed on the device, no host sync."""
+    q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    seq = torch.repeat_interleave(torch.arange(len(q_lens), device=q_lens.device), q_lens, output_size=num_rows)
+    rows_after = cu_seqlens_q[1:][seq] - 1 - torch.arange(num_rows, device=q_lens.device)
+    return (seq_lens[seq] - rows_after).to(seq_lens.dtype), block_tables[seq]
 
 
 @torch.library.custom_op("atom::mla_attention", mutates_args=())

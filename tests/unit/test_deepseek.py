@@ -1,6 +1,6 @@
 """DeepSeek pieces beyond the end-to-end HF parity of test_hf_equivalence: routing against
-transformers' routers, the latent cache's size, and the MTP draft layers against the
-formula computed with transformers' own decoder layer."""
+transformers' routers, the latent cache's size, short queries (MTP verification) as decode rows,
+and the MTP draft layers against the formula computed with transformers' own decoder layer."""
 
 import os
 
@@ -18,7 +18,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
 from atom.config import Config, ModelConfig
 from atom.distributed.parallel_state import SINGLE
 from atom.forward_context import AttentionMetadata, set_forward_context
-from atom.layers.mla import MLAAttention
+from atom.layers.mla import SHORT_QUERY, MLAAttention, causal_rows, latent_attention
 from atom.layers.moe_routing import grouped_topk
 from atom.models.deepseek_mtp import DeepseekMTP
 from atom.spec_decode.mtp_loader import load_mtp
@@ -144,3 +144,29 @@ def test_mtp_needs_next_n_layers(tiny_model):
     hf.num_nextn_predict_layers = 0
     with pytest.raises(ValueError, match="no MTP layers"):
         DeepseekMTP(hf)
+
+
+@pytest.mark.parametrize("q_lens", [[1, 3, 2, 4], [2, 2], [SHORT_QUERY, 1]])
+def test_short_queries_run_as_decode_rows(q_lens):
+    """Sequences bringing at most SHORT_QUERY rows (MTP's K + 1) attend as absorbed decode rows
+    over their causal prefix of the cache: the prompt path's output (latents expanded per head),
+    in float32, for a batch with and without a decode row first, one sequence all new rows."""
+    torch.manual_seed(0)
+    heads, nope, rope, rank, v_dim, block_size, max_blocks = 4, 16, 8, 32, 12, 4, 4
+    seq_lens = [len_q + extra for len_q, extra in zip(q_lens, [4, 6, 0, 9])]
+    num_decodes = sum(1 for n in q_lens[:1] if n == 1)
+    cache = torch.randn(len(q_lens) * max_blocks, block_size, rank + rope)
+    tables = torch.randperm(len(cache)).view(len(q_lens), max_blocks).int()
+    cu = torch.tensor([0] + [sum(q_lens[: i + 1]) for i in range(len(q_lens))], dtype=torch.int32)
+    # this step's rows: the cache's rows at the sequences' last positions (already written)
+    positions = [p for n, total in zip(q_lens, seq_lens) for p in range(total - n, total)]
+    seqs = [i for i, n in enumerate(q_lens) for _ in range(n)]
+    latents = torch.stack([cache[tables[i, p // block_size], p % block_size] for i, p in zip(seqs, positions)])
+    q = torch.randn(len(seqs), heads, nope + rope)
+    w = torch.randn(heads * (nope + v_dim), rank) * 0.2
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    args = (q, latents, cache, cu, lens, tables, num_decodes, w, 0.3, v_dim)
+    short = latent_attention(*args, max_query_len=max(q_lens))
+    torch.testing.assert_close(short, latent_attention(*args), rtol=1e-5, atol=1e-5)  # the prompt path
+    row_lens, row_tables = causal_rows(cu, lens, tables, len(seqs))
+    assert row_lens.tolist() == [p + 1 for p in positions] and torch.equal(row_tables, tables[seqs])
