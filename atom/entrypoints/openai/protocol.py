@@ -176,6 +176,11 @@ class ChatMessage(OpenAIRequest):
 
 
 class ChatCompletionRequest(SamplingRequest):
+    # the schema tells clients (and schema-driven fuzzers) what the handler requires: a
+    # non-empty messages list, or its alias prompt
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, json_schema_extra={"anyOf": [
+        {"required": [name], "properties": {name: {"minItems": 1}}} for name in ("messages", "prompt")]})
+
     messages: list[ChatMessage] | None = None
     prompt: list[ChatMessage] | None = None  # the serving guide's alias for messages
     max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
