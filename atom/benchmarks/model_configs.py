@@ -137,6 +137,30 @@ def parse_offline_args(doc: str, argv: list[str] | None, default_model: str, row
     return p.parse_args(argv)
 
 
+def redraw_dummy_weights(worker, seed: int = 0) -> int:
+    """Give a vLLM worker's model the weights atom's ``load_dummy`` draws (norm weights and
+    scales 1, every other floating-point weight normal(0, 0.02); FP8 and integer tensors kept),
+    so both engines run the same weight distribution. vLLM's own dummy weights (uniform
+    +-1e-3, norm weights included) make MoE router scores tie after vLLM's bf16 softmax
+    (DeepSeek-V2's grouped top-k), so every token routes to the same few experts and a decode
+    step reads 6 of 64 experts where a trained checkpoint reads them all. Returns the number
+    of tensors redrawn."""
+    import torch
+
+    redrawn = 0
+    with torch.no_grad():
+        for i, (name, param) in enumerate(worker.get_model().named_parameters()):
+            if param.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+                continue
+            if "norm" in name or "scale" in name:
+                param.fill_(1.0)
+            else:
+                gen = torch.Generator(device=param.device).manual_seed(seed + i)
+                param.normal_(0.0, 0.02, generator=gen)
+            redrawn += 1
+    return redrawn
+
+
 class Engine:
     """atom's ``LLMEngine`` or vLLM's ``LLM`` with random weights of ``args.model``'s shape, on token-id prompts."""
 
@@ -150,7 +174,10 @@ class Engine:
         if self.vllm:
             from vllm import LLM, SamplingParams
 
+            # the callable below travels to vLLM's engine process by pickle, which vLLM allows only when asked
+            os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
             self.llm, self.params = LLM(path, load_format="dummy", **kwargs), partial(SamplingParams, detokenize=False)
+            self.llm.collective_rpc(redraw_dummy_weights)
         else:
             from atom import LLMEngine, SamplingParams
 

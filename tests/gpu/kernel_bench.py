@@ -380,6 +380,9 @@ def cases() -> list[tuple[str, str, Callable]]:
     out.append(("attn mixed", "64 dec ctx=2k + q=512 ctx=4k", case(attention_case, *MIXED, num_decode_tokens=64)))
     out.append(("attn mixed", "  +packed K/V", case(attention_case, *MIXED, packed=True, num_decode_tokens=64)))
     out += [("fused_moe", f"T={n} E=128 top8", case(moe_case, n)) for n in [1, 16, 128, 512, 2048, 4096, 8192]]
+    # DeepSeek-V2-Lite's routed experts (64 of 1408 columns, top-6): decode batches read every expert
+    v2 = dict(inter=1408, num_experts=64, top_k=6)
+    out += [("fused_moe", f"T={n} E=64 top6 I=1408", case(moe_case, n, **v2)) for n in [1, 64, 256, 1024, 4096]]
     out += [("rms_norm+res", f"T={n} H=4096", case(rms_norm_case, n)) for n in [1, 512, 8192]]
     for rows, vocab in [(r, 151936) for r in [1, 4, 8, 32, 64, 256]] + [(256, 128256), (256, 49152)]:
         out.append(("sample", f"B={rows} V={vocab} vs sort", case(sampling_case, rows, sort_sample, vocab)))
