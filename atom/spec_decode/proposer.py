@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -66,10 +67,12 @@ def rows_metadata(
     device: torch.device,
 ) -> tuple[torch.Tensor, AttentionMetadata]:
     """(positions, metadata) of rows whose queries are ``lengths[i]`` tokens from position
-    ``starts[i]``. A position past the row's allocated slots or the model length (a draft
-    that could never be verified) is clamped to the last one and writes no KV."""
-    pos, slots, cu, seq_lens = [], [], [0], []
-    for seq, start, n in zip(requests, starts, lengths):
+    ``starts[i]`` (a handful: the kept tokens of a verify step, or one), each token as a
+    decode row over its causal prefix, so the draft runs the decode kernels and its CUDA
+    graphs. A position past the row's allocated slots or the model length (a draft that
+    could never be verified) is clamped to the last one and writes no KV."""
+    pos, slots, rows = [], [], []
+    for i, (seq, start, n) in enumerate(zip(requests, starts, lengths)):
         table = seq.block_table
         limit = min(len(table) * block_size, max_model_len)
         for p in range(start, start + n):
@@ -77,20 +80,22 @@ def rows_metadata(
             p = p if inside else limit - 1
             pos.append(p)
             slots.append(table[p // block_size] * block_size + p % block_size if inside else -1)
-        cu.append(cu[-1] + n)
-        seq_lens.append(min(start + n, limit))
+        rows += [i] * n
     width = max(len(s.block_table) for s in requests)
-    tables = torch.zeros(len(requests), width, dtype=torch.int32)
+    tables = np.zeros((len(requests), width), dtype=np.int64)
     for i, seq in enumerate(requests):
-        tables[i, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
-    single = all(n == 1 for n in lengths)
+        tables[i, : len(seq.block_table)] = seq.block_table
+    # one host-to-device copy: positions | slots | cu_seqlens | seq_lens | block tables
+    t = len(pos)
+    buf = np.concatenate([pos, slots, np.arange(t + 1), np.add(pos, 1), tables[rows].reshape(-1)])
+    dev = torch.from_numpy(buf).to(device)
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64).to(device),
-        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32).to(device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device),
-        block_tables=tables.to(device),
-        max_seqlen_q=max(lengths),
-        max_seqlen_k=max(seq_lens),
-        num_decode_tokens=len(requests) if single else 0,
+        slot_mapping=dev[t : 2 * t],
+        cu_seqlens_q=dev[2 * t : 3 * t + 1].to(torch.int32),
+        seq_lens=dev[3 * t + 1 : 4 * t + 1].to(torch.int32),
+        block_tables=dev[4 * t + 1 :].view(t, width).to(torch.int32),
+        max_seqlen_q=1,
+        max_seqlen_k=max(pos) + 1,
+        num_decode_tokens=t,
     )
-    return torch.tensor(pos, dtype=torch.int64).to(device), meta
+    return dev[:t], meta

@@ -27,6 +27,15 @@ class _DraftLoop:
     ):
         self.forward, self.compute_logits, self.layer_map = forward, compute_logits, layer_map
         self.block_size, self.max_model_len, self.device = block_size, max_model_len, device
+        # the draft's decode graphs (MTP on CUDA: the runner's CUDAGraphRunner, set at start-up)
+        self.graphs = None
+
+    def forward_rows(self, ids: torch.Tensor, pos: torch.Tensor, meta, hidden: torch.Tensor | None) -> torch.Tensor:
+        """The draft's forward over ``rows_metadata`` rows: a captured graph when one fits."""
+        if self.graphs is not None and self.graphs.can_run(meta, ids.shape[0]):
+            return self.graphs.run(ids, pos, meta, hidden)
+        with set_forward_context(meta, pos, self.layer_map):
+            return self.forward(ids, pos, hidden)
 
     def run(
         self, step: DraftInputs, positions: list[int], ids: torch.Tensor, hidden: torch.Tensor | None, num_steps: int
@@ -38,8 +47,7 @@ class _DraftLoop:
             pos, meta = rows_metadata(
                 rows, [p + k for p in positions], [1] * len(rows), self.block_size, self.max_model_len, self.device
             )
-            with set_forward_context(meta, pos, self.layer_map):
-                hidden = self.forward(ids, pos, hidden)
+            hidden = self.forward_rows(ids, pos, meta, hidden)
             ids = self.compute_logits(hidden).argmax(dim=-1)
             out.append(ids)
         return out
@@ -82,10 +90,8 @@ class MtpProposer:
             loop.max_model_len,
             device,
         )
-        with set_forward_context(meta, pos, self.layer_map):
-            hidden = self.draft.forward(
-                torch.tensor(ids, device=device), pos, step.hidden[torch.tensor(gather, device=device)]
-            )
+        hidden = loop.forward_rows(torch.tensor(ids, device=device), pos, meta,
+                                   step.hidden[torch.tensor(gather, device=device)])  # fmt: skip
         if not step.propose:
             return torch.empty(0, self.num_speculative_tokens, dtype=torch.int64)
         last = hidden[torch.tensor([first[i] for i in step.propose], device=device, dtype=torch.int64)]

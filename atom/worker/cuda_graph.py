@@ -1,4 +1,4 @@
-"""CUDA graphs for decode batches.
+"""CUDA graphs for decode batches (of the model, and of an MTP draft).
 
 One graph per capture size, all sharing one memory pool and one set of static input
 buffers. A decode batch of ``n`` rows is padded to the next captured size: padded rows
@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 class CUDAGraphRunner:
     def __init__(self, forward: Callable, capture_sizes: list[int], max_model_len: int, block_size: int,
-                 hidden_size: int, dtype: torch.dtype, device: torch.device):
+                 hidden_size: int, dtype: torch.dtype, device: torch.device, hidden_inputs: int = 0):
         self.forward = forward  # the (possibly compiled) model forward
         self.sizes = sorted(set(capture_sizes))
         self.max_model_len = max_model_len
@@ -36,6 +36,8 @@ class CUDAGraphRunner:
         self.seq_lens = torch.ones(max_bs, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(max_bs, max_blocks, dtype=torch.int32, device=device)
         self.output = torch.zeros(max_bs, hidden_size, dtype=dtype, device=device)
+        # per-token hidden-state inputs after ids and positions (an MTP draft's previous hidden states)
+        self.hidden_inputs = [torch.zeros_like(self.output) for _ in range(hidden_inputs)]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
 
@@ -52,11 +54,12 @@ class CUDAGraphRunner:
         for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its pool
             meta = self._meta(bs)
             layers = get_forward_context().attn_layers
+            inputs = (self.input_ids[:bs], self.positions[:bs], *(h[:bs] for h in self.hidden_inputs))
             with set_forward_context(meta, self.positions[:bs], layers):
-                self.output[:bs] = self.forward(self.input_ids[:bs], self.positions[:bs])  # warm-up
+                self.output[:bs] = self.forward(*inputs)  # warm-up
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool):
-                    self.output[:bs] = self.forward(self.input_ids[:bs], self.positions[:bs])
+                    self.output[:bs] = self.forward(*inputs)
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[bs] = graph
@@ -68,12 +71,15 @@ class CUDAGraphRunner:
         return meta.max_seqlen_q == 1 and num_tokens <= self.sizes[-1] and meta.block_tables.shape[1] <= \
             self.block_tables.shape[1]
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+            *hidden: torch.Tensor) -> torch.Tensor:  # fmt: skip
         """Replay the graph for ``meta``'s decode batch (the caller's forward context is unused)."""
         n = input_ids.shape[0]
         bs = self.sizes[bisect.bisect_left(self.sizes, n)]
         self.input_ids[:n] = input_ids
         self.positions[:n] = positions
+        for buf, h in zip(self.hidden_inputs, hidden, strict=True):
+            buf[:n] = h
         self.slot_mapping[:n] = meta.slot_mapping
         self.slot_mapping[n:bs] = -1
         self.seq_lens[:n] = meta.seq_lens

@@ -30,6 +30,7 @@ from atom.layers.attention import Attention
 from atom.layers.quantization.kv_cache import kv_cache_torch_dtype
 from atom.model_loader.loader import load_model
 from atom.spec_decode.decoder import build_spec_decoder
+from atom.spec_decode.proposers import MtpProposer
 from atom.worker.logits_processors import process_logits
 from atom.worker.logprobs import prompt_logprobs, token_logprobs, top_logprobs
 from atom.worker.profiler import start_torch_profiler
@@ -203,6 +204,17 @@ class ModelRunner:
             seq_lens.append(start + n)
         num_seqs, num_tokens, num_fills = len(batch.requests), len(ids), len(fill_at)
         width = max(len(s.block_table) for s in batch.requests)
+        tables = np.zeros((num_seqs, width), dtype=np.int64)
+        for i, seq in enumerate(batch.requests):
+            tables[i, : len(seq.block_table)] = seq.block_table
+        max_query, num_decodes = max(batch.num_new_tokens), batch.num_decodes
+        if self.spec is not None and 1 < max_query <= self.spec.k + 1:
+            # A verify step (1 + K tokens a row): each token becomes a decode row over its
+            # causal prefix, the same attention, so the step takes the decode kernels and
+            # the decode CUDA graphs (vLLM's uniform-decode graphs for speculative steps).
+            tables = tables[np.repeat(np.arange(num_seqs), batch.num_new_tokens)]
+            num_seqs = num_decodes = num_tokens
+            max_query, cu, seq_lens = 1, list(range(num_tokens + 1)), [p + 1 for p in pos]
         # one int64 buffer: ids | positions | slots | cu_seqlens | seq_lens | fills | block tables
         buf = np.zeros(3 * num_tokens + 2 * num_seqs + 1 + 2 * num_fills + num_seqs * width, dtype=np.int64)
         buf[: 3 * num_tokens] = ids + pos + slots
@@ -211,9 +223,7 @@ class ModelRunner:
         buf[o + num_seqs + 1 : o + 2 * num_seqs + 1] = seq_lens
         f = o + 2 * num_seqs + 1
         buf[f : f + 2 * num_fills] = fill_at + fill_from
-        tables = buf[f + 2 * num_fills :].reshape(num_seqs, width)
-        for i, seq in enumerate(batch.requests):
-            tables[i, : len(seq.block_table)] = seq.block_table
+        buf[f + 2 * num_fills :] = tables.reshape(-1)
         dev = self._tensor(buf, torch.int64)
         t = num_tokens
         input_ids = dev[:t]
@@ -224,9 +234,9 @@ class ModelRunner:
             cu_seqlens_q=dev[o : o + num_seqs + 1].to(torch.int32),
             seq_lens=dev[o + num_seqs + 1 : o + 2 * num_seqs + 1].to(torch.int32),
             block_tables=dev[f + 2 * num_fills :].view(num_seqs, width).to(torch.int32),
-            max_seqlen_q=max(batch.num_new_tokens),
+            max_seqlen_q=max_query,
             max_seqlen_k=max(seq_lens),
-            num_decode_tokens=batch.num_decodes,
+            num_decode_tokens=num_decodes,
         )
         return input_ids, dev[t : 2 * t], meta
 
@@ -312,14 +322,23 @@ class ModelRunner:
         if not use_triton(self.device):
             logger.warning("CUDA graphs need the Triton ops (ATOM_FORCE_REFERENCE_OPS is set): running eagerly")
             return
-        sizes = [s for s in cc.cudagraph_capture_sizes if s <= self.config.scheduler_config.max_num_seqs]
+        # a verify step runs 1 + K decode rows per sequence
+        max_rows = self.config.scheduler_config.max_num_seqs * (1 + (self.spec.k if self.spec is not None else 0))
+        sizes = [s for s in cc.cudagraph_capture_sizes if s <= max_rows]
         if not sizes:
             return
-        runner = CUDAGraphRunner(self.forward, sizes, mc.max_model_len, self.block_size,
-                                 mc.hf_config.hidden_size, mc.dtype, self.device)
-        with set_forward_context(None, None, self.attn_layer_map):
-            runner.capture()
-        self.graph_runner = runner
+
+        def capture(forward, layer_map, hidden_inputs=0) -> CUDAGraphRunner:
+            runner = CUDAGraphRunner(forward, sizes, mc.max_model_len, self.block_size, mc.hf_config.hidden_size,
+                                     mc.dtype, self.device, hidden_inputs)  # fmt: skip
+            with set_forward_context(None, None, layer_map):
+                runner.capture()
+            return runner
+
+        self.graph_runner = capture(self.forward, self.attn_layer_map)
+        proposer = self.spec.proposer if self.spec is not None else None
+        if isinstance(proposer, MtpProposer):  # the draft's rows: kept tokens of a verify step, then one a row
+            proposer.loop.graphs = capture(proposer.draft.forward, proposer.layer_map, hidden_inputs=1)
 
     @torch.inference_mode()
     def launch(self, batch: SchedulerOutput) -> PendingOutput:
