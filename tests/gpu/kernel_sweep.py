@@ -126,8 +126,8 @@ def _diff_from(exact: torch.Tensor, fns: list[Callable]) -> dict:
     return dict(diff=max_diff(fns[0](), exact))
 
 
-# MLA decode tile configs: the defaults are (64, 16, halves, 8, 2) from 64 heads over a 16-bit cache,
-# (16, 32, -, 4, 3) otherwise (the default everywhere before 2026-11-26, kept here for before/after).
+# MLA decode tile configs: the defaults are (64, 64, halves, 8, 2) from 64 heads and 8 rows on Hopper,
+# (16, 32, -, 4, 3) otherwise (the 2026-11-26 session-9 sweep, docs/performance.md).
 # tests/gpu/mla_compile_check.py prints their registers and spills: with Triton 3.9 for sm_90 the
 # 16-head default spills 48 bytes over an fp8 cache, and the pipeliner gives the latent tile one buffer
 # below 5 stages (the load behind the block-table load takes two of them), two from 5. 64 heads per

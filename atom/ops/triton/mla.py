@@ -9,6 +9,8 @@ widens them to the query's dtype, and folds the scale into the softmax scale and
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -252,14 +254,22 @@ def _num_splits(device: torch.device, num_programs: int) -> int:
     return 1 if fill < 2 else 1 << (fill.bit_length() - 1)
 
 
-def _decode_config(num_heads: int, block_rank: int, cache_dtype: torch.dtype) -> dict:
+def _decode_config(num_seqs: int, num_heads: int, block_rank: int, wgmma: bool) -> dict:
     """Tile config of ``_mla_decode_kernel``: ``BLOCK_H`` heads per program share each tile of
-    ``BLOCK_N`` latent rows it loads (tests/gpu/kernel_sweep.py mla times alternatives). The
-    64-head form (two warpgroups on wgmma, the latent columns as two halves: ``BLOCK_H=64,
-    BLOCK_N=16, HALVES=True, num_warps=8, num_stages=2``) compiles without spills but measured
-    0.73x this config at 8 sequences and 1.03-1.10x at 64 (V3 heads, bf16, H100,
-    docs/performance.md): it stays a sweep candidate, not the default."""
+    ``BLOCK_N`` latent rows it loads (tests/gpu/kernel_sweep.py mla times alternatives). With
+    64 heads or more (DeepSeek-V3 and its -tp 2 shard) and 8 rows or more, 64 heads per program
+    on Hopper's wgmma with the latent columns as two halves: 1.1x the 16-head tile at 8 rows,
+    1.5x at 32 and 2.1x at 128 (bf16 and fp8 caches, 4k context, H100, docs/performance.md);
+    at one row it is 7% slower, and with 16-32 heads the 16-head tile wins. Its shared memory
+    (about 220 KB) needs a Hopper-class GPU (``wgmma``)."""
+    if wgmma and num_heads >= 64 and num_seqs >= 8 and block_rank >= 256:
+        return dict(BLOCK_H=64, BLOCK_N=64, HALVES=True, num_warps=8, num_stages=2)
     return dict(BLOCK_H=16, BLOCK_N=32 if block_rank >= 256 else 64, HALVES=False, num_warps=4, num_stages=3)
+
+
+@functools.cache
+def _has_wgmma(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def mla_decode(
@@ -283,7 +293,7 @@ def mla_decode(
         q = q.to(kv_cache.dtype)
     has_scale = fp8 and k_scale is not None
     block_rank = _pow2(kv_lora_rank)
-    config = _decode_config(num_heads, block_rank, kv_cache.dtype)
+    config = _decode_config(num_seqs, num_heads, block_rank, _has_wgmma(q.device))
     head_blocks = triton.cdiv(num_heads, config["BLOCK_H"])
     splits = num_splits or _num_splits(q.device, num_seqs * head_blocks)
     part_out = part_ml = out
