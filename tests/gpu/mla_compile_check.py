@@ -68,7 +68,8 @@ def loop_spills(kernel) -> int:
 def main() -> int:
     print(f"triton {triton.__version__}, sm_90")
     # the defaults at DeepSeek-V3's 128 heads (one row, eight) over each cache dtype, then every sweep config
-    defaults = [(mla._decode_config(rows, 128, 512, True), fp8) for rows in (1, 8) for fp8 in (False, True)]
+    defaults = [(mla._decode_config(rows, 128, 512, 1 if fp8 else 2, True), fp8)
+                for rows in (1, 8) for fp8 in (False, True)]
     bad = False
     for i, (config, fp8) in enumerate([*defaults, *((c, fp8) for c in MLA_CONFIGS for fp8 in (False, True))]):
         default = i < len(defaults)

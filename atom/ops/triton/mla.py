@@ -254,15 +254,16 @@ def _num_splits(device: torch.device, num_programs: int) -> int:
     return 1 if fill < 2 else 1 << (fill.bit_length() - 1)
 
 
-def _decode_config(num_seqs: int, num_heads: int, block_rank: int, wgmma: bool) -> dict:
+def _decode_config(num_seqs: int, num_heads: int, block_rank: int, tile_bytes: int, wgmma: bool) -> dict:
     """Tile config of ``_mla_decode_kernel``: ``BLOCK_H`` heads per program share each tile of
     ``BLOCK_N`` latent rows it loads (tests/gpu/kernel_sweep.py mla times alternatives). With
     64 heads or more (DeepSeek-V3 and its -tp 2 shard) and 8 rows or more, 64 heads per program
     on Hopper's wgmma with the latent columns as two halves: 1.1x the 16-head tile at 8 rows,
     1.5x at 32 and 2.1x at 128 (bf16 and fp8 caches, 4k context, H100, docs/performance.md);
     at one row it is 7% slower, and with 16-32 heads the 16-head tile wins. Its shared memory
-    (about 220 KB) needs a Hopper-class GPU (``wgmma``)."""
-    if wgmma and num_heads >= 64 and num_seqs >= 8 and block_rank >= 256:
+    (about 220 KB with 16-bit tiles) needs a Hopper-class GPU (``wgmma``) and queries and cache of at
+    most two bytes an element (``tile_bytes``)."""
+    if wgmma and num_heads >= 64 and num_seqs >= 8 and block_rank >= 256 and tile_bytes <= 2:
         return dict(BLOCK_H=64, BLOCK_N=64, HALVES=True, num_warps=8, num_stages=2)
     return dict(BLOCK_H=16, BLOCK_N=32 if block_rank >= 256 else 64, HALVES=False, num_warps=4, num_stages=3)
 
@@ -293,7 +294,8 @@ def mla_decode(
         q = q.to(kv_cache.dtype)
     has_scale = fp8 and k_scale is not None
     block_rank = _pow2(kv_lora_rank)
-    config = _decode_config(num_seqs, num_heads, block_rank, _has_wgmma(q.device))
+    tile_bytes = max(q.element_size(), kv_cache.element_size())  # an fp8 cache keeps q's dtype
+    config = _decode_config(num_seqs, num_heads, block_rank, tile_bytes, _has_wgmma(q.device))
     head_blocks = triton.cdiv(num_heads, config["BLOCK_H"])
     splits = num_splits or _num_splits(q.device, num_seqs * head_blocks)
     part_out = part_ml = out
