@@ -11,6 +11,11 @@ scales column-major, and the FP8 linear layer keeps weight scales K-major, so ea
 scale vector is one contiguous read. Small batches split the key range over several
 programs (float32 partial sums, added after) to fill the GPU. Tile shapes come from
 ``atom.ops.triton.fp8_configs`` (swept on an H100 with ``tests/gpu/fp8_sweep.py``).
+
+Up to ``SKINNY_MAX_ROWS`` rows (decode) ``w8a8_matmul`` runs the weight-streaming skinny
+kernel of ``atom.ops.triton.gemv`` instead, with the same scales and the same result up to
+float32 summation order; the choice is made inside the op, so CUDA graphs and torch.compile
+see one op for every batch size.
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from atom.ops.triton.fp8_configs import gemm_config
+from atom.ops.triton.fp8_configs import SKINNY_MAX_ROWS, gemm_config, skinny_config
+from atom.ops.triton.gemv import skinny_gemm
 
 
 @triton.jit
@@ -124,16 +130,20 @@ def w8a8_matmul(
     a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, group_k: int,
     out_dtype: torch.dtype, bias: torch.Tensor | None = None, config: dict | None = None,
 ) -> torch.Tensor:
-    """``config`` overrides the tile table (the sweep's candidates): BLOCK_M, BLOCK_N,
-    BLOCK_K (per-channel only; block scales step one group), GROUP_M, SPLIT_K, num_warps,
-    num_stages."""
+    """``config`` overrides the tile table (the sweep's candidates) and selects this kernel at
+    any row count: BLOCK_M, BLOCK_N, BLOCK_K (per-channel only; block scales step one group),
+    GROUP_M, SPLIT_K, num_warps, num_stages. Without it, up to ``SKINNY_MAX_ROWS`` rows run
+    the skinny kernel (``skinny_config``)."""
     m, k = a.shape
     n = w.shape[0]
+    if group_k and (group_k < 16 or group_k & (group_k - 1)):
+        raise ValueError(f"block-scaled FP8 GEMM needs a power-of-two group of at least 16 columns, got {group_k}")
+    if config is None and m <= SKINNY_MAX_ROWS:
+        return skinny_gemm(a, w, bias, skinny_config(n, k, group_k), scales=(a_scale, w_scale, group_k),
+                           out_dtype=out_dtype)  # fmt: skip
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0:
         return out
-    if group_k and (group_k < 16 or group_k & (group_k - 1)):
-        raise ValueError(f"block-scaled FP8 GEMM needs a power-of-two group of at least 16 columns, got {group_k}")
     cfg = dict(config or gemm_config(m, n, k, group_k > 0))
     block_k = group_k or cfg.pop("BLOCK_K", 128)
     cfg.pop("BLOCK_K", None)
