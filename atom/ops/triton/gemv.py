@@ -77,6 +77,12 @@ def _skinny_gemm_kernel(
     xs_rows = xs_ptr + rm_load * stride_xsm
     ws_rows = ws_ptr + rn_load * stride_wsn
     k_start = pid_k * k_per_split
+    if SCALES == 2:
+        # block scales are read one key step ahead, so their latency hides behind the step's
+        # loads and MMA (as in fp8_gemm's tile kernel); past the last group, the last is reread
+        last_group = tl.cdiv(K, BLOCK_K) - 1
+        xs = tl.load(xs_rows + (k_start // BLOCK_K) * stride_xsk)
+        ws = tl.load(ws_rows + (k_start // BLOCK_K) * stride_wsk)
     # the weight is read once: it streams past L2 (evict_first) and leaves x and the other
     # layers' small tensors there
     if MODE == 1:
@@ -94,10 +100,10 @@ def _skinny_gemm_kernel(
             x = tl.load(x_rows + k[None, :], mask=k[None, :] < K, other=0.0)
             w = tl.load(w_rows + k[None, :], mask=k[None, :] < K, other=0.0, eviction_policy="evict_first")
         if SCALES == 2:
-            # this step's partial product, scaled (the group's scales are loaded beside the tiles)
-            group = (k_start + k0) // BLOCK_K
-            xs = tl.load(xs_rows + group * stride_xsk)
-            ws = tl.load(ws_rows + group * stride_wsk)
+            # this step's partial product times its group's scales
+            group_next = tl.minimum((k_start + k0) // BLOCK_K + 1, last_group)
+            xs_next = tl.load(xs_rows + group_next * stride_xsk)
+            ws_next = tl.load(ws_rows + group_next * stride_wsk)
             if MODE == 3:
                 acc += tl.dot(w, tl.trans(x)) * (ws[:, None] * xs[None, :])
             elif MODE == 2:
@@ -105,6 +111,7 @@ def _skinny_gemm_kernel(
             else:
                 part = tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
                 acc += part * (xs[:, None] * ws[None, :])
+            xs, ws = xs_next, ws_next
         elif MODE == 3:
             # FP8 (SCALES 1): Hopper's fp8 MMA accumulates in reduced precision; promote to
             # float32 every step (see fp8_gemm's per-channel kernel)
