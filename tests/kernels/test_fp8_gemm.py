@@ -8,6 +8,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from atom import ops
 from atom.ops import reference_fp8 as ref
+from atom.ops.triton import fp8_gemm
 from atom.ops.triton.fp8_configs import SKINNY_MAX_ROWS, gemm_config, skinny_config
 from atom.ops.triton.fp8_gemm import per_token_group_quant_fp8, w8a8_matmul
 from atom.ops.triton.gemv import GemvConfig, skinny_gemm
@@ -132,3 +133,33 @@ def test_w8a8_matmul_takes_the_skinny_kernel_for_few_rows(group_k, assert_close)
             same = w8a8_matmul(a_q, a_s, w_q, w_s, group_k, torch.bfloat16, config=gemm_config(m, n, k, group_k > 0))
         assert torch.equal(out, same)
         assert_close(out, ref.w8a8_matmul(a_q, a_s, w_q, w_s, group_k, torch.float32), torch.bfloat16)
+
+
+def test_scaled_mm_block_scales_checks_once_and_falls_back(monkeypatch, caplog):
+    # the block scales for torch._scaled_mm: only 128-column groups with one scale per
+    # 128x128 block, and only where a trial product runs (once per shape). The CPU's
+    # _scaled_mm has no block-wise mode: the trial fails, the Triton GEMM stays
+    monkeypatch.setattr(fp8_gemm, "_SCALED_MM_BLOCK_OK", {})
+    w_q, w_s = ref.quantize_weight(torch.randn(256, 384), 128, 128)
+    for _ in range(2):
+        assert fp8_gemm.scaled_mm_block_scales(w_q, w_s, 128) is None
+    assert fp8_gemm._SCALED_MM_BLOCK_OK == {("cpu", 256, 384): False}
+    assert len([r for r in caplog.records if "block-wise" in r.message]) == 1
+    w_q, w_s = ref.quantize_weight(torch.randn(256, 384), 128, 64)  # blocks of 64 rows
+    assert fp8_gemm.scaled_mm_block_scales(w_q, w_s, 128) is None
+    w_q, w_s = ref.quantize_weight(torch.randn(256, 384), 0, 1)
+    assert fp8_gemm.scaled_mm_block_scales(w_q, w_s, 0) is None
+    assert len(fp8_gemm._SCALED_MM_BLOCK_OK) == 1  # no trial for either
+
+
+def test_w8a8_matmul_takes_scaled_mm_above_the_skinny_rows():
+    # with w_block_scale, more than SKINNY_MAX_ROWS rows go to torch._scaled_mm (on the CPU it
+    # has no block-wise mode and raises: the dispatch reached it); fewer stay on the skinny kernel
+    n, k = 128, 256
+    w_q, w_s = ref.quantize_weight(torch.randn(n, k), 128, 128)
+    blocks = w_s[::128].contiguous().t()
+    a_q, a_s = per_token_group_quant_fp8(torch.randn(SKINNY_MAX_ROWS + 1, k), 128)
+    out = w8a8_matmul(a_q[:2], a_s[:2], w_q, w_s, 128, torch.bfloat16, w_block_scale=blocks)
+    assert torch.equal(out, w8a8_matmul(a_q[:2], a_s[:2], w_q, w_s, 128, torch.bfloat16))
+    with pytest.raises((RuntimeError, ValueError, NotImplementedError)):
+        w8a8_matmul(a_q, a_s, w_q, w_s, 128, torch.bfloat16, w_block_scale=blocks)
