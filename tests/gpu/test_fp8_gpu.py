@@ -23,7 +23,7 @@ from atom.ops import reference, reference_fp8
 if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("needs CUDA and compiled (not interpreted) Triton", allow_module_level=True)
 
-from atom.ops.triton import paged_attention  # noqa: E402
+from atom.ops.triton import gemv, paged_attention  # noqa: E402
 from atom.ops.triton.fp8_configs import SKINNY_MAX_ROWS  # noqa: E402
 from atom.ops.triton.fp8_gemm import per_token_group_quant_fp8, w8a8_matmul  # noqa: E402
 from atom.ops.triton.gemv import GemvConfig, skinny_gemm  # noqa: E402
@@ -134,20 +134,29 @@ def test_skinny_w8a8_configs(cfg, m, group_k):
 
 def test_skinny_w8a8_in_cuda_graph_and_compiled():
     # the op as the FP8 layers call it: every row count up to SKINNY_MAX_ROWS replays from a
-    # graph with the eager bits; compiled with a dynamic batch, across the skinny / tile switch
+    # graph with the eager bits, all from one compiled variant of the kernel (activation scales
+    # quantised per batch: their stride is the row count); compiled with a dynamic batch, across
+    # the skinny / tile switch
     n, k = 6144, 4096
-    a, a_s, w, w_s = fp8_gemm_inputs(SKINNY_MAX_ROWS, n, k, 128)
+    _, _, w, w_s = fp8_gemm_inputs(1, n, k, 128)
 
     def gemm(a, a_s):
         return ops.w8a8_matmul(a, a_s, w, w_s, 128, torch.bfloat16)
 
+    def variants():
+        return sum(len(cache[0]) for cache in gemv._skinny_gemm_kernel.device_caches.values())
+
     for m in range(1, SKINNY_MAX_ROWS + 1):
-        gemm(a[:m], a_s[:m])  # compile outside the capture
+        a, a_s = per_token_group_quant_fp8(torch.randn(m, k, device=DEV, dtype=torch.bfloat16), 128)
+        gemm(a, a_s)  # compile outside the capture
+        if m == 1:
+            compiled = variants()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = gemm(a[:m], a_s[:m])
+            out = gemm(a, a_s)
         graph.replay()
-        torch.testing.assert_close(out, gemm(a[:m], a_s[:m]), atol=0, rtol=0)
+        torch.testing.assert_close(out, gemm(a, a_s), atol=0, rtol=0)
+    assert variants() == compiled
     ops.init_device_ops(torch.device(DEV))
     fn = torch.compile(lambda a, a_s: gemm(a, a_s) * 2, dynamic=True, fullgraph=True)
     for m in (1, 7, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 1, 40):

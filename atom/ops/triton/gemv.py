@@ -53,8 +53,10 @@ class GemvConfig:
 
 
 # M is not specialised (M == 1 would be a variant of its own): one compiled variant per
-# power-of-two row bucket, all of which CUDA-graph capture and warm-up compile at start-up
-@triton.jit(do_not_specialize=["M"])
+# power-of-two row bucket, all of which CUDA-graph capture and warm-up compile at start-up.
+# Nor are the strides that follow M: the column-major activation scales' (M apart) and the
+# split-K partial sums' (M * N apart); Triton would compile variants for 1 and multiples of 16.
+@triton.jit(do_not_specialize=["M", "stride_os", "stride_xsk"])
 def _skinny_gemm_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, xs_ptr, ws_ptr,
     M, N, K, k_per_split,
