@@ -74,11 +74,14 @@ def scaled_mm_call(a, a_scale, c, cfg=None):
 
 
 def sweep_candidates(n: int, k: int) -> list[GemvConfig]:
+    """skinny_config's launch and its neighbours: other ways to multiply a tile and tile widths,
+    no key split to twice the table's, deeper pipelines (no split), other stages and warps."""
     base = skinny_config(n, k, GROUP)
     out = []
     for mode, block_n in (("dot_t", 64), ("dot_t", 128), ("dot", 32), ("dot", 64), ("sum", 16)):
-        for split in sorted({max(1, base.split_k // 2), base.split_k, base.split_k * 2}):
+        for split in sorted({1, max(1, base.split_k // 2), base.split_k, base.split_k * 2}):
             out.append(replace(base, mode=mode, block_n=block_n, split_k=split))
+    out += [replace(base, split_k=1, num_stages=8), replace(base, mode="dot", block_n=32, split_k=1, num_stages=8)]
     out += [replace(base, num_stages=s) for s in (3, 6)] + [replace(base, num_warps=8)]
     return out
 
