@@ -13,6 +13,9 @@ For each linear layer (N, K) and batch M, GPU time per call of:
   error is printed otherwise);
 - ``bf16``: ``F.linear`` on bf16 weights (cuBLAS).
 
+A second table times the per-channel format (``--quantization fp8``) at M <= 16: the skinny
+kernel vs ``torch._scaled_mm`` rowwise (what the FP8 layer runs there for bf16 activations).
+
 Times are CUDA-graph replays over enough weight copies (4x L2) that no weight stays in L2
 (``kernel_bench.graph_ms``). Each output is checked against its float32 reference
 (``reference_fp8.w8a8_matmul`` on the same e4m3 inputs; fp32 ``F.linear`` for bf16):
@@ -103,11 +106,13 @@ def main() -> None:
     l2 = torch.cuda.get_device_properties(DEV).L2_cache_size
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}: "
           f"copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)  # fmt: skip
-    rows, errors, sweeps = [], {}, []
+    rows, errors, sweeps, channel_rows = [], {}, [], []
     for name, (n, k) in SHAPES.items():
-        w_bf16 = torch.randn(n, k, device=DEV) * 0.02
-        w, w_scale = reference_fp8.quantize_weight(w_bf16, GROUP, GROUP)
-        w_bf16 = w_bf16.to(BF16)
+        w_f32 = torch.randn(n, k, device=DEV) * 0.02
+        channel_rows += per_channel(name, n, k, w_f32, [m for m in ms if m <= SKINNY_MAX_ROWS], l2)
+        w, w_scale = reference_fp8.quantize_weight(w_f32, GROUP, GROUP)
+        w_bf16 = w_f32.to(BF16)
+        del w_f32
         w_scale_k = w_scale.t().contiguous().t()  # K-major, as the FP8 layers keep them
         fp8_bytes = n * k + w_scale.numel() * 4
         copies = {
@@ -149,15 +154,48 @@ def main() -> None:
         torch.cuda.empty_cache()
     with open(os.path.join(out_dir, "fp8_gemm_probe.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
-                   "copy_bw": bw, "rows": rows, "errors": errors, "sweeps": sweeps}, f, indent=1)  # fmt: skip
+                   "copy_bw": bw, "rows": rows, "errors": errors, "sweeps": sweeps, "per_channel": channel_rows},
+                  f, indent=1)  # fmt: skip
     for msg, where in errors.items():
         print(f"\nFAILED ({len(where)} cases, first {where[0]}): {msg}")
     print_table(rows, bw)
+    print("\nper-channel weights, per-token activations (--quantization fp8): us per call, err\n")
+    print("| layer | M | skinny | _scaled_mm rowwise | err skinny/rowwise |\n|---|---:|---:|---:|---|")
+    for r in channel_rows:
+        print(f"| {r['layer']} | {r['m']} | {r['skinny_us']:.1f} | {r['rowwise_us']:.1f} | "
+              f"{r['skinny_err']:.0e}/{r['rowwise_err']:.0e} |")  # fmt: skip
     for s in sweeps:
         b = s["configs"][0] if s["configs"] else None
         print(f"sweep {s['layer']} m={s['m']}: table {s['table_us']:.1f} us; best "
               + (f"{b['us']:.1f} us {b['cfg']}" if b else "none"))  # fmt: skip
     print(f"\n{time.time() - t0:.0f} s")
+
+
+def per_channel(name: str, n: int, k: int, w_f32: torch.Tensor, ms: list[int], l2: int) -> list[dict]:
+    """The per-channel format at decode sizes: the skinny kernel (``w8a8_matmul``'s choice up
+    to 16 rows) vs ``torch._scaled_mm`` rowwise, which the FP8 layer runs for bf16 activations."""
+    w, w_scale = reference_fp8.quantize_weight(w_f32)
+    copies = [(w, w_scale)] + [(w.clone(), w_scale.clone()) for _ in range(-(-4 * l2 // (n * k)))]
+    w_ref = reference_fp8.dequantize(w, w_scale, 0)
+    cfg = skinny_config(n, k, 0)
+    rows = []
+    for m in ms:
+        a, a_scale = per_token_group_quant_fp8(torch.randn(m, k, device=DEV, dtype=BF16), 0)
+        ref = reference_fp8.dequantize(a, a_scale, 0) @ w_ref.t()
+        row = {"layer": name, "m": m}
+        for method, fn in (("skinny", channel_skinny_call), ("rowwise", channel_rowwise_call)):
+            row[f"{method}_err"] = rel_err(fn(a, a_scale, copies[0], cfg), ref)
+            row[f"{method}_us"] = graph_ms([partial(fn, a, a_scale, c, cfg) for c in copies]) * 1e3
+        rows.append(row)
+    return rows
+
+
+def channel_skinny_call(a, a_scale, c, cfg):
+    return skinny_gemm(a, c[0], None, cfg, (a_scale, c[1], 0), BF16)
+
+
+def channel_rowwise_call(a, a_scale, c, cfg=None):
+    return torch._scaled_mm(a, c[0].t(), scale_a=a_scale, scale_b=c[1].t(), out_dtype=BF16)
 
 
 def sweep(name, n, k, m, a, a_scale, ref, copies, moved, bw) -> dict:
