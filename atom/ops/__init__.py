@@ -253,7 +253,7 @@ per_token_group_quant_fp8 = register_op(
 w8a8_matmul = register_op(
     "w8a8_matmul",
     triton=f"{_T}.fp8_gemm:w8a8_matmul",
-    fake=lambda a, a_scale, w, w_scale, group_k, out_dtype, bias=None: a.new_empty(
+    fake=lambda a, a_scale, w, w_scale, group_k, out_dtype, bias=None, w_block_scale=None: a.new_empty(
         (a.shape[0], w.shape[0]), dtype=out_dtype
     ),
 )(reference_fp8.w8a8_matmul)

@@ -42,11 +42,12 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, group_k: int) -> torch.Tens
 
 def w8a8_matmul(
     a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, group_k: int,
-    out_dtype: torch.dtype, bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype, bias: torch.Tensor | None = None, w_block_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``dequantize(a) @ dequantize(w).T`` in float32 (+ bias), in ``out_dtype``. ``a`` [M, K]
     e4m3 with ``a_scale`` [M, ceil(K / group_k)]; ``w`` [N, K] with ``w_scale`` [N, ceil(K / group_k)]
-    (one column when ``group_k`` is 0: per-channel)."""
+    (one column when ``group_k`` is 0: per-channel). ``w_block_scale``, the same scales once per
+    128x128 block, only lets the GPU pick cuBLASLt's block-scaled GEMM: unused here."""
     out = dequantize(a, a_scale, group_k) @ dequantize(w, w_scale, group_k).t()
     if bias is not None:
         out = out + bias.float()

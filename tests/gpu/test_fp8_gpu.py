@@ -6,7 +6,9 @@ Run in its own pytest process (``pytest tests/gpu/test_fp8_gpu.py``).
   (decode, split-K, prefill) over an fp8 cache matches the reference over the dequantised cache
   (bf16 tolerance 2e-2 of the output's magnitude, as tests/gpu/test_kernels_gpu.py).
 - GEMM: the Triton w8a8 GEMM (block 128x128 and per-channel) matches the float32 reference on
-  the same quantised inputs to bf16 rounding, and ``torch._scaled_mm`` (rowwise) agrees with it.
+  the same quantised inputs to bf16 rounding, and ``torch._scaled_mm`` (rowwise) agrees with it;
+  so does the skinny kernel it takes up to 16 rows (each way of multiplying a tile), inside a
+  CUDA graph and under torch.compile with a dynamic batch.
 - MoE: the Triton FP8 fused MoE matches the reference within 2% (see tests/kernels/test_moe_fp8.py).
 """
 
@@ -15,13 +17,16 @@ import os
 import pytest
 import torch
 
+from atom import ops
 from atom.ops import reference, reference_fp8
 
 if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("needs CUDA and compiled (not interpreted) Triton", allow_module_level=True)
 
-from atom.ops.triton import paged_attention  # noqa: E402
+from atom.ops.triton import gemv, paged_attention  # noqa: E402
+from atom.ops.triton.fp8_configs import SKINNY_MAX_ROWS  # noqa: E402
 from atom.ops.triton.fp8_gemm import per_token_group_quant_fp8, w8a8_matmul  # noqa: E402
+from atom.ops.triton.gemv import GemvConfig, skinny_gemm  # noqa: E402
 from atom.ops.triton.moe_fp8 import fused_moe_fp8  # noqa: E402
 from atom.ops.triton.rope_cache import store_kv_cache  # noqa: E402
 
@@ -88,7 +93,7 @@ def test_paged_attention_fp8(q_lens, context_lens):
 SHAPES = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]
 
 
-@pytest.mark.parametrize("m", [1, 16, 256, 4096])
+@pytest.mark.parametrize("m", [1, 3, 16, 17, 256, 4096])
 @pytest.mark.parametrize("n, k", SHAPES)
 @pytest.mark.parametrize("group_k", [128, 0])
 def test_w8a8_matmul(m, n, k, group_k):
@@ -103,6 +108,60 @@ def test_w8a8_matmul(m, n, k, group_k):
     if group_k == 0:
         mm = torch._scaled_mm(a, w.t(), scale_a=a_s, scale_b=w_s.t(), out_dtype=torch.bfloat16)
         assert_close(mm, ref)
+
+
+def fp8_gemm_inputs(m, n, k, group_k):
+    w, w_s = reference_fp8.quantize_weight(torch.randn(n, k, device=DEV) * 0.02, group_k, group_k or 1)
+    a, a_s = per_token_group_quant_fp8(torch.randn(m, k, device=DEV, dtype=torch.bfloat16), group_k)
+    return a, a_s, w, w_s.t().contiguous().t()  # weight scales K-major, as the FP8 layers keep them
+
+
+# the skinny kernel's other ways of multiplying a tile (fp8_gemm_probe.py --sweep's candidates)
+@pytest.mark.parametrize("cfg", [
+    GemvConfig(block_n=128, block_k=128, split_k=2, mode="dot_t", num_stages=3),
+    GemvConfig(block_n=32, block_k=128, split_k=4, mode="dot"),
+    GemvConfig(block_n=16, block_k=128, split_k=2, mode="sum", num_stages=3),
+    GemvConfig(block_n=64, block_k=128, mode="dot_t", num_warps=8, num_stages=6),
+], ids=lambda c: f"{c.mode}-n{c.block_n}-s{c.split_k}-w{c.num_warps}")  # fmt: skip
+@pytest.mark.parametrize("m", [1, 5, 16])
+@pytest.mark.parametrize("group_k", [128, 0])
+def test_skinny_w8a8_configs(cfg, m, group_k):
+    a, a_s, w, w_s = fp8_gemm_inputs(m, 4096, 12288, group_k)
+    bias = torch.randn(4096, device=DEV, dtype=torch.bfloat16)
+    out = skinny_gemm(a, w, bias, cfg, scales=(a_s, w_s, group_k), out_dtype=torch.bfloat16)
+    assert_close(out, reference_fp8.w8a8_matmul(a, a_s, w, w_s, group_k, torch.float32, bias))
+
+
+def test_skinny_w8a8_in_cuda_graph_and_compiled():
+    # the op as the FP8 layers call it: every row count up to SKINNY_MAX_ROWS replays from a
+    # graph with the eager bits, all from one compiled variant of the kernel (activation scales
+    # quantised per batch: their stride is the row count); compiled with a dynamic batch, across
+    # the skinny / tile switch
+    n, k = 6144, 4096
+    _, _, w, w_s = fp8_gemm_inputs(1, n, k, 128)
+
+    def gemm(a, a_s):
+        return ops.w8a8_matmul(a, a_s, w, w_s, 128, torch.bfloat16)
+
+    def variants():
+        return sum(len(cache[0]) for cache in gemv._skinny_gemm_kernel.device_caches.values())
+
+    for m in range(1, SKINNY_MAX_ROWS + 1):
+        a, a_s = per_token_group_quant_fp8(torch.randn(m, k, device=DEV, dtype=torch.bfloat16), 128)
+        gemm(a, a_s)  # compile outside the capture
+        if m == 1:
+            compiled = variants()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = gemm(a, a_s)
+        graph.replay()
+        torch.testing.assert_close(out, gemm(a, a_s), atol=0, rtol=0)
+    assert variants() == compiled
+    ops.init_device_ops(torch.device(DEV))
+    fn = torch.compile(lambda a, a_s: gemm(a, a_s) * 2, dynamic=True, fullgraph=True)
+    for m in (1, 7, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 1, 40):
+        a, a_s = per_token_group_quant_fp8(torch.randn(m, k, device=DEV, dtype=torch.bfloat16), 128)
+        torch.testing.assert_close(fn(a, a_s), gemm(a, a_s) * 2, atol=0, rtol=0)
 
 
 # --- MoE -----------------------------------------------------------------------------------

@@ -8,7 +8,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from atom import ops
 from atom.ops import reference_fp8 as ref
+from atom.ops.triton import fp8_gemm
+from atom.ops.triton.fp8_configs import SKINNY_MAX_ROWS, gemm_config, skinny_config
 from atom.ops.triton.fp8_gemm import per_token_group_quant_fp8, w8a8_matmul
+from atom.ops.triton.gemv import GemvConfig, skinny_gemm
 
 
 @pytest.mark.parametrize("m, k, group_k", [(1, 128, 128), (5, 200, 32), (33, 72, 0), (7, 256, 128)])
@@ -79,3 +82,84 @@ def test_w8a8_matmul_split_k_and_scale_layouts(split_k, group_k, column_major, a
     config = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, GROUP_M=1, SPLIT_K=split_k, num_warps=4, num_stages=2)
     out = w8a8_matmul(a_q, a_s, w_q, w_s.t().contiguous().t(), group_k, torch.float32, b, config=config)
     assert_close(out, ref.w8a8_matmul(a_q, a_s, w_q, w_s, group_k, torch.float32, b), torch.float32)
+
+
+# the skinny kernel (few rows, atom.ops.triton.gemv) with FP8 scales: block scales with odd
+# N / K (a partial last group and a partial last weight block), per-channel scales, each way
+# of multiplying a tile that applies block scales, with and without a key split
+SKINNY_CASES = [
+    # (m, n, k, group_k, block_n, cfg)
+    (1, 37, 200, 32, 32, GemvConfig(block_n=64, block_k=128, split_k=2, mode="dot_t")),
+    (16, 100, 96, 32, 32, GemvConfig(block_n=16, block_k=128, mode="dot")),
+    (3, 70, 72, 16, 32, GemvConfig(block_n=8, block_k=128, split_k=3, mode="sum")),
+    (5, 50, 130, 0, 1, GemvConfig(block_n=32, block_k=32, split_k=2, mode="dot_t")),
+    (2, 33, 100, 0, 1, GemvConfig(block_n=4, block_k=64, mode="defer")),
+]
+
+
+@pytest.mark.parametrize("m, n, k, group_k, block_n, cfg", SKINNY_CASES)
+def test_skinny_w8a8(m, n, k, group_k, block_n, cfg, assert_close):
+    x = torch.randn(m, k) * torch.exp(torch.randn(m, 1))
+    w_q, w_s = ref.quantize_weight(torch.randn(n, k) * 0.1, group_k, block_n)
+    a_q, a_s = per_token_group_quant_fp8(x, group_k)
+    b = torch.randn(n).to(torch.bfloat16)
+    # K-major weight scales, as the FP8 layers keep them
+    out = skinny_gemm(a_q, w_q, b, cfg, scales=(a_s, w_s.t().contiguous().t(), group_k), out_dtype=torch.float32)
+    assert out.dtype == torch.float32
+    assert_close(out, ref.w8a8_matmul(a_q, a_s, w_q, w_s, group_k, torch.float32, b), torch.float32)
+
+
+def test_skinny_w8a8_defer_rejects_block_scales():
+    a_q, a_s = ref.per_token_group_quant_fp8(torch.randn(2, 64), 32)
+    w_q, w_s = ref.quantize_weight(torch.randn(8, 64), 32, 8)
+    with pytest.raises(ValueError, match="defer"):
+        skinny_gemm(a_q, w_q, None, GemvConfig(block_n=8, block_k=32, mode="defer"), scales=(a_s, w_s, 32))
+
+
+@pytest.mark.parametrize("group_k", [32, 0])
+def test_w8a8_matmul_takes_the_skinny_kernel_for_few_rows(group_k, assert_close):
+    # up to SKINNY_MAX_ROWS rows: the skinny kernel with skinny_config's launch (the same
+    # bits); one row more: the tile kernel with the table's config
+    n, k = 72, 160
+    w_q, w_s = ref.quantize_weight(torch.randn(n, k) * 0.1, group_k, group_k or 1)
+    w_s = w_s.t().contiguous().t()  # K-major, as the FP8 layers keep them
+    for m in (1, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 1):
+        a_q, a_s = per_token_group_quant_fp8(torch.randn(m, k), group_k)
+        out = w8a8_matmul(a_q, a_s, w_q, w_s, group_k, torch.bfloat16)
+        if m <= SKINNY_MAX_ROWS:
+            same = skinny_gemm(a_q, w_q, None, skinny_config(n, k, group_k), scales=(a_s, w_s, group_k),
+                               out_dtype=torch.bfloat16)  # fmt: skip
+        else:
+            same = w8a8_matmul(a_q, a_s, w_q, w_s, group_k, torch.bfloat16, config=gemm_config(m, n, k, group_k > 0))
+        assert torch.equal(out, same)
+        assert_close(out, ref.w8a8_matmul(a_q, a_s, w_q, w_s, group_k, torch.float32), torch.bfloat16)
+
+
+def test_scaled_mm_block_scales_checks_once_and_falls_back(monkeypatch, caplog):
+    # the block scales for torch._scaled_mm: only 128-column groups with one scale per
+    # 128x128 block, and only where a trial product runs (once per shape). The CPU's
+    # _scaled_mm has no block-wise mode: the trial fails, the Triton GEMM stays
+    monkeypatch.setattr(fp8_gemm, "_SCALED_MM_BLOCK_OK", {})
+    w_q, w_s = ref.quantize_weight(torch.randn(256, 384), 128, 128)
+    for _ in range(2):
+        assert fp8_gemm.scaled_mm_block_scales(w_q, w_s, 128) is None
+    assert fp8_gemm._SCALED_MM_BLOCK_OK == {("cpu", 256, 384): False}
+    assert len([r for r in caplog.records if "block-wise" in r.message]) == 1
+    w_q, w_s = ref.quantize_weight(torch.randn(256, 384), 128, 64)  # blocks of 64 rows
+    assert fp8_gemm.scaled_mm_block_scales(w_q, w_s, 128) is None
+    w_q, w_s = ref.quantize_weight(torch.randn(256, 384), 0, 1)
+    assert fp8_gemm.scaled_mm_block_scales(w_q, w_s, 0) is None
+    assert len(fp8_gemm._SCALED_MM_BLOCK_OK) == 1  # no trial for either
+
+
+def test_w8a8_matmul_takes_scaled_mm_above_the_skinny_rows():
+    # with w_block_scale, more than SKINNY_MAX_ROWS rows go to torch._scaled_mm (on the CPU it
+    # has no block-wise mode and raises: the dispatch reached it); fewer stay on the skinny kernel
+    n, k = 128, 256
+    w_q, w_s = ref.quantize_weight(torch.randn(n, k), 128, 128)
+    blocks = w_s[::128].contiguous().t()
+    a_q, a_s = per_token_group_quant_fp8(torch.randn(SKINNY_MAX_ROWS + 1, k), 128)
+    out = w8a8_matmul(a_q[:2], a_s[:2], w_q, w_s, 128, torch.bfloat16, w_block_scale=blocks)
+    assert torch.equal(out, w8a8_matmul(a_q[:2], a_s[:2], w_q, w_s, 128, torch.bfloat16))
+    with pytest.raises((RuntimeError, ValueError, NotImplementedError)):
+        w8a8_matmul(a_q, a_s, w_q, w_s, 128, torch.bfloat16, w_block_scale=blocks)

@@ -11,6 +11,7 @@ CONFIGS = [
     GemvConfig(block_n=16, block_k=32, split_k=3),
     GemvConfig(block_n=16, block_k=16, mode="dot"),
     GemvConfig(block_n=32, block_k=32, split_k=2, mode="dot"),
+    GemvConfig(block_n=16, block_k=32, split_k=2, mode="dot_t"),
 ]
 
 
@@ -18,7 +19,7 @@ CONFIGS = [
 @pytest.mark.parametrize("m,n,k", [(1, 37, 100), (3, 64, 96), (7, 50, 130), (17, 33, 72)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_skinny_gemm(cfg, m, n, k, with_bias, dtype, assert_close):
-    if cfg.mode == "dot" and dtype == torch.float32:
+    if cfg.mode.startswith("dot") and dtype == torch.float32:
         dtype = torch.bfloat16  # the dot mode is for 16-bit inputs (fp32 would run as tf32)
     x = torch.randn(m, k, dtype=dtype)
     w = torch.randn(n, k, dtype=dtype) / k**0.5

@@ -6,7 +6,9 @@ A method object is attached to each layer (``layer.quant_method``) after the mod
 it swaps the weight parameters for e4m3 ones with scale parameters beside them (or, for
 ``--quantization fp8``, quantises the loaded high-precision weights once loading is done).
 Linear GEMMs run ``ops.w8a8_matmul`` (Triton on a GPU, the reference on the CPU); on a GPU,
-per-channel weights use ``torch._scaled_mm`` unless ``ATOM_FP8_SCALED_MM=0``.
+per-channel weights use ``torch._scaled_mm`` unless ``ATOM_FP8_SCALED_MM=0``, and 128x128-block
+weights may use its block-wise mode above the decode sizes with ``ATOM_FP8_SCALED_MM_BLOCK=1``
+(opt-in until measured: tests/gpu/fp8_gemm_probe.py).
 """
 
 from __future__ import annotations
@@ -68,6 +70,8 @@ class Fp8LinearMethod:
         self.config = config
         self.group_k = config.group_k
         self.scaled_mm = config.block is None and os.environ.get("ATOM_FP8_SCALED_MM", "1") == "1"
+        self.scaled_mm_block = os.environ.get("ATOM_FP8_SCALED_MM_BLOCK", "0") == "1"
+        self.block_scale = None  # the weight's scales per 128x128 block, for torch._scaled_mm
 
     def create_weights(self, layer: LinearBase) -> None:
         layer.quant_method = self
@@ -114,6 +118,10 @@ class Fp8LinearMethod:
         elif self.group_k:
             scale = getattr(layer, self.config.scale_name).data
             setattr(layer, self.config.scale_name, _param(_k_major(scale), None))
+            if self.scaled_mm_block and layer.weight.is_cuda:
+                from atom.ops.triton.fp8_gemm import scaled_mm_block_scales
+
+                self.block_scale = scaled_mm_block_scales(layer.weight.data, scale, self.group_k)
         self.scale = getattr(layer, self.config.scale_name)
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -126,7 +134,8 @@ class Fp8LinearMethod:
             out = torch._scaled_mm(a, layer.weight.t(), scale_a=a_scale, scale_b=scale.t(), out_dtype=x.dtype)
             out = out if bias is None else out + bias
         else:
-            out = ops.w8a8_matmul(a, a_scale, layer.weight, scale, self.group_k, x.dtype, bias)
+            block_scale = self.block_scale if x.dtype == torch.bfloat16 else None
+            out = ops.w8a8_matmul(a, a_scale, layer.weight, scale, self.group_k, x.dtype, bias, block_scale)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
 

@@ -10,6 +10,8 @@ overrides keys for the down GEMM."""
 
 from __future__ import annotations
 
+from atom.ops.triton.gemv import GemvConfig
+
 _INF = float("inf")
 
 # by m (tokens); block-scaled (per_group) and per-channel weights. Small batches are bound
@@ -56,6 +58,25 @@ def gemm_config(m: int, n: int, k: int, per_group: bool) -> dict:
         # (m = 1: 51 us vs 57 us with the split; m = 64: 51 us vs 67 us)
         return {**cfg, "BLOCK_N": 64, "SPLIT_K": 1}
     return cfg
+
+
+# Up to this many rows the block-scaled and per-channel GEMMs take the skinny kernel
+# (atom.ops.triton.gemv): a decode step only streams the weight.
+SKINNY_MAX_ROWS = 16
+
+
+def skinny_config(n: int, k: int, group_k: int) -> GemvConfig:
+    """The skinny kernel's launch for every row count up to ``SKINNY_MAX_ROWS`` (one compiled
+    variant: the rows pad to 16): 64 weight rows per program as the MMA's long side ("swap
+    AB"), one 128-column scale group per key step, and the key range split in two until the
+    grid fills the GPU (at least 4 key steps per split). Not swept yet: tests/gpu/fp8_gemm_probe.py
+    times it and its candidates."""
+    block_n, block_k = 64, group_k or 128
+    programs, steps = -(-n // block_n), -(-k // block_k)
+    split = 1
+    while split < 8 and programs * split * 2 <= _FULL_GRID and steps >= split * 2 * 4:
+        split *= 2
+    return GemvConfig(block_n=block_n, block_k=block_k, split_k=split, mode="dot_t", num_warps=4, num_stages=4)
 
 
 def moe_config(pairs_per_expert: float, per_group: bool) -> dict:

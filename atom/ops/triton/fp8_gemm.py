@@ -11,15 +11,28 @@ scales column-major, and the FP8 linear layer keeps weight scales K-major, so ea
 scale vector is one contiguous read. Small batches split the key range over several
 programs (float32 partial sums, added after) to fill the GPU. Tile shapes come from
 ``atom.ops.triton.fp8_configs`` (swept on an H100 with ``tests/gpu/fp8_sweep.py``).
+
+Up to ``SKINNY_MAX_ROWS`` rows (decode) ``w8a8_matmul`` runs the weight-streaming skinny
+kernel of ``atom.ops.triton.gemv`` instead, with the same scales and the same result up to
+float32 summation order; the choice is made inside the op, so CUDA graphs and torch.compile
+see one op for every batch size. Above that, a weight given with ``w_block_scale`` (see
+``scaled_mm_block_scales``; opt-in, ``ATOM_FP8_SCALED_MM_BLOCK=1``) runs cuBLASLt's
+block-scaled GEMM through ``torch._scaled_mm`` instead of the tile kernel.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import triton
 import triton.language as tl
 
-from atom.ops.triton.fp8_configs import gemm_config
+from atom.ops import reference_fp8
+from atom.ops.triton.fp8_configs import SKINNY_MAX_ROWS, gemm_config, skinny_config
+from atom.ops.triton.gemv import skinny_gemm
+
+logger = logging.getLogger(__name__)
 
 
 @triton.jit
@@ -122,18 +135,27 @@ def _w8a8_kernel(
 
 def w8a8_matmul(
     a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, group_k: int,
-    out_dtype: torch.dtype, bias: torch.Tensor | None = None, config: dict | None = None,
-) -> torch.Tensor:
-    """``config`` overrides the tile table (the sweep's candidates): BLOCK_M, BLOCK_N,
-    BLOCK_K (per-channel only; block scales step one group), GROUP_M, SPLIT_K, num_warps,
-    num_stages."""
+    out_dtype: torch.dtype, bias: torch.Tensor | None = None, w_block_scale: torch.Tensor | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """``config`` overrides the tile table (the sweep's candidates) and selects this kernel at
+    any row count: BLOCK_M, BLOCK_N, BLOCK_K (per-channel only; block scales step one group),
+    GROUP_M, SPLIT_K, num_warps, num_stages. Without it, up to ``SKINNY_MAX_ROWS`` rows run
+    the skinny kernel (``skinny_config``), and more rows ``torch._scaled_mm`` where
+    ``w_block_scale`` (``scaled_mm_block_scales``'s, the same scales per 128x128 block) is given."""
     m, k = a.shape
     n = w.shape[0]
+    if group_k and (group_k < 16 or group_k & (group_k - 1)):
+        raise ValueError(f"block-scaled FP8 GEMM needs a power-of-two group of at least 16 columns, got {group_k}")
+    if config is None and m <= SKINNY_MAX_ROWS:
+        return skinny_gemm(a, w, bias, skinny_config(n, k, group_k), scales=(a_scale, w_scale, group_k),
+                           out_dtype=out_dtype)  # fmt: skip
+    if config is None and w_block_scale is not None:
+        out = scaled_mm_block(a, a_scale, w, w_block_scale, out_dtype)
+        return out if bias is None else out + bias
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0:
         return out
-    if group_k and (group_k < 16 or group_k & (group_k - 1)):
-        raise ValueError(f"block-scaled FP8 GEMM needs a power-of-two group of at least 16 columns, got {group_k}")
     cfg = dict(config or gemm_config(m, n, k, group_k > 0))
     block_k = group_k or cfg.pop("BLOCK_K", 128)
     cfg.pop("BLOCK_K", None)
@@ -152,3 +174,54 @@ def w8a8_matmul(
         summed = dest.sum(0)
         out.copy_(summed if bias is None else summed + bias.float())
     return out
+
+
+def scaled_mm_block(
+    a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_block_scale: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """``torch._scaled_mm`` with block-wise scales, which it infers from their shapes and
+    strides: ``a_scale`` [M, K/128] column-major (BlockWise1x128, as the quantisation writes
+    it) and ``w_block_scale`` [K/128, N/128], the transpose of a contiguous [N/128, K/128]
+    (BlockWise128x128). cuBLASLt runs it on sm90 from cuBLAS 12.9 (PyTorch's ScaledBlas.cpp)."""
+    return torch._scaled_mm(a, w.t(), scale_a=a_scale, scale_b=w_block_scale, out_dtype=out_dtype)
+
+
+# (device, n, k) -> whether a trial ``scaled_mm_block`` of that shape ran and matched the
+# reference: asked once per shape, when the first such weight is loaded
+_SCALED_MM_BLOCK_OK: dict[tuple[str, int, int], bool] = {}
+
+
+def scaled_mm_block_scales(w: torch.Tensor, w_scale: torch.Tensor, group_k: int) -> torch.Tensor | None:
+    """The ``w_block_scale`` that lets ``w8a8_matmul`` run ``scaled_mm_block`` for this weight
+    (e4m3 [N, K], row-expanded scales [N, K/128]), or None where it cannot: groups other than
+    128 columns, N or K not multiples of 16, scales that are not one value per 128x128 block
+    (a packed or split layer whose blocks do not start every 128 rows), or a torch / cuBLAS /
+    GPU whose ``_scaled_mm`` refuses block-wise scales or gets a trial product wrong."""
+    n, k = w.shape
+    if group_k != 128 or n % 16 or k % 16:
+        return None
+    blocks = w_scale[::128].contiguous()
+    if not torch.equal(blocks.repeat_interleave(128, dim=0)[:n], w_scale):
+        return None
+    key = (str(w.device), n, k)
+    if key not in _SCALED_MM_BLOCK_OK:
+        _SCALED_MM_BLOCK_OK[key] = _scaled_mm_block_trial(w, w_scale, blocks.t())
+    return blocks.t() if _SCALED_MM_BLOCK_OK[key] else None
+
+
+def _scaled_mm_block_trial(w: torch.Tensor, w_scale: torch.Tensor, w_block_scale: torch.Tensor) -> bool:
+    rows = torch.randn(64, w.shape[1], device=w.device, generator=torch.Generator(device=w.device).manual_seed(0))
+    a, a_scale = reference_fp8.per_token_group_quant_fp8(rows, 128)
+    try:
+        out = scaled_mm_block(a, a_scale, w, w_block_scale, torch.bfloat16)
+    except (RuntimeError, ValueError, NotImplementedError) as e:
+        logger.warning("torch._scaled_mm refuses block-wise FP8 scales here, the Triton GEMM runs instead: %s",
+                       str(e).splitlines()[0])  # fmt: skip
+        return False
+    ref = reference_fp8.w8a8_matmul(a, a_scale, w, w_scale, 128, torch.float32)
+    err = (out.float() - ref).abs().max().item() / max(ref.abs().max().item(), 1e-30)
+    if not err <= 2e-2:  # bf16 rounding is ~4e-3
+        logger.warning("torch._scaled_mm with block-wise FP8 scales is off by %.3g (relative) on a %dx%d weight, "
+                       "the Triton GEMM runs instead", err, *w.shape)  # fmt: skip
+        return False
+    return True

@@ -5,11 +5,19 @@ the copy bandwidth on decode shapes. Here each program owns ``block_n`` rows of 
 (contiguous along K, loaded in wide vectors) for all M input rows and walks K in
 ``block_k`` steps, accumulating in fp32; when N alone gives too few programs to fill the
 GPU, K is split over ``split_k`` programs whose fp32 partial sums a second small kernel
-adds in a fixed order (deterministic, no atomics). Three ways to multiply a tile:
+adds in a fixed order (deterministic, no atomics). Four ways to multiply a tile:
 
 - ``sum``: broadcast-multiply and reduce over K every step;
 - ``defer``: accumulate the products elementwise and reduce over K once at the end;
-- ``dot``: ``tl.dot`` with M padded to 16.
+- ``dot``: ``tl.dot`` with M padded to 16;
+- ``dot_t``: ``tl.dot`` of the weight tile by the transposed input ("swap AB"): the weight's
+  ``block_n`` rows fill the MMA's long side (64 rows: Hopper's wgmma) and the few input rows
+  pad only its short side to 16.
+
+The same kernel runs FP8 (e4m3) weights and activations with float32 scales
+(``atom.ops.reference_fp8.w8a8_matmul``'s product, called from ``fp8_gemm.w8a8_matmul`` for a
+few rows): per-channel scales multiply the accumulator once, block scales (one per row and
+``group_k`` key columns) each key step's partial product, so a step is one scale group.
 
 ``pick_config`` holds the H100 sweep's winners (``sum`` at 1-2 rows, ``dot`` above); split-K
 and ``defer`` stay as options of the sweep (tests/gpu/gemv_bench.py), for other GPUs and shapes.
@@ -24,7 +32,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-_MODES = {"sum": 0, "defer": 1, "dot": 2}
+_MODES = {"sum": 0, "defer": 1, "dot": 2, "dot_t": 3}
 # Where the skinny kernel beats cuBLAS (H100 sweep, tests/gpu/gemv_bench.py, CUDA-graph replay
 # over weight copies that do not fit L2): at one row on every Qwen3 projection (8B: 80-97% of
 # the copy bandwidth vs cuBLAS's 70-90%), and up to 32 rows for vocabulary-wide weights (the
@@ -45,15 +53,19 @@ class GemvConfig:
 
 
 # M is not specialised (M == 1 would be a variant of its own): one compiled variant per
-# power-of-two row bucket, all of which CUDA-graph capture and warm-up compile at start-up
-@triton.jit(do_not_specialize=["M"])
+# power-of-two row bucket, all of which CUDA-graph capture and warm-up compile at start-up.
+# Nor are the strides that follow M: the column-major activation scales' (M apart) and the
+# split-K partial sums' (M * N apart); Triton would compile variants for 1 and multiples of 16.
+@triton.jit(do_not_specialize=["M", "stride_os", "stride_xsk"])
 def _skinny_gemm_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr,
+    x_ptr, w_ptr, b_ptr, out_ptr, xs_ptr, ws_ptr,
     M, N, K, k_per_split,
-    stride_xm, stride_wn, stride_om, stride_os,
+    stride_xm, stride_wn, stride_om, stride_os, stride_xsm, stride_xsk, stride_wsn, stride_wsk,
     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr, MODE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SCALES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
+    # SCALES: 0 none; 1 one scale per input row (xs[m, 0]) and weight row (ws[n, 0]), applied
+    # once; 2 one per row and BLOCK_K-wide key group (xs[m, g], ws[n, g]), applied every step
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
@@ -64,11 +76,21 @@ def _skinny_gemm_kernel(
     rn_load = tl.minimum(rn, N - 1)
     x_rows = x_ptr + rm_load.to(tl.int64)[:, None] * stride_xm
     w_rows = w_ptr + rn_load.to(tl.int64)[:, None] * stride_wn
+    xs_rows = xs_ptr + rm_load * stride_xsm
+    ws_rows = ws_ptr + rn_load * stride_wsn
     k_start = pid_k * k_per_split
+    if SCALES == 2:
+        # block scales are read one key step ahead, so their latency hides behind the step's
+        # loads and MMA (as in fp8_gemm's tile kernel); past the last group, the last is reread
+        last_group = tl.cdiv(K, BLOCK_K) - 1
+        xs = tl.load(xs_rows + (k_start // BLOCK_K) * stride_xsk)
+        ws = tl.load(ws_rows + (k_start // BLOCK_K) * stride_wsk)
     # the weight is read once: it streams past L2 (evict_first) and leaves x and the other
     # layers' small tensors there
     if MODE == 1:
         acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    elif MODE == 3:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # transposed until the end
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, k_per_split, BLOCK_K):
@@ -79,14 +101,35 @@ def _skinny_gemm_kernel(
         else:
             x = tl.load(x_rows + k[None, :], mask=k[None, :] < K, other=0.0)
             w = tl.load(w_rows + k[None, :], mask=k[None, :] < K, other=0.0, eviction_policy="evict_first")
-        if MODE == 2:
-            acc = tl.dot(x, tl.trans(w), acc)
+        if SCALES == 2:
+            # this step's partial product times its group's scales
+            group_next = tl.minimum((k_start + k0) // BLOCK_K + 1, last_group)
+            xs_next = tl.load(xs_rows + group_next * stride_xsk)
+            ws_next = tl.load(ws_rows + group_next * stride_wsk)
+            if MODE == 3:
+                acc += tl.dot(w, tl.trans(x)) * (ws[:, None] * xs[None, :])
+            elif MODE == 2:
+                acc += tl.dot(x, tl.trans(w)) * (xs[:, None] * ws[None, :])
+            else:
+                part = tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+                acc += part * (xs[:, None] * ws[None, :])
+            xs, ws = xs_next, ws_next
+        elif MODE == 3:
+            # FP8 (SCALES 1): Hopper's fp8 MMA accumulates in reduced precision; promote to
+            # float32 every step (see fp8_gemm's per-channel kernel)
+            acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=BLOCK_K if SCALES == 1 else None)
+        elif MODE == 2:
+            acc = tl.dot(x, tl.trans(w), acc, max_num_imprecise_acc=BLOCK_K if SCALES == 1 else None)
         elif MODE == 1:
             acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
         else:
             acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     if MODE == 1:
         acc = tl.sum(acc3, axis=2)
+    elif MODE == 3:
+        acc = tl.trans(acc)
+    if SCALES == 1:
+        acc = acc * tl.load(xs_rows)[:, None] * tl.load(ws_rows)[None, :]
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     offs = rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
     if PARTIAL:
@@ -113,18 +156,30 @@ def _split_k_reduce_kernel(
     tl.store(out_ptr + m * stride_om + rn, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: GemvConfig) -> torch.Tensor:
+def skinny_gemm(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: GemvConfig,
+    scales: tuple[torch.Tensor, torch.Tensor, int] | None = None, out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:  # fmt: skip
     """``x @ weight.T + bias`` for 2-D ``x`` [M, K] and ``weight`` [N, K], both with unit
-    stride along K; fp32 accumulation, output in ``x``'s dtype."""
+    stride along K; fp32 accumulation, output in ``out_dtype`` (default: ``x``'s dtype).
+
+    ``scales`` = (``x_scale`` [M, groups], ``weight_scale`` [N, groups], ``group_k``) for e4m3
+    ``x`` and ``weight``: ``reference_fp8.w8a8_matmul``'s product. Block scales (``group_k`` > 0)
+    step one group at a time (``cfg.block_k`` is replaced by ``group_k``); per-channel ones
+    (``group_k`` 0, one scale column) apply once. Any scale strides."""
     m, k = x.shape
     n = weight.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
+    x_scale, w_scale, group_k = scales if scales is not None else (out, out, 0)
     mode = _MODES[cfg.mode]
-    block_m = max(triton.next_power_of_2(m), 16 if mode == 2 else 1)
-    split_k = min(cfg.split_k, triton.cdiv(k, cfg.block_k))
-    k_per_split = triton.cdiv(triton.cdiv(k, split_k), cfg.block_k) * cfg.block_k
+    block_k = group_k or cfg.block_k
+    if group_k and mode == _MODES["defer"]:
+        raise ValueError("the defer mode reduces once at the end: it cannot apply block scales per key step")
+    block_m = max(triton.next_power_of_2(m), 16 if mode >= 2 else 1)
+    split_k = min(cfg.split_k, triton.cdiv(k, block_k))
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     split_k = triton.cdiv(k, k_per_split)  # no empty split
     even_k = k % k_per_split == 0
     partial = split_k > 1
@@ -132,10 +187,12 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     b = bias if bias is not None else out
     grid = (triton.cdiv(n, cfg.block_n), split_k)
     _skinny_gemm_kernel[grid](
-        x, weight, b, target, m, n, k, k_per_split,
+        x, weight, b, target, x_scale, w_scale, m, n, k, k_per_split,
         x.stride(0), weight.stride(0), target.stride(-2), target.stride(0) if partial else 0,
+        x_scale.stride(0), x_scale.stride(1), w_scale.stride(0), w_scale.stride(1),
         HAS_BIAS=bias is not None, PARTIAL=partial, EVEN_K=even_k, MODE=mode,
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        SCALES=0 if scales is None else 2 if group_k else 1,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if partial:
