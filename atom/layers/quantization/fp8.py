@@ -7,8 +7,8 @@ it swaps the weight parameters for e4m3 ones with scale parameters beside them (
 ``--quantization fp8``, quantises the loaded high-precision weights once loading is done).
 Linear GEMMs run ``ops.w8a8_matmul`` (Triton on a GPU, the reference on the CPU); on a GPU,
 per-channel weights use ``torch._scaled_mm`` unless ``ATOM_FP8_SCALED_MM=0``, and 128x128-block
-weights may use its block-wise mode above the decode sizes with ``ATOM_FP8_SCALED_MM_BLOCK=1``
-(opt-in until measured: tests/gpu/fp8_gemm_probe.py).
+weights its block-wise mode above the decode sizes unless ``ATOM_FP8_SCALED_MM_BLOCK=0``
+(cuBLASLt: 1.4-2.0x the Triton tile kernel from 256 rows, tests/gpu/fp8_gemm_probe.py).
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ class Fp8LinearMethod:
         self.config = config
         self.group_k = config.group_k
         self.scaled_mm = config.block is None and os.environ.get("ATOM_FP8_SCALED_MM", "1") == "1"
-        self.scaled_mm_block = os.environ.get("ATOM_FP8_SCALED_MM_BLOCK", "0") == "1"
+        self.scaled_mm_block = os.environ.get("ATOM_FP8_SCALED_MM_BLOCK", "1") == "1"
         self.block_scale = None  # the weight's scales per 128x128 block, for torch._scaled_mm
 
     def create_weights(self, layer: LinearBase) -> None:

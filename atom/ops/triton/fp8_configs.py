@@ -60,9 +60,13 @@ def gemm_config(m: int, n: int, k: int, per_group: bool) -> dict:
     return cfg
 
 
-# Up to this many rows the block-scaled and per-channel GEMMs take the skinny kernel
-# (atom.ops.triton.gemv): a decode step only streams the weight.
+# Up to this many rows, and this many output columns, the block-scaled and per-channel GEMMs
+# take the skinny kernel (atom.ops.triton.gemv): a decode step only streams the weight. The
+# H100 probe (tests/gpu/fp8_gemm_probe.py, 2026-11-26): at one row 15.3 vs 17.7 us (qkv 6144),
+# 12.9 vs 14.3 (o 4096), 26.8 vs 29.3 (down 4096) against the tile kernel, but 52.5 vs 44.4 us
+# on gate_up (24576 columns, whose tile config already drops the key split for wide layers).
 SKINNY_MAX_ROWS = 16
+SKINNY_MAX_N = 8192
 
 
 def skinny_config(n: int, k: int, group_k: int) -> GemvConfig:
