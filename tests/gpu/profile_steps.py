@@ -26,7 +26,7 @@ from collections import defaultdict
 
 from atom import SamplingParams
 from atom.benchmarks.benchmark_throughput import workload
-from atom.benchmarks.model_configs import model_dir
+from atom.benchmarks.model_configs import model_dir, redraw_dummy_weights
 
 KINDS = [  # first match wins
     ("all-reduce", r"nccl|all_reduce|allreduce|one_shot|symm|cross_device"),
@@ -95,8 +95,10 @@ def vllm_run(model: str, tp: int, prompts, params, window, out: str) -> str:
     prof_dir = os.path.abspath(f"{out}/prof_vllm_tp{tp}")
     extra = {} if tp == 1 else dict(profiler_config=dict(profiler="torch", torch_profiler_dir=prof_dir,
                                                          torch_profiler_with_stack=False))
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # the callable below, to the workers
     llm = LLM(model_dir(model), load_format="dummy", skip_tokenizer_init=True, max_model_len=4096,
               tensor_parallel_size=tp, **extra)
+    llm.collective_rpc(redraw_dummy_weights)  # atom's weight distribution: see the function
     engine = llm.llm_engine
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], VParams(max_tokens=8, detokenize=False), use_tqdm=False)
     for i, (prompt, p) in enumerate(zip(prompts, params)):
