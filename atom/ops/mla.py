@@ -120,21 +120,29 @@ def mla_prefill(
     out = q.new_empty(q.shape[0], num_heads, v_head_dim)
     cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
     fp8 = kv_cache is not None and kv_cache.dtype == torch.float8_e4m3fn
+
+    def expand(lat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [S, r + rope] -> K, V [S, H, .]
+        kv = F.linear(lat[:, :rank], kv_b_weight).view(lat.shape[0], num_heads, nope + v_head_dim)
+        k_pe = lat[:, rank:].unsqueeze(1).expand(-1, num_heads, -1)
+        return torch.cat((kv[..., :nope], k_pe), dim=-1), kv[..., nope:]
+
+    # a whole prompt (no earlier rows to read back) uses this step's rows: one kv_b_proj GEMM
+    # over all of them, and causal attention (which SDPA runs without building a mask)
+    whole = [kv_cache is None or (seq_len == cu[i + 1] - cu[i] and not fp8) for i, seq_len in enumerate(lens)]
+    k_new, v_new = expand(new_latents) if any(whole) else (None, None)
     for i, seq_len in enumerate(lens):
         start, end = cu[i], cu[i + 1]
         if end == start:
             continue
-        if kv_cache is None or (seq_len == end - start and not fp8):  # the new rows are all it would read
-            lat = new_latents[start:end]
-        else:
-            lat = from_cache(_latents(kv_cache, block_tables[i], seq_len), q.dtype, k_scale)
-        kv = F.linear(lat[:, :rank], kv_b_weight).view(seq_len, num_heads, nope + v_head_dim)
-        k_pe = lat[:, rank:].unsqueeze(1).expand(-1, num_heads, -1)
-        k = torch.cat((kv[..., :nope], k_pe), dim=-1).transpose(0, 1)  # [H, S, nope + rope]
-        v = kv[..., nope:].transpose(0, 1)
-        q_len = end - start
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
-        o = F.scaled_dot_product_attention(q[start:end].transpose(0, 1), k, v, attn_mask=mask, scale=scale)
+        qi = q[start:end].transpose(0, 1)
+        if whole[i]:
+            k, v = k_new[start:end].transpose(0, 1), v_new[start:end].transpose(0, 1)
+            o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=scale)
+        else:  # a cached prefix or earlier chunks, or an fp8 cache: read the sequence back
+            k, v = (t.transpose(0, 1) for t in expand(from_cache(_latents(kv_cache, block_tables[i], seq_len),
+                                                                  q.dtype, k_scale)))  # fmt: skip
+            q_pos = torch.arange(seq_len - (end - start), seq_len, device=q.device)
+            mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+            o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale)
         out[start:end] = o.transpose(0, 1)
     return out
