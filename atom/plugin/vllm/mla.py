@@ -102,8 +102,9 @@ class ATOMMLAImpl(AttentionImpl[ATOMAttentionMetadata]):
         num_decodes = n if m.max_query_len == 1 else m.num_decode_tokens
         latents = torch.cat((kv_c_normed[:n], k_pe[:n, 0]), dim=-1)
         cache, k_scale = self._cache(kv_cache, layer._k_scale)
+        # short queries (vLLM's speculative verify rows) run as decode rows over their causal prefix
         out = latent_attention(q[:n], latents, cache, m.query_start_loc, m.seq_lens, m.block_table, num_decodes,
-                               self.kv_b_proj.weight, self.scale, self.v_head_dim, k_scale)
+                               self.kv_b_proj.weight, self.scale, self.v_head_dim, k_scale, m.max_query_len)
         output[:n].copy_(out.flatten(1))
         return output
 
