@@ -69,15 +69,21 @@ def moe_sweep() -> list[dict]:
             (128, 128, 64, 8, 3, down, True),
             (128, 128, 64, 8, 4, {**down, "num_stages": 3}, True),
             (128, 64, 64, 8, 4, down, True),
+            (64, 64, 64, 4, 3, {}, True),  # vLLM's default tile at M 97-512
+            (128, 128, 64, 8, 3, {}, True),  # vLLM's default tile above 512 tokens
         ],
     )
     rows, default = [], moe._gemm_config
-    for n in [1, 16, 512, 2048, 8192]:
-        prepared = prepare(functools.partial(moe_case, n))
+    # Qwen3-30B-A3B's experts (128 of 768 columns, top-8), then DeepSeek-V2-Lite's (64 of 1408, top-6)
+    shapes = [(n, {}) for n in [1, 16, 512, 2048, 8192]]
+    shapes += [(n, dict(inter=1408, num_experts=64, top_k=6)) for n in [256, 1024, 4096]]
+    for n, experts in shapes:
+        prepared = prepare(functools.partial(moe_case, n, **experts))
+        label = f"moe T={n}" + (f" E={experts['num_experts']}" if experts else "")
         try:
             for cfg in [None, *cfgs]:  # None: the default
                 moe._gemm_config = default if cfg is None else (lambda *_, c=cfg: c)
-                rows.append(_timed(f"moe T={n}", cfg or "default", lambda p=prepared: p))
+                rows.append(_timed(label, cfg or "default", lambda p=prepared: p))
         finally:
             moe._gemm_config = default
         del prepared
