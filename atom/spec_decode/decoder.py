@@ -14,6 +14,7 @@ from torch import nn
 from atom.config import Config
 from atom.core_types import SchedulerOutput
 from atom.distributed.parallel_state import TPInfo
+from atom.host_copy import to_device
 from atom.layers.attention import Attention
 from atom.sampling_params import SamplingParams
 from atom.spec_decode.proposer import DraftInputs, Proposer
@@ -50,7 +51,7 @@ class SpecDecoder:
         if verify:
             tokens = tokens.clone()
             finals = self._verify(batch, [rows[j] for j in verify], cu, hidden, tokens, verify, st, accepted)
-            tokens[torch.tensor(verify, device=tokens.device)] = finals
+            tokens[to_device(verify, torch.int64, tokens.device)] = finals
         sampled = tokens.tolist() if rows else []
         kept = [n - batch.num_drafts.get(i, 0) + len(accepted.get(i, ())) for i, n in enumerate(batch.num_new_tokens)]
         nxt = [
@@ -75,13 +76,13 @@ class SpecDecoder:
             s = batch.starts[i]
             draft_ids.append(seq.token_ids[s + 1 : s + 1 + n] + [0] * (k - n))
             counts.append(n)
-        logits = self.target.compute_logits(hidden[torch.tensor(idx, device=device)]).float()
-        sel = torch.tensor(verify, device=tokens.device)
+        logits = self.target.compute_logits(hidden[to_device(idx, torch.int64, device)]).float()
+        sel = to_device(verify, torch.int64, tokens.device)
         pick = lambda t: None if t is None else t[sel]  # noqa: E731
         out = rejection_sample(
             logits.view(len(vrows), k, -1),
-            torch.tensor(draft_ids, device=device),
-            torch.tensor(counts, device=device),
+            to_device(draft_ids, torch.int64, device),
+            to_device(counts, torch.int64, device),
             tokens[sel],
             st.temperatures[sel],
             pick(st.top_k),
@@ -94,7 +95,7 @@ class SpecDecoder:
             a = sum(1 for t in row if t != -1) - 1
             accepted[i] = row[:a]
             finals.append(row[a])
-        return torch.tensor(finals, device=tokens.device, dtype=tokens.dtype)
+        return to_device(finals, tokens.dtype, tokens.device)
 
 
 def build_spec_decoder(

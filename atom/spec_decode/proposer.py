@@ -18,6 +18,7 @@ from torch import nn
 
 from atom.core_types import ScheduledRequest
 from atom.forward_context import AttentionMetadata
+from atom.host_copy import to_device
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +89,7 @@ def rows_metadata(
     # one host-to-device copy: positions | slots | cu_seqlens | seq_lens | block tables
     t = len(pos)
     buf = np.concatenate([pos, slots, np.arange(t + 1), np.add(pos, 1), tables[rows].reshape(-1)])
-    dev = torch.from_numpy(buf).to(device)
+    dev = to_device(buf, torch.int64, device)
     meta = AttentionMetadata(
         slot_mapping=dev[t : 2 * t],
         cu_seqlens_q=dev[2 * t : 3 * t + 1].to(torch.int32),

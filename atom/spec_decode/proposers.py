@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from atom.forward_context import set_forward_context
+from atom.host_copy import to_device
 from atom.spec_decode.proposer import DraftInputs, DraftModel, rows_metadata
 
 
@@ -90,11 +91,11 @@ class MtpProposer:
             loop.max_model_len,
             device,
         )
-        hidden = loop.forward_rows(torch.tensor(ids, device=device), pos, meta,
-                                   step.hidden[torch.tensor(gather, device=device)])  # fmt: skip
+        hidden = loop.forward_rows(to_device(ids, torch.int64, device), pos, meta,
+                                   step.hidden[to_device(gather, torch.int64, device)])  # fmt: skip
         if not step.propose:
             return torch.empty(0, self.num_speculative_tokens, dtype=torch.int64)
-        last = hidden[torch.tensor([first[i] for i in step.propose], device=device, dtype=torch.int64)]
+        last = hidden[to_device([first[i] for i in step.propose], torch.int64, device)]
         d1 = self.draft.compute_logits(last).argmax(dim=-1)
         positions = [step.starts[i] + step.num_kept[i] for i in step.propose]
         rest = loop.run(step, positions, d1, last, self.num_speculative_tokens - 1)
@@ -126,5 +127,5 @@ class SharedWeightsProposer:
         if not step.propose:
             return torch.empty(0, self.num_speculative_tokens, dtype=torch.int64)
         positions = [step.starts[i] + step.num_kept[i] for i in step.propose]
-        ids = torch.tensor([step.next_tokens[i] for i in step.propose], device=step.hidden.device)
+        ids = to_device([step.next_tokens[i] for i in step.propose], torch.int64, step.hidden.device)
         return torch.stack(self.loop.run(step, positions, ids, None, self.num_speculative_tokens), dim=1)

@@ -26,6 +26,7 @@ from atom.config import Config
 from atom.core_types import PLACEHOLDER, RunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from atom.distributed.parallel_state import SINGLE, TPInfo
 from atom.forward_context import AttentionMetadata, set_forward_context
+from atom.host_copy import to_device
 from atom.layers.attention import Attention
 from atom.layers.quantization.kv_cache import kv_cache_torch_dtype
 from atom.model_loader.loader import load_model
@@ -172,10 +173,7 @@ class ModelRunner:
 
     # one step
     def _tensor(self, data, dtype) -> torch.Tensor:
-        t = torch.as_tensor(np.asarray(data), dtype=dtype)
-        if self.device.type == "cuda":
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t
+        return to_device(data, dtype, self.device)
 
     def prepare(self, batch: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Flatten the batch. Plain Python lists for the per-token fields (a decode row is a
