@@ -34,7 +34,7 @@ class _DraftLoop:
     def forward_rows(self, ids: torch.Tensor, pos: torch.Tensor, meta, hidden: torch.Tensor | None) -> torch.Tensor:
         """The draft's forward over ``rows_metadata`` rows: a captured graph when one fits."""
         if self.graphs is not None and self.graphs.can_run(meta, ids.shape[0]):
-            return self.graphs.run(ids, pos, meta, hidden)
+            return self.graphs.run(ids, pos, meta, *(() if hidden is None else (hidden,)))
         with set_forward_context(meta, pos, self.layer_map):
             return self.forward(ids, pos, hidden)
 

@@ -31,7 +31,7 @@ from atom.layers.attention import Attention
 from atom.layers.quantization.kv_cache import kv_cache_torch_dtype
 from atom.model_loader.loader import load_model
 from atom.spec_decode.decoder import build_spec_decoder
-from atom.spec_decode.proposers import MtpProposer
+from atom.spec_decode.proposers import MtpProposer, SharedWeightsProposer
 from atom.worker.logits_processors import process_logits
 from atom.worker.logprobs import prompt_logprobs, token_logprobs, top_logprobs
 from atom.worker.profiler import start_torch_profiler
@@ -337,6 +337,10 @@ class ModelRunner:
         proposer = self.spec.proposer if self.spec is not None else None
         if isinstance(proposer, MtpProposer):  # the draft's rows: kept tokens of a verify step, then one a row
             proposer.loop.graphs = capture(proposer.draft.forward, proposer.layer_map, hidden_inputs=1)
+        elif isinstance(proposer, SharedWeightsProposer):
+            # the target drafts through its own graphs: their output buffer is the verify step's
+            # hidden states, which every read of has been queued before the draft runs
+            proposer.loop.graphs = self.graph_runner
 
     @torch.inference_mode()
     def launch(self, batch: SchedulerOutput) -> PendingOutput:
