@@ -24,6 +24,8 @@ RoPE, and the host's backend runs ``latent_attention`` (``atom.plugin.vllm.mla``
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -31,7 +33,7 @@ from atom import ops
 from atom.forward_context import get_forward_context
 from atom.layers.attention import Attention
 from atom.layers.rotary_embedding import RotaryEmbedding
-from atom.ops.mla import mla_prefill
+from atom.ops.mla import mla_prefill, mla_prefill_attention
 
 
 class MLAAttention(Attention):
@@ -87,6 +89,9 @@ class MLAAttention(Attention):
 
 # sequences bringing at most this many rows (MTP's K + 1) run them as decode rows
 SHORT_QUERY = 8
+# whole prompts through atom's Triton MLA prefill kernel (ops.mla_prefill_attention) instead of
+# torch's SDPA per sequence: opt-in until measured on the GPU (docs/kernels.md)
+TRITON_PREFILL = os.environ.get("ATOM_MLA_TRITON_PREFILL", "0") == "1"
 
 
 def latent_attention(
@@ -121,8 +126,9 @@ def latent_attention(
         if kv_cache is not None and max_query_len is not None and max_query_len <= SHORT_QUERY:
             out[p] = absorbed(p, *causal_rows(cu, seq_lens[p], block_tables[p], num_tokens - num_decodes))
         else:
+            attend = ops.mla_prefill_attention if TRITON_PREFILL else mla_prefill_attention
             out[p] = mla_prefill(q[p], kv_cache, latents[p], cu, seq_lens[p], block_tables[p], kv_b_weight, scale,
-                                 v_head_dim, k_scale)  # fmt: skip
+                                 v_head_dim, k_scale, attend)  # fmt: skip
     return out
 
 

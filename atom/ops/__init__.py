@@ -30,6 +30,7 @@ __all__ = [
     "fused_moe_fp8",
     "linear",
     "mla_decode",
+    "mla_prefill_attention",
     "mla_rope_store",
     "moe_topk",
     "paged_attention",
@@ -273,6 +274,13 @@ mla_decode = register_op(
         (q.shape[0], q.shape[1], kv_lora_rank)
     ),
 )(mla.mla_decode)
+mla_prefill_attention = register_op(
+    "mla_prefill_attention",
+    triton=f"{_T}.mla_prefill:mla_prefill_attention",
+    fake=lambda q, kv, k_pe, cu_seqlens_q, max_seqlen_q, scale, v_head_dim: q.new_empty(
+        (q.shape[0], q.shape[1], v_head_dim)
+    ),
+)(mla.mla_prefill_attention)
 rejection_sample = register_op(
     "rejection_sample",
     triton=f"{_T}.rejection:rejection_sample",

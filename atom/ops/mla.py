@@ -91,6 +91,29 @@ def mla_decode(
     return torch.bmm(probs, lat[..., :kv_lora_rank]).to(q.dtype)
 
 
+def mla_prefill_attention(
+    q: torch.Tensor, kv: torch.Tensor, k_pe: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_q: int,
+    scale: float, v_head_dim: int,
+) -> torch.Tensor:  # fmt: skip
+    """Causal attention within each of the step's sequences, each a whole prompt: sequence
+    ``i``'s rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` attend to each other. ``q`` [T, H,
+    nope + rope] (rotated); ``kv`` [T, H, nope + v], ``kv_b_proj`` of the latents (the keys'
+    nope part, then the values); ``k_pe`` [T, rope], the rotated RoPE keys, shared by the
+    heads. ``max_seqlen_q`` sizes the kernel's grid. Returns [T, H, v]."""
+    nope = kv.shape[-1] - v_head_dim
+    k = torch.cat((kv[..., :nope], k_pe.unsqueeze(1).expand(-1, kv.shape[1], -1)), dim=-1)
+    v = kv[..., nope:]
+    out = q.new_empty(q.shape[0], q.shape[1], v_head_dim)
+    cu = cu_seqlens_q.tolist()
+    for start, end in zip(cu, cu[1:]):
+        if end > start:  # SDPA's is_causal: no mask built
+            rows = slice(start, end)
+            o = F.scaled_dot_product_attention(*(t[rows].transpose(0, 1) for t in (q, k, v)), is_causal=True,
+                                               scale=scale)  # fmt: skip
+            out[rows] = o.transpose(0, 1)
+    return out
+
+
 def mla_prefill(
     q: torch.Tensor,
     kv_cache: torch.Tensor | None,
@@ -102,6 +125,7 @@ def mla_prefill(
     scale: float,
     v_head_dim: int,
     k_scale: torch.Tensor | None = None,
+    attend=mla_prefill_attention,
 ) -> torch.Tensor:
     """Prompt attention, the latents expanded to per-head keys and values through
     ``kv_b_proj`` (cheaper than absorption when many queries share the keys). Sequence
@@ -109,7 +133,9 @@ def mla_prefill(
     ``seq_lens[i]`` tokens; earlier tokens (a cached prefix, previous chunks) come from the
     paged cache. ``q``: [T, H, nope + rope] (rotated); ``new_latents``: [T, r + rope], this
     step's rows (a whole prompt, or the memory-profiling run without a cache, reads only
-    these); ``kv_b_weight``: [H * (nope + v), r]. Returns [T, H, v].
+    these); ``kv_b_weight``: [H * (nope + v), r]. Whole prompts go to ``attend``
+    (``mla_prefill_attention``'s signature: its reference, or ``ops.mla_prefill_attention``)
+    together, after one ``kv_b_proj`` GEMM over the step's rows. Returns [T, H, v].
 
     An fp8 cache (``k_scale``) is always read back, this step's rows included: every row then
     sees the quantised latents that decode reads, so chunking, prefix caching and
@@ -117,32 +143,27 @@ def mla_prefill(
     ordinary attention; vLLM's MLA prefill uses the new rows unquantised)."""
     num_heads, rope_dim = q.shape[1], new_latents.shape[-1] - kv_b_weight.shape[1]
     rank, nope = kv_b_weight.shape[1], q.shape[-1] - rope_dim
-    out = q.new_empty(q.shape[0], num_heads, v_head_dim)
     cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
     fp8 = kv_cache is not None and kv_cache.dtype == torch.float8_e4m3fn
-
-    def expand(lat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [S, r + rope] -> K, V [S, H, .]
-        kv = F.linear(lat[:, :rank], kv_b_weight).view(lat.shape[0], num_heads, nope + v_head_dim)
-        k_pe = lat[:, rank:].unsqueeze(1).expand(-1, num_heads, -1)
-        return torch.cat((kv[..., :nope], k_pe), dim=-1), kv[..., nope:]
-
-    # a whole prompt (no earlier rows to read back) uses this step's rows: one kv_b_proj GEMM
-    # over all of them, and causal attention (which SDPA runs without building a mask)
-    whole = [kv_cache is None or (seq_len == cu[i + 1] - cu[i] and not fp8) for i, seq_len in enumerate(lens)]
-    k_new, v_new = expand(new_latents) if any(whole) else (None, None)
+    q_lens = [end - start for start, end in zip(cu, cu[1:])]
+    whole = [kv_cache is None or (seq_len == n and not fp8) for seq_len, n in zip(lens, q_lens)]
+    if any(whole):  # every sequence's rows; those of the others are replaced below
+        kv = F.linear(new_latents[:, :rank], kv_b_weight).view(q.shape[0], num_heads, nope + v_head_dim)
+        out = attend(q, kv, new_latents[:, rank:], cu_seqlens_q, max(q_lens), scale, v_head_dim)
+    else:
+        out = q.new_empty(q.shape[0], num_heads, v_head_dim)
     for i, seq_len in enumerate(lens):
         start, end = cu[i], cu[i + 1]
-        if end == start:
+        if whole[i] or end == start:
             continue
-        qi = q[start:end].transpose(0, 1)
-        if whole[i]:
-            k, v = k_new[start:end].transpose(0, 1), v_new[start:end].transpose(0, 1)
-            o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=scale)
-        else:  # a cached prefix or earlier chunks, or an fp8 cache: read the sequence back
-            k, v = (t.transpose(0, 1) for t in expand(from_cache(_latents(kv_cache, block_tables[i], seq_len),
-                                                                  q.dtype, k_scale)))  # fmt: skip
-            q_pos = torch.arange(seq_len - (end - start), seq_len, device=q.device)
-            mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
-            o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale)
+        # a cached prefix or earlier chunks, or an fp8 cache: read the sequence back
+        lat = from_cache(_latents(kv_cache, block_tables[i], seq_len), q.dtype, k_scale)
+        kv = F.linear(lat[:, :rank], kv_b_weight).view(seq_len, num_heads, nope + v_head_dim)
+        k_pe = lat[:, rank:].unsqueeze(1).expand(-1, num_heads, -1)
+        k = torch.cat((kv[..., :nope], k_pe), dim=-1).transpose(0, 1)  # [H, S, nope + rope]
+        v = kv[..., nope:].transpose(0, 1)
+        q_pos = torch.arange(seq_len - (end - start), seq_len, device=q.device)
+        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+        o = F.scaled_dot_product_attention(q[start:end].transpose(0, 1), k, v, attn_mask=mask, scale=scale)
         out[start:end] = o.transpose(0, 1)
     return out

@@ -46,6 +46,22 @@ def test_mla_decode_v3_shapes(lens, num_heads, dtype):
     assert_close(out, ref, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("num_heads", [16, 128])
+def test_mla_prefill_attention_v3_shapes(num_heads, dtype):
+    """The Triton MLA prefill (whole prompts, opt-in: ATOM_MLA_TRITON_PREFILL=1) at DeepSeek's
+    dims: nope 128, rope 64, v 128."""
+    lens = [1, 4097, 17, 300, 2048, 64]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+    q = torch.randn(sum(lens), num_heads, 192, dtype=dtype, device=DEV)
+    kv = torch.randn(sum(lens), num_heads, 256, dtype=dtype, device=DEV)
+    k_pe = torch.randn(sum(lens), 576, dtype=dtype, device=DEV)[:, 512:]
+    args = (q, kv, k_pe, cu, max(lens), 192**-0.5, 128)
+    ref = reference.mla_prefill_attention(*(a.float() if torch.is_tensor(a) and a.is_floating_point() else a
+                                            for a in args))  # fmt: skip
+    assert_close(tk.mla_prefill_attention(*args), ref, dtype)
+
+
 @pytest.mark.parametrize("interleaved", [True, False])
 def test_mla_rope_store_v3_shapes(interleaved):
     dtype, num_tokens, heads, rank, rope = torch.bfloat16, 300, 128, 512, 64

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from atom.ops import mla as reference
-from atom.ops.triton import mla_decode, mla_rope_store
+from atom.ops.triton import mla_decode, mla_prefill_attention, mla_rope_store
 
 
 def cos_sin(max_pos: int, rope_dim: int) -> torch.Tensor:
@@ -230,3 +230,17 @@ def test_mla_decode_deepseek_heads(num_heads, fp8, assert_close):
     for splits in (1, 4):
         out = mla_decode(q, cache, seq_lens, tables, scale, rank, k, num_splits=splits)
         assert_close(out, ref, torch.bfloat16)
+
+
+@pytest.mark.parametrize("num_heads, nope, rope, v_dim", [(3, 8, 4, 6), (2, 32, 16, 32)])
+def test_mla_prefill_attention(num_heads, nope, rope, v_dim, dtype, assert_close):
+    """Whole prompts in one launch: sequences shorter than, equal to and longer than a query
+    tile, an empty one, head dims that are not powers of two; the keys' two parts (per-head
+    nope, shared rope) against the reference's concatenated keys."""
+    lens = [1, 70, 0, 17, 64]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(sum(lens), num_heads, nope + rope, dtype=dtype)
+    kv = torch.randn(sum(lens), num_heads, nope + v_dim, dtype=dtype)
+    latents = torch.randn(sum(lens), 5 + rope, dtype=dtype)  # k_pe: a strided slice, as the layer passes it
+    args = (q, kv, latents[:, 5:], cu, max(lens), 0.3, v_dim)
+    assert_close(mla_prefill_attention(*args), reference.mla_prefill_attention(*args), dtype)

@@ -1,0 +1,95 @@
+"""MLA prompt attention for whole prompts (no earlier rows in the cache): causal
+FlashAttention-style over the step's expanded keys and values, all sequences in one launch.
+
+The keys are never concatenated: a score is ``q_nope . k_nope + q_pe . k_pe`` as two dots,
+where ``k_nope`` is the head's slice of ``kv_b_proj``'s output and ``k_pe`` the token's
+rotated RoPE key, one row shared by every head (MLA's decoupled RoPE). Values are the other
+slice of the same ``kv_b_proj`` rows. One program is a (sequence, query tile, head); it
+walks the key tiles up to its last query row, with the online softmax in float32 (exp2 with
+``log2(e)`` folded into the scale). Head dims need not be powers of two (they are padded and
+masked). ``atom.ops.mla.mla_prefill_attention`` is the reference.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit(do_not_specialize=["max_seqlen"])
+def _mla_prefill_kernel(
+    q_ptr, kv_ptr, kpe_ptr, out_ptr, cu_ptr, scale_log2, max_seqlen,
+    stride_qt, stride_qh, stride_kvt, stride_kvh, stride_pt, stride_ot, stride_oh,
+    NOPE: tl.constexpr, ROPE: tl.constexpr, V: tl.constexpr,
+    P_NOPE: tl.constexpr, P_ROPE: tl.constexpr, P_V: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    seq, head = tl.program_id(0), tl.program_id(2)
+    start = tl.load(cu_ptr + seq)
+    seq_len = tl.load(cu_ptr + seq + 1) - start
+    m0 = tl.program_id(1) * BLOCK_M
+    if m0 >= seq_len:
+        return
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < seq_len
+    rows = (start + offs_m).to(tl.int64)
+    dn, dr, dv = tl.arange(0, P_NOPE), tl.arange(0, P_ROPE), tl.arange(0, P_V)
+    q_row = q_ptr + rows[:, None] * stride_qt + head * stride_qh
+    q_nope = tl.load(q_row + dn[None, :], mask=m_ok[:, None] & (dn[None, :] < NOPE), other=0.0)
+    q_pe = tl.load(q_row + NOPE + dr[None, :], mask=m_ok[:, None] & (dr[None, :] < ROPE), other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, P_V], tl.float32)
+    hi = tl.minimum(m0 + BLOCK_M, seq_len)  # causal: no key after the tile's last query
+    for n0 in range(0, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < hi
+        k_rows = (start + offs_n).to(tl.int64)
+        kv_col = kv_ptr + k_rows[None, :] * stride_kvt + head * stride_kvh
+        k_nope = tl.load(kv_col + dn[:, None], mask=n_ok[None, :] & (dn[:, None] < NOPE), other=0.0)
+        k_pe = tl.load(kpe_ptr + k_rows[None, :] * stride_pt + dr[:, None], mask=n_ok[None, :] & (dr[:, None] < ROPE),
+                       other=0.0)  # fmt: skip
+        s = tl.dot(q_nope, k_nope, input_precision=DOT_PRECISION)
+        s = tl.dot(q_pe, k_pe, s, input_precision=DOT_PRECISION) * scale_log2
+        s = tl.where((offs_n[None, :] <= offs_m[:, None]) & n_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(kv_ptr + k_rows[:, None] * stride_kvt + head * stride_kvh + NOPE + dv[None, :],
+                    mask=n_ok[:, None] & (dv[None, :] < V), other=0.0)  # fmt: skip
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    o_ptrs = out_ptr + rows[:, None] * stride_ot + head * stride_oh + dv[None, :]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & (dv[None, :] < V))
+
+
+def _pad(dim: int) -> int:
+    return max(16, triton.next_power_of_2(dim))  # tl.dot takes 16+ wide operands
+
+
+def mla_prefill_attention(
+    q: torch.Tensor, kv: torch.Tensor, k_pe: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_q: int,
+    scale: float, v_head_dim: int,
+) -> torch.Tensor:  # fmt: skip
+    num_tokens, num_heads, qk_dim = q.shape
+    out = q.new_empty(num_tokens, num_heads, v_head_dim)
+    if num_tokens == 0:
+        return out
+    nope = kv.shape[-1] - v_head_dim
+    rope = qk_dim - nope
+    wide = q.element_size() == 4  # float32 tiles: half the rows, to stay within shared memory
+    block_m, block_n = (32, 32) if wide else (64, 64)
+    grid = (cu_seqlens_q.shape[0] - 1, triton.cdiv(max_seqlen_q, block_m), num_heads)
+    _mla_prefill_kernel[grid](
+        q, kv, k_pe, out, cu_seqlens_q, scale * math.log2(math.e), max_seqlen_q,
+        q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), k_pe.stride(0), out.stride(0), out.stride(1),
+        NOPE=nope, ROPE=rope, V=v_head_dim, P_NOPE=_pad(nope), P_ROPE=_pad(rope), P_V=_pad(v_head_dim),
+        BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION="tf32x3" if wide else "tf32",
+        num_warps=4, num_stages=2,
+    )  # fmt: skip
+    return out
