@@ -50,7 +50,7 @@ class CUDAGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        start = time.perf_counter()
+        start, free_before = time.perf_counter(), torch.cuda.mem_get_info()[0]
         for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its pool
             meta = self._meta(bs)
             layers = get_forward_context().attn_layers
@@ -64,8 +64,10 @@ class CUDAGraphRunner:
                 self.pool = graph.pool()
             self.graphs[bs] = graph
             torch.cuda.synchronize()
-        logger.info("captured %d CUDA graphs (batch sizes %s) in %.1f s", len(self.graphs), self.sizes,
-                    time.perf_counter() - start)
+        # the graphs' memory pool (and any warm-up allocations kept), as vLLM reports it
+        used = (free_before - torch.cuda.mem_get_info()[0]) / (1 << 30)
+        logger.info("captured %d CUDA graphs (batch sizes %s) in %.1f s, %.2f GiB", len(self.graphs), self.sizes,
+                    time.perf_counter() - start, used)
 
     def can_run(self, meta: AttentionMetadata, num_tokens: int) -> bool:
         return meta.max_seqlen_q == 1 and num_tokens <= self.sizes[-1] and meta.block_tables.shape[1] <= \
