@@ -139,8 +139,10 @@ def parse_offline_args(doc: str, argv: list[str] | None, default_model: str, row
 
 def redraw_dummy_weights(worker, seed: int = 0) -> int:
     """Give a vLLM worker's model the weights atom's ``load_dummy`` draws (norm weights and
-    scales 1, every other floating-point weight normal(0, 0.02); FP8 and integer tensors kept),
-    so both engines run the same weight distribution. vLLM's own dummy weights (uniform
+    scales 1, every other floating-point weight normal(0, 0.02); FP8 and integer tensors kept
+    at vLLM's draw, and MLA's absorbed copies of ``kv_b_proj`` are redrawn on their own), so
+    both engines run the same weight distribution where it matters to speed: the routing.
+    vLLM's own dummy weights (uniform
     +-1e-3, norm weights included) make MoE router scores tie after vLLM's bf16 softmax
     (DeepSeek-V2's grouped top-k), so every token routes to the same few experts and a decode
     step reads 6 of 64 experts where a trained checkpoint reads them all. Returns the number

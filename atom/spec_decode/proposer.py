@@ -66,13 +66,16 @@ def rows_metadata(
     block_size: int,
     max_model_len: int,
     device: torch.device,
+    decode_rows: bool = False,
 ) -> tuple[torch.Tensor, AttentionMetadata]:
     """(positions, metadata) of rows whose queries are ``lengths[i]`` tokens from position
-    ``starts[i]`` (a handful: the kept tokens of a verify step, or one), each token as a
-    decode row over its causal prefix, so the draft runs the decode kernels and its CUDA
-    graphs. A position past the row's allocated slots or the model length (a draft that
-    could never be verified) is clamped to the last one and writes no KV."""
-    pos, slots, rows = [], [], []
+    ``starts[i]``. With ``decode_rows`` (a handful of tokens a row: a verify step's kept
+    tokens, a draft step's one) every token is a decode row over its causal prefix, so the
+    draft runs the decode kernels and its CUDA graphs; otherwise each row is one query (a prompt
+    chunk the draft reads takes the prefill path, whose keys it reads once). A position past
+    the row's allocated slots or the model length (a draft that could never be verified) is
+    clamped to the last one and writes no KV."""
+    pos, slots, cu, seq_lens, token_rows = [], [], [0], [], []
     for i, (seq, start, n) in enumerate(zip(requests, starts, lengths)):
         table = seq.block_table
         limit = min(len(table) * block_size, max_model_len)
@@ -81,22 +84,32 @@ def rows_metadata(
             p = p if inside else limit - 1
             pos.append(p)
             slots.append(table[p // block_size] * block_size + p % block_size if inside else -1)
-        rows += [i] * n
+        cu.append(cu[-1] + n)
+        seq_lens.append(min(start + n, limit))
+        token_rows += [i] * n
     width = max(len(s.block_table) for s in requests)
     tables = np.zeros((len(requests), width), dtype=np.int64)
     for i, seq in enumerate(requests):
         tables[i, : len(seq.block_table)] = seq.block_table
-    # one host-to-device copy: positions | slots | cu_seqlens | seq_lens | block tables
     t = len(pos)
-    buf = np.concatenate([pos, slots, np.arange(t + 1), np.add(pos, 1), tables[rows].reshape(-1)])
-    dev = to_device(buf, torch.int64, device)
+    if decode_rows:
+        cu, seq_lens = list(range(t + 1)), [p + 1 for p in pos]
+    else:
+        token_rows = []
+    # one host-to-device copy: positions | slots | cu_seqlens | seq_lens | token rows | block tables
+    parts = [pos, slots, cu, seq_lens, token_rows, tables.reshape(-1)]
+    dev = to_device(np.concatenate([np.asarray(x, dtype=np.int64) for x in parts]), torch.int64, device)
+    offsets = np.cumsum([0] + [len(x) for x in parts])
+    field = [dev[a:b] for a, b in zip(offsets, offsets[1:])]
+    block_tables = field[5].view(len(requests), width).to(torch.int32)
     meta = AttentionMetadata(
-        slot_mapping=dev[t : 2 * t],
-        cu_seqlens_q=dev[2 * t : 3 * t + 1].to(torch.int32),
-        seq_lens=dev[3 * t + 1 : 4 * t + 1].to(torch.int32),
-        block_tables=dev[4 * t + 1 :].view(t, width).to(torch.int32),
-        max_seqlen_q=1,
-        max_seqlen_k=max(pos) + 1,
-        num_decode_tokens=t,
+        slot_mapping=field[1],
+        cu_seqlens_q=field[2].to(torch.int32),
+        seq_lens=field[3].to(torch.int32),
+        # a decode row reads its request's table, repeated on the device (tables can be long)
+        block_tables=block_tables[field[4]] if decode_rows else block_tables,
+        max_seqlen_q=1 if decode_rows else max(lengths),
+        max_seqlen_k=max(seq_lens),
+        num_decode_tokens=t if decode_rows else (len(requests) if all(n == 1 for n in lengths) else 0),
     )
-    return dev[:t], meta
+    return field[0], meta

@@ -46,7 +46,8 @@ class _DraftLoop:
         out = []
         for k in range(num_steps):
             pos, meta = rows_metadata(
-                rows, [p + k for p in positions], [1] * len(rows), self.block_size, self.max_model_len, self.device
+                rows, [p + k for p in positions], [1] * len(rows), self.block_size, self.max_model_len, self.device,
+                decode_rows=True,
             )
             hidden = self.forward_rows(ids, pos, meta, hidden)
             ids = self.compute_logits(hidden).argmax(dim=-1)
@@ -83,13 +84,15 @@ class MtpProposer:
             gather += range(step.offsets[i], step.offsets[i] + n)
             first[i] = len(ids) - 1  # the row's last kept position
         loop, device = self.loop, step.hidden.device
+        kept = [step.num_kept[i] for i in rows]
         pos, meta = rows_metadata(
             [step.requests[i] for i in rows],
             [step.starts[i] for i in rows],
-            [step.num_kept[i] for i in rows],
+            kept,
             loop.block_size,
             loop.max_model_len,
             device,
+            decode_rows=max(kept) <= self.num_speculative_tokens + 1,  # a verify step's, not a prompt chunk
         )
         hidden = loop.forward_rows(to_device(ids, torch.int64, device), pos, meta,
                                    step.hidden[to_device(gather, torch.int64, device)])  # fmt: skip

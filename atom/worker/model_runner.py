@@ -202,36 +202,39 @@ class ModelRunner:
             seq_lens.append(start + n)
         num_seqs, num_tokens, num_fills = len(batch.requests), len(ids), len(fill_at)
         width = max(len(s.block_table) for s in batch.requests)
-        tables = np.zeros((num_seqs, width), dtype=np.int64)
-        for i, seq in enumerate(batch.requests):
-            tables[i, : len(seq.block_table)] = seq.block_table
-        max_query, num_decodes = max(batch.num_new_tokens), batch.num_decodes
+        max_query, num_decodes, num_rows, token_rows = max(batch.num_new_tokens), batch.num_decodes, num_seqs, []
         if self.spec is not None and 1 < max_query <= self.spec.k + 1:
             # A verify step (1 + K tokens a row): each token becomes a decode row over its
             # causal prefix, the same attention, so the step takes the decode kernels and
             # the decode CUDA graphs (vLLM's uniform-decode graphs for speculative steps).
-            tables = tables[np.repeat(np.arange(num_seqs), batch.num_new_tokens)]
-            num_seqs = num_decodes = num_tokens
+            token_rows = np.repeat(np.arange(num_seqs), batch.num_new_tokens)
+            num_rows = num_decodes = num_tokens
             max_query, cu, seq_lens = 1, list(range(num_tokens + 1)), [p + 1 for p in pos]
-        # one int64 buffer: ids | positions | slots | cu_seqlens | seq_lens | fills | block tables
-        buf = np.zeros(3 * num_tokens + 2 * num_seqs + 1 + 2 * num_fills + num_seqs * width, dtype=np.int64)
-        buf[: 3 * num_tokens] = ids + pos + slots
-        o = 3 * num_tokens
-        buf[o : o + num_seqs + 1] = cu
-        buf[o + num_seqs + 1 : o + 2 * num_seqs + 1] = seq_lens
-        f = o + 2 * num_seqs + 1
+        # one int64 buffer: ids | positions | slots | cu_seqlens | seq_lens | fills | token rows | block tables
+        t, nt = num_tokens, len(token_rows)
+        buf = np.zeros(3 * t + 2 * num_rows + 1 + 2 * num_fills + nt + num_seqs * width, dtype=np.int64)
+        buf[: 3 * t] = ids + pos + slots
+        o = 3 * t
+        buf[o : o + num_rows + 1] = cu
+        buf[o + num_rows + 1 : o + 2 * num_rows + 1] = seq_lens
+        f = o + 2 * num_rows + 1
         buf[f : f + 2 * num_fills] = fill_at + fill_from
-        buf[f + 2 * num_fills :] = tables.reshape(-1)
+        r = f + 2 * num_fills
+        buf[r : r + nt] = token_rows
+        tables = buf[r + nt :].reshape(num_seqs, width)
+        for i, seq in enumerate(batch.requests):
+            tables[i, : len(seq.block_table)] = seq.block_table
         dev = self._tensor(buf, torch.int64)
-        t = num_tokens
         input_ids = dev[:t]
         if num_fills:
             input_ids[dev[f : f + num_fills]] = self._last_sampled[dev[f + num_fills : f + 2 * num_fills]]
+        block_tables = dev[r + nt :].view(num_seqs, width).to(torch.int32)
         meta = AttentionMetadata(
             slot_mapping=dev[2 * t : 3 * t],
-            cu_seqlens_q=dev[o : o + num_seqs + 1].to(torch.int32),
-            seq_lens=dev[o + num_seqs + 1 : o + 2 * num_seqs + 1].to(torch.int32),
-            block_tables=dev[f + 2 * num_fills :].view(num_seqs, width).to(torch.int32),
+            cu_seqlens_q=dev[o : o + num_rows + 1].to(torch.int32),
+            seq_lens=dev[o + num_rows + 1 : o + 2 * num_rows + 1].to(torch.int32),
+            # decode rows of a verify step read their sequence's table, repeated on the device
+            block_tables=block_tables[dev[r : r + nt]] if nt else block_tables,
             max_seqlen_q=max_query,
             max_seqlen_k=max(seq_lens),
             num_decode_tokens=num_decodes,

@@ -25,7 +25,7 @@ if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
 
 from atom.ops.triton import gemv, paged_attention  # noqa: E402
 from atom.ops.triton.fp8_configs import SKINNY_MAX_ROWS  # noqa: E402
-from atom.ops.triton.fp8_gemm import per_token_group_quant_fp8, w8a8_matmul  # noqa: E402
+from atom.ops.triton.fp8_gemm import per_token_group_quant_fp8, scaled_mm_block_scales, w8a8_matmul  # noqa: E402
 from atom.ops.triton.gemv import GemvConfig, skinny_gemm  # noqa: E402
 from atom.ops.triton.moe_fp8 import fused_moe_fp8  # noqa: E402
 from atom.ops.triton.rope_cache import store_kv_cache  # noqa: E402
@@ -108,6 +108,10 @@ def test_w8a8_matmul(m, n, k, group_k):
     if group_k == 0:
         mm = torch._scaled_mm(a, w.t(), scale_a=a_s, scale_b=w_s.t(), out_dtype=torch.bfloat16)
         assert_close(mm, ref)
+    else:  # the FP8 layers' default: torch._scaled_mm block-wise above the skinny rows
+        block_scale = scaled_mm_block_scales(w, w_s, group_k)
+        assert block_scale is not None, "block-wise _scaled_mm refused here (see the warning)"
+        assert_close(w8a8_matmul(a, a_s, w, w_s.t().contiguous().t(), group_k, torch.bfloat16, None, block_scale), ref)
 
 
 def fp8_gemm_inputs(m, n, k, group_k):

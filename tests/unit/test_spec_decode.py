@@ -195,9 +195,9 @@ def test_tensor_parallel_ranks_verify_and_propose_alike(mtp_model, reference):
 
 
 def test_rows_metadata_gives_each_token_a_decode_row():
-    """The draft's (and a verify step's) rows: every token its own decode row over its causal
+    """The draft's rows of a verify step: every token its own decode row over its causal
     prefix, in its sequence's block table; a position past the allocated slots is clamped to
-    the last one and writes no KV."""
+    the last one and writes no KV. Without ``decode_rows``: one query per row."""
     from types import SimpleNamespace
 
     import torch
@@ -205,10 +205,17 @@ def test_rows_metadata_gives_each_token_a_decode_row():
     from atom.spec_decode.proposer import rows_metadata
 
     reqs = [SimpleNamespace(block_table=[7, 3]), SimpleNamespace(block_table=[5])]  # block size 4
-    pos, meta = rows_metadata(reqs, [5, 2], [3, 3], 4, 100, torch.device("cpu"))
+    pos, meta = rows_metadata(reqs, [5, 2], [3, 3], 4, 100, torch.device("cpu"), decode_rows=True)
     assert pos.tolist() == [5, 6, 7, 2, 3, 3]  # the second row's third token is past its 4 slots
-    assert meta.slot_mapping.tolist() == [3 * 4 + 1, 3 * 4 + 2, 3 * 4 + 3, 5 * 4 + 2, 5 * 4 + 3, -1]
+    slots = [3 * 4 + 1, 3 * 4 + 2, 3 * 4 + 3, 5 * 4 + 2, 5 * 4 + 3, -1]
+    assert meta.slot_mapping.tolist() == slots
     assert meta.seq_lens.tolist() == [6, 7, 8, 3, 4, 4]
     assert meta.cu_seqlens_q.tolist() == list(range(7))
     assert meta.block_tables.tolist() == [[7, 3]] * 3 + [[5, 0]] * 3
     assert (meta.max_seqlen_q, meta.max_seqlen_k, meta.num_decode_tokens) == (1, 8, 6)
+    # a prompt chunk the draft reads stays one query a row (its keys read once, by the prefill path)
+    pos, meta = rows_metadata(reqs, [5, 2], [3, 3], 4, 100, torch.device("cpu"))
+    assert (pos.tolist(), meta.slot_mapping.tolist()) == ([5, 6, 7, 2, 3, 3], slots)
+    assert (meta.cu_seqlens_q.tolist(), meta.seq_lens.tolist()) == ([0, 3, 6], [8, 4])
+    assert meta.block_tables.tolist() == [[7, 3], [5, 0]]
+    assert (meta.max_seqlen_q, meta.max_seqlen_k, meta.num_decode_tokens) == (3, 8, 0)

@@ -152,7 +152,7 @@ def w8a8_matmul(
     if config is None and m <= SKINNY_MAX_ROWS and n <= SKINNY_MAX_N:
         return skinny_gemm(a, w, bias, skinny_config(n, k, group_k), scales=(a_scale, w_scale, group_k),
                            out_dtype=out_dtype)  # fmt: skip
-    if config is None and w_block_scale is not None:
+    if config is None and w_block_scale is not None and m > SKINNY_MAX_ROWS:  # decode-sized: measured on the tiles
         out = scaled_mm_block(a, a_scale, w, w_block_scale, out_dtype)
         return out if bias is None else out + bias
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)

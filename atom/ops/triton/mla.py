@@ -270,7 +270,9 @@ def _decode_config(num_seqs: int, num_heads: int, block_rank: int, tile_bytes: i
 
 @functools.cache
 def _has_wgmma(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    """Hopper (sm_90): wgmma and ~227 KB of shared memory a block. Not sm_100 (untuned) nor
+    sm_120 (about 100 KB: the 64-head tile would not fit)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
 def mla_decode(
