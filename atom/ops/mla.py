@@ -146,17 +146,22 @@ def mla_prefill(
     cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
     fp8 = kv_cache is not None and kv_cache.dtype == torch.float8_e4m3fn
     q_lens = [end - start for start, end in zip(cu, cu[1:])]
-    whole = [kv_cache is None or (seq_len == n and not fp8) for seq_len, n in zip(lens, q_lens)]
+    whole = [kv_cache is None or seq_len == n for seq_len, n in zip(lens, q_lens)]
     if any(whole):  # every sequence's rows; those of the others are replaced below
-        kv = F.linear(new_latents[:, :rank], kv_b_weight).view(q.shape[0], num_heads, nope + v_head_dim)
-        out = attend(q, kv, new_latents[:, rank:], cu_seqlens_q, max(q_lens), scale, v_head_dim)
+        lat = new_latents
+        if fp8:  # a whole prompt's rows as the cache holds them
+            lat = new_latents.clone()
+            for i in (i for i, w in enumerate(whole) if w and q_lens[i]):
+                lat[cu[i] : cu[i + 1]] = from_cache(_latents(kv_cache, block_tables[i], lens[i]), q.dtype, k_scale)
+        kv = F.linear(lat[:, :rank], kv_b_weight).view(q.shape[0], num_heads, nope + v_head_dim)
+        out = attend(q, kv, lat[:, rank:], cu_seqlens_q, max(q_lens), scale, v_head_dim)
     else:
         out = q.new_empty(q.shape[0], num_heads, v_head_dim)
     for i, seq_len in enumerate(lens):
         start, end = cu[i], cu[i + 1]
         if whole[i] or end == start:
             continue
-        # a cached prefix or earlier chunks, or an fp8 cache: read the sequence back
+        # a cached prefix or earlier chunks: read the sequence back
         lat = from_cache(_latents(kv_cache, block_tables[i], seq_len), q.dtype, k_scale)
         kv = F.linear(lat[:, :rank], kv_b_weight).view(seq_len, num_heads, nope + v_head_dim)
         k_pe = lat[:, rank:].unsqueeze(1).expand(-1, num_heads, -1)
