@@ -27,6 +27,7 @@ from atom.ops import mla, penalties, reference, reference_fp8, rejection, sampli
 __all__ = [
     "apply_penalties",
     "fused_moe",
+    "fp8_linear",
     "fused_moe_fp8",
     "linear",
     "mla_decode",
@@ -258,6 +259,11 @@ w8a8_matmul = register_op(
         (a.shape[0], w.shape[0]), dtype=out_dtype
     ),
 )(reference_fp8.w8a8_matmul)
+fp8_linear = register_op(
+    "fp8_linear",
+    triton=f"{_T}.fp8_gemm:fp8_linear",
+    fake=lambda x, w, w_scale, group_k, bias=None, w_block_scale=None: x.new_empty((x.shape[0], w.shape[0])),
+)(reference_fp8.fp8_linear)
 fused_moe_fp8 = register_op(
     "fused_moe_fp8", triton=f"{_T}.moe_fp8:fused_moe_fp8", fake=lambda x, *args: _empty_like(x)
 )(reference_fp8.fused_moe_fp8)

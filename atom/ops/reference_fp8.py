@@ -35,6 +35,17 @@ def per_token_group_quant_fp8(x: torch.Tensor, group_k: int) -> tuple[torch.Tens
     return q.view(m, groups * group_k)[:, :k].contiguous(), scale.t().contiguous().t()
 
 
+def fp8_linear(
+    x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, group_k: int, bias: torch.Tensor | None = None,
+    w_block_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """An FP8 linear layer with dynamic activation scales: ``x`` [M, K] quantised 1 x ``group_k``
+    per row (``per_token_group_quant_fp8``; per token where ``group_k`` is 0), times the e4m3
+    ``w`` [N, K] with its scales, plus ``bias``, in ``x``'s dtype. ``w_block_scale`` (the same
+    scales per 128 x 128 block, for ``torch._scaled_mm`` on a GPU) does not change the product."""
+    return w8a8_matmul(*per_token_group_quant_fp8(x, group_k), w, w_scale, group_k, x.dtype, bias)
+
+
 def dequantize(q: torch.Tensor, scale: torch.Tensor, group_k: int) -> torch.Tensor:
     """e4m3 [R, K] times float32 scales [R, ceil(K / group_k)] -> float32 [R, K]."""
     return q.float() * scale.repeat_interleave(group_k or q.shape[-1], dim=-1)[..., : q.shape[-1]]

@@ -25,8 +25,12 @@ class _DraftLoop:
         block_size: int,
         max_model_len: int,
         device: torch.device,
+        feeds_hidden: bool = True,
     ):
         self.forward, self.compute_logits, self.layer_map = forward, compute_logits, layer_map
+        # whether a step's hidden states feed the next (MTP) or are dropped (a shared-weights
+        # draft is the target, whose graphs take ids and positions only)
+        self.feeds_hidden = feeds_hidden
         self.block_size, self.max_model_len, self.device = block_size, max_model_len, device
         # the draft's decode graphs (MTP on CUDA: the runner's CUDAGraphRunner, set at start-up)
         self.graphs = None
@@ -49,7 +53,7 @@ class _DraftLoop:
                 rows, [p + k for p in positions], [1] * len(rows), self.block_size, self.max_model_len, self.device,
                 decode_rows=True,
             )
-            hidden = self.forward_rows(ids, pos, meta, hidden)
+            hidden = self.forward_rows(ids, pos, meta, hidden if self.feeds_hidden else None)
             ids = self.compute_logits(hidden).argmax(dim=-1)
             out.append(ids)
         return out
@@ -123,7 +127,8 @@ class SharedWeightsProposer:
         self.num_speculative_tokens = num_speculative_tokens
         self.attn_layers: list[nn.Module] = []  # the target's, which have their cache already
         self.loop = _DraftLoop(
-            lambda ids, pos, _: forward(ids, pos), target.compute_logits, layer_map, block_size, max_model_len, device
+            lambda ids, pos, _: forward(ids, pos), target.compute_logits, layer_map, block_size, max_model_len, device,
+            feeds_hidden=False,
         )
 
     def propose(self, step: DraftInputs) -> torch.Tensor:

@@ -25,7 +25,12 @@ if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
 
 from atom.ops.triton import gemv, paged_attention  # noqa: E402
 from atom.ops.triton.fp8_configs import SKINNY_MAX_ROWS  # noqa: E402
-from atom.ops.triton.fp8_gemm import per_token_group_quant_fp8, scaled_mm_block_scales, w8a8_matmul  # noqa: E402
+from atom.ops.triton.fp8_gemm import (  # noqa: E402
+    fp8_linear,
+    per_token_group_quant_fp8,
+    scaled_mm_block_scales,
+    w8a8_matmul,
+)
 from atom.ops.triton.gemv import GemvConfig, skinny_gemm  # noqa: E402
 from atom.ops.triton.moe_fp8 import fused_moe_fp8  # noqa: E402
 from atom.ops.triton.rope_cache import store_kv_cache  # noqa: E402
@@ -112,6 +117,22 @@ def test_w8a8_matmul(m, n, k, group_k):
         block_scale = scaled_mm_block_scales(w, w_s, group_k)
         assert block_scale is not None, "block-wise _scaled_mm refused here (see the warning)"
         assert_close(w8a8_matmul(a, a_s, w, w_s.t().contiguous().t(), group_k, torch.bfloat16, None, block_scale), ref)
+
+
+@pytest.mark.parametrize("m", [1, 4, 16, 17])
+@pytest.mark.parametrize("n, k", SHAPES)
+def test_fp8_linear(m, n, k):
+    # the block-scaled FP8 layer's op: at decode rows one skinny launch that quantises the
+    # activations itself, bit for bit the quantisation kernel then the skinny kernel
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+    w, w_s = reference_fp8.quantize_weight(torch.randn(n, k, device=DEV) * 0.02, 128, 128)
+    block_scale = scaled_mm_block_scales(w, w_s, 128)
+    w_s = w_s.t().contiguous().t()
+    out = fp8_linear(x, w, w_s, 128, None, block_scale)
+    a, a_s = per_token_group_quant_fp8(x, 128)
+    assert_close(out, reference_fp8.w8a8_matmul(a, a_s, w, w_s, 128, torch.float32))
+    if m <= SKINNY_MAX_ROWS:
+        assert torch.equal(out, w8a8_matmul(a, a_s, w, w_s, 128, torch.bfloat16))
 
 
 def fp8_gemm_inputs(m, n, k, group_k):

@@ -163,3 +163,38 @@ def test_w8a8_matmul_takes_scaled_mm_above_the_skinny_rows():
     assert torch.equal(out, w8a8_matmul(a_q[:2], a_s[:2], w_q, w_s, 128, torch.bfloat16))
     with pytest.raises((RuntimeError, ValueError, NotImplementedError)):
         w8a8_matmul(a_q, a_s, w_q, w_s, 128, torch.bfloat16, w_block_scale=blocks)
+
+
+@pytest.mark.parametrize("m, n, k, group_k, cfg", [
+    (1, 37, 200, 32, GemvConfig(block_n=64, block_k=128, split_k=2, mode="dot_t")),
+    (5, 70, 72, 16, GemvConfig(block_n=8, block_k=128, split_k=2, mode="sum")),
+    (16, 100, 96, 32, GemvConfig(block_n=16, block_k=128, mode="dot")),
+])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_skinny_w8a8_quantises_activations_in_the_kernel(m, n, k, group_k, cfg, dtype):
+    # 16-bit activations quantised group by group inside the skinny kernel give the bits of
+    # the quantisation kernel followed by the same launch (codes and scales bit for bit)
+    x = (torch.randn(m, k) * torch.exp(torch.randn(m, 1) * 2)).to(dtype)
+    x[0, :7] = 0  # a partly zero group
+    w_q, w_s = ref.quantize_weight(torch.randn(n, k) * 0.1, group_k, 32)
+    w_s = w_s.t().contiguous().t()
+    a_q, a_s = per_token_group_quant_fp8(x, group_k)
+    fused = skinny_gemm(x, w_q, None, cfg, scales=(None, w_s, group_k), out_dtype=torch.float32)
+    assert torch.equal(fused, skinny_gemm(a_q, w_q, None, cfg, scales=(a_s, w_s, group_k), out_dtype=torch.float32))
+    with pytest.raises(ValueError, match="block scales"):
+        skinny_gemm(x, w_q, None, cfg, scales=(None, w_s, 0))
+
+
+@pytest.mark.parametrize("m", [1, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 3])
+@pytest.mark.parametrize("group_k", [128, 0])
+def test_fp8_linear(m, group_k, assert_close):
+    # the FP8 layer's op: one skinny launch for a few rows with block scales, quantisation then
+    # w8a8_matmul otherwise; either way the reference's product (same codes and scales)
+    n, k = 72, 256
+    x = torch.randn(m, k).to(torch.bfloat16)
+    w_q, w_s = ref.quantize_weight(torch.randn(n, k) * 0.1, group_k, group_k or 1)
+    w_s = w_s.t().contiguous().t()
+    b = torch.randn(n).to(torch.bfloat16)
+    out = fp8_gemm.fp8_linear(x, w_q, w_s, group_k, b)
+    assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+    assert_close(out, ref.fp8_linear(x, w_q, w_s, group_k, b), torch.bfloat16)

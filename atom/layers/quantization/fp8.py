@@ -127,15 +127,15 @@ class Fp8LinearMethod:
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         scale = getattr(layer, self.config.scale_name)
-        a, a_scale = ops.per_token_group_quant_fp8(x2, self.group_k)
         # rowwise-scaled _scaled_mm: bf16 output, dims multiples of 16
         if x.is_cuda and self.scaled_mm and x.dtype == torch.bfloat16 and not (layer.weight.shape[0] % 16
                                                                               or layer.weight.shape[1] % 16):
+            a, a_scale = ops.per_token_group_quant_fp8(x2, self.group_k)
             out = torch._scaled_mm(a, layer.weight.t(), scale_a=a_scale, scale_b=scale.t(), out_dtype=x.dtype)
             out = out if bias is None else out + bias
         else:
             block_scale = self.block_scale if x.dtype == torch.bfloat16 else None
-            out = ops.w8a8_matmul(a, a_scale, layer.weight, scale, self.group_k, x.dtype, bias, block_scale)
+            out = ops.fp8_linear(x2, layer.weight, scale, self.group_k, bias, block_scale)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
 

@@ -61,24 +61,30 @@ def gemm_config(m: int, n: int, k: int, per_group: bool) -> dict:
 
 
 # Up to this many rows, and this many output columns, the block-scaled and per-channel GEMMs
-# take the skinny kernel (atom.ops.triton.gemv): a decode step only streams the weight. The
-# H100 probe (tests/gpu/fp8_gemm_probe.py, 2026-11-26): at one row 15.3 vs 17.7 us (qkv 6144),
-# 12.9 vs 14.3 (o 4096), 26.8 vs 29.3 (down 4096) against the tile kernel, but 52.5 vs 44.4 us
-# on gate_up (24576 columns, whose tile config already drops the key split for wide layers).
+# take the skinny kernel (atom.ops.triton.gemv): a decode step only streams the weight, and
+# with block scales the kernel quantises the activations itself (fp8_gemm.fp8_linear: no
+# quantisation launch, ~5 us a layer at one row). H200 sweep (tests/gpu/fp8_gemm_probe.py
+# --sweep, 2026-11-26, session 10), us at 1 / 4 / 16 rows, skinny vs the tile kernel:
+# qkv 12.4 / 12.4 / 12.4 vs 15.3 / 15.5 / 16.0; o 10.3 / 10.3 / 10.4 vs 13.1 / 13.3 / 13.6;
+# down 20.6 / 20.8 / 21.1 vs 25.5 / 25.8 / 26.5; gate_up (24,576 columns) 33.5 / 33.4 / 33.9
+# vs 34.2 / 34.4 / 34.8 (with 8 warps and no split 32.5: not in the rule below).
 SKINNY_MAX_ROWS = 16
-SKINNY_MAX_N = 8192
+SKINNY_MAX_N = 24576
 
 
 def skinny_config(n: int, k: int, group_k: int) -> GemvConfig:
     """The skinny kernel's launch for every row count up to ``SKINNY_MAX_ROWS`` (one compiled
-    variant: the rows pad to 16): 64 weight rows per program as the MMA's long side ("swap
-    AB"), one 128-column scale group per key step, and the key range split in two until the
-    grid fills the GPU (at least 4 key steps per split). Not swept yet: tests/gpu/fp8_gemm_probe.py
-    times it and its candidates."""
-    block_n, block_k = 64, group_k or 128
+    variant: the rows pad to 16): a program's weight rows as the MMA's long side ("swap AB";
+    128 rows where N and K are 4,096 or more, as swept, else 64), one 128-column scale group
+    per key step, and the key range split in two until the grid fills the GPU or a split
+    would get fewer than 8 key steps (4 with 64 rows). Unrolling several scale groups per
+    loop iteration (tried in the same sweep) did not pay."""
+    block_n = 128 if n >= 4096 and k >= 4096 else 64
+    block_k = group_k or 128
     programs, steps = -(-n // block_n), -(-k // block_k)
+    min_steps = 8 if block_n == 128 else 4
     split = 1
-    while split < 8 and programs * split * 2 <= _FULL_GRID and steps >= split * 2 * 4:
+    while split < 8 and programs * split * 2 <= _FULL_GRID and steps >= split * 2 * min_steps:
         split *= 2
     return GemvConfig(block_n=block_n, block_k=block_k, split_k=split, mode="dot_t", num_warps=4, num_stages=4)
 

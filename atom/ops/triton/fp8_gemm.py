@@ -178,14 +178,44 @@ def w8a8_matmul(
     return out
 
 
+def fp8_linear(
+    x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, group_k: int, bias: torch.Tensor | None = None,
+    w_block_scale: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """``reference_fp8.fp8_linear``: ``x`` [M, K] quantised 1 x ``group_k`` per row, times the
+    e4m3 weight, in ``x``'s dtype. Block scales at decode sizes (the skinny kernel's rows and
+    columns) take one launch: the skinny kernel quantises each activation group as it reads
+    it. Otherwise ``per_token_group_quant_fp8`` then ``w8a8_matmul``."""
+    m, k = x.shape
+    n = w.shape[0]
+    if group_k and 0 < m <= SKINNY_MAX_ROWS and n <= SKINNY_MAX_N:
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        return skinny_gemm(x, w, bias, skinny_config(n, k, group_k), scales=(None, w_scale, group_k),
+                           out_dtype=x.dtype)  # fmt: skip
+    a, a_scale = per_token_group_quant_fp8(x, group_k)
+    return w8a8_matmul(a, a_scale, w, w_scale, group_k, x.dtype, bias, w_block_scale)
+
+
 def scaled_mm_block(
     a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_block_scale: torch.Tensor, out_dtype: torch.dtype
 ) -> torch.Tensor:
     """``torch._scaled_mm`` with block-wise scales, which it infers from their shapes and
     strides: ``a_scale`` [M, K/128] column-major (BlockWise1x128, as the quantisation writes
     it) and ``w_block_scale`` [K/128, N/128], the transpose of a contiguous [N/128, K/128]
-    (BlockWise128x128). cuBLASLt runs it on sm90 from cuBLAS 12.9 (PyTorch's ScaledBlas.cpp)."""
-    return torch._scaled_mm(a, w.t(), scale_a=a_scale, scale_b=w_block_scale, out_dtype=out_dtype)
+    (BlockWise128x128). cuBLASLt runs it on sm90 from cuBLAS 12.9 (PyTorch's ScaledBlas.cpp), for
+    row counts that are multiples of 16 only (17 rows: CUBLAS_STATUS_NOT_SUPPORTED on an H200):
+    other counts run padded (the pad rows' values are never read back; each output row depends
+    on its own input row only)."""
+    m, k = a.shape
+    rows = -(-m // 16) * 16
+    if rows != m:
+        padded = torch.empty((rows, k), dtype=a.dtype, device=a.device)
+        padded[:m] = a
+        padded_scale = torch.empty((a_scale.shape[1], rows), dtype=a_scale.dtype, device=a.device).t()
+        padded_scale[:m] = a_scale
+        a, a_scale = padded, padded_scale
+    return torch._scaled_mm(a, w.t(), scale_a=a_scale, scale_b=w_block_scale, out_dtype=out_dtype)[:m]
 
 
 # (device, n, k) -> whether a trial ``scaled_mm_block`` of that shape ran and matched the
@@ -212,7 +242,8 @@ def scaled_mm_block_scales(w: torch.Tensor, w_scale: torch.Tensor, group_k: int)
 
 
 def _scaled_mm_block_trial(w: torch.Tensor, w_scale: torch.Tensor, w_block_scale: torch.Tensor) -> bool:
-    rows = torch.randn(64, w.shape[1], device=w.device, generator=torch.Generator(device=w.device).manual_seed(0))
+    # 17 rows: the padded path of scaled_mm_block (its multiple-of-16 path is the same call)
+    rows = torch.randn(17, w.shape[1], device=w.device, generator=torch.Generator(device=w.device).manual_seed(0))
     a, a_scale = reference_fp8.per_token_group_quant_fp8(rows, 128)
     try:
         out = scaled_mm_block(a, a_scale, w, w_block_scale, torch.bfloat16)

@@ -63,9 +63,12 @@ def _skinny_gemm_kernel(
     stride_xm, stride_wn, stride_om, stride_os, stride_xsm, stride_xsk, stride_wsn, stride_wsk,
     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr, MODE: tl.constexpr,
     SCALES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    QUANT_X: tl.constexpr,
 ):  # fmt: skip
     # SCALES: 0 none; 1 one scale per input row (xs[m, 0]) and weight row (ws[n, 0]), applied
-    # once; 2 one per row and BLOCK_K-wide key group (xs[m, g], ws[n, g]), applied every step
+    # once; 2 one per row and BLOCK_K-wide key group (xs[m, g], ws[n, g]), applied every step.
+    # QUANT_X (with SCALES 2): x is 16-bit and each step quantises its group to e4m3 here, as
+    # fp8_gemm's _group_quant_kernel does (the same codes and scales; xs_ptr is unused)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
@@ -83,7 +86,10 @@ def _skinny_gemm_kernel(
         # block scales are read one key step ahead, so their latency hides behind the step's
         # loads and MMA (as in fp8_gemm's tile kernel); past the last group, the last is reread
         last_group = tl.cdiv(K, BLOCK_K) - 1
-        xs = tl.load(xs_rows + (k_start // BLOCK_K) * stride_xsk)
+        if QUANT_X:
+            xs = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        else:
+            xs = tl.load(xs_rows + (k_start // BLOCK_K) * stride_xsk)
         ws = tl.load(ws_rows + (k_start // BLOCK_K) * stride_wsk)
     # the weight is read once: it streams past L2 (evict_first) and leaves x and the other
     # layers' small tensors there
@@ -104,8 +110,16 @@ def _skinny_gemm_kernel(
         if SCALES == 2:
             # this step's partial product times its group's scales
             group_next = tl.minimum((k_start + k0) // BLOCK_K + 1, last_group)
-            xs_next = tl.load(xs_rows + group_next * stride_xsk)
             ws_next = tl.load(ws_rows + group_next * stride_wsk)
+            if QUANT_X:
+                # amax / 448 times the float32 reciprocal, an IEEE-rounded division (as the
+                # quantisation kernel and the reference); zeros past K leave amax unchanged
+                xf = x.to(tl.float32)
+                xs = tl.maximum(tl.max(tl.abs(xf), axis=1) * (1.0 / 448.0), 1e-12)
+                x = tl.clamp(tl.math.div_rn(xf, xs[:, None]), -448.0, 448.0).to(w.dtype)
+                xs_next = xs
+            else:
+                xs_next = tl.load(xs_rows + group_next * stride_xsk)
             if MODE == 3:
                 acc += tl.dot(w, tl.trans(x)) * (ws[:, None] * xs[None, :])
             elif MODE == 2:
@@ -166,13 +180,19 @@ def skinny_gemm(
     ``scales`` = (``x_scale`` [M, groups], ``weight_scale`` [N, groups], ``group_k``) for e4m3
     ``x`` and ``weight``: ``reference_fp8.w8a8_matmul``'s product. Block scales (``group_k`` > 0)
     step one group at a time (``cfg.block_k`` is replaced by ``group_k``); per-channel ones
-    (``group_k`` 0, one scale column) apply once. Any scale strides."""
+    (``group_k`` 0, one scale column) apply once. Any scale strides. ``x_scale`` None (block
+    scales only): ``x`` is 16-bit and is quantised in the kernel, 1 x ``group_k`` per row, to
+    the codes and scales of ``per_token_group_quant_fp8`` (one launch fewer per layer)."""
     m, k = x.shape
     n = weight.shape[0]
     out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
     x_scale, w_scale, group_k = scales if scales is not None else (out, out, 0)
+    quant_x = scales is not None and x_scale is None
+    if quant_x and not group_k:
+        raise ValueError("quantising the activations in the kernel needs block scales (group_k > 0)")
+    x_scale = out if quant_x else x_scale
     mode = _MODES[cfg.mode]
     block_k = group_k or cfg.block_k
     if group_k and mode == _MODES["defer"]:
@@ -192,7 +212,7 @@ def skinny_gemm(
         x_scale.stride(0), x_scale.stride(1), w_scale.stride(0), w_scale.stride(1),
         HAS_BIAS=bias is not None, PARTIAL=partial, EVEN_K=even_k, MODE=mode,
         SCALES=0 if scales is None else 2 if group_k else 1,
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, QUANT_X=quant_x,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if partial:
