@@ -89,6 +89,7 @@ class SpecDecoder:
             pick(st.top_p),
             pick(st.min_p),
             [st.generators[j] for j in verify],
+            all_greedy=st.all_greedy or None,  # a mixed batch's verify rows may still all be greedy
         ).tolist()
         finals = []
         for i, row in zip(vrows, out):

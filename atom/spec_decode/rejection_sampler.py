@@ -50,6 +50,7 @@ def rejection_sample(
     min_p: torch.Tensor | None = None,
     generators: list[torch.Generator | None] | None = None,
     draft_probs: torch.Tensor | None = None,  # [B, K, V]; None: drafts were argmax picks
+    all_greedy: bool | None = None,  # whether every row is greedy, where the host knows (no device sync)
 ) -> torch.Tensor:
     """[B, K + 1] int64: each row's accepted drafts, then one sampled token, then -1s."""
     b, k, v = logits.shape
@@ -57,7 +58,7 @@ def rejection_sample(
     greedy = (temperature <= 0).to(torch.int32)
     argmax = logits.argmax(dim=-1)
     rep = lambda t: None if t is None else t.repeat_interleave(k)  # noqa: E731
-    if bool(greedy.all()):
+    if bool(greedy.all()) if all_greedy is None else all_greedy:
         probs_d = draft_p = uniform = torch.ones(b, k, device=logits.device)
         recovered = argmax
     else:
