@@ -15,7 +15,9 @@ from atom.ops.triton.fp8_gemm import per_token_group_quant_fp8
 from atom.ops.triton.moe import _row_tile, _sort_by_expert, _store_tile
 
 
-@triton.jit(do_not_specialize=["num_pairs"])  # varies by batch, as in moe.py
+# vary by batch (as in moe.py): the pairs, and the column-major activation scales' group
+# stride (= tokens; a variant compiled for odd counts was a warm-up gap of Qwen3-30B-A3B-FP8)
+@triton.jit(do_not_specialize=["num_pairs", "stride_ask"])
 def _moe_fp8_gemm_kernel(
     a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
     N, K, num_pairs, stride_am, stride_asm, stride_ask, stride_be, stride_bn, stride_bse, stride_bsn, stride_bsk,
