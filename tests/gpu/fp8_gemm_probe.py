@@ -79,7 +79,7 @@ def scaled_mm_call(a, a_scale, c, cfg=None):
 def sweep_candidates(n: int, k: int) -> list[GemvConfig]:
     """skinny_config's launch and its neighbours: other ways to multiply a tile and tile widths,
     no key split to twice the table's, deeper pipelines (no split), other stages and warps."""
-    base = skinny_config(SKINNY_MAX_ROWS, n, k, GROUP)  # the MMA launch
+    base = skinny_config(n, k, GROUP)
     out = []
     for mode, block_n in (("dot_t", 64), ("dot_t", 128), ("dot", 32), ("dot", 64), ("sum", 16)):
         for split in sorted({1, max(1, base.split_k // 2), base.split_k, base.split_k * 2}):
@@ -128,7 +128,7 @@ def main() -> None:
             ref = reference_fp8.dequantize(a, a_scale, GROUP) @ w_ref.t()
             calls = {"w8a8": (w8a8_call, gemm_config(m, n, k, True)), "scaled_mm": (scaled_mm_call, None)}
             if m <= SKINNY_MAX_ROWS:
-                calls["skinny"] = (skinny_call, skinny_config(m, n, k, GROUP))
+                calls["skinny"] = (skinny_call, skinny_config(n, k, GROUP))
             row = {"layer": name, "n": n, "k": k, "m": m}
             fp8_moved = fp8_bytes + m * k * (1 + 4 / GROUP) + m * n * 2
             row["quant_us"] = graph_ms([partial(per_token_group_quant_fp8, x, GROUP)]) * 1e3
@@ -177,7 +177,7 @@ def per_channel(name: str, n: int, k: int, w_f32: torch.Tensor, ms: list[int], l
     w, w_scale = reference_fp8.quantize_weight(w_f32)
     copies = [(w, w_scale)] + [(w.clone(), w_scale.clone()) for _ in range(-(-4 * l2 // (n * k)))]
     w_ref = reference_fp8.dequantize(w, w_scale, 0)
-    cfg = skinny_config(1, n, k, 0)
+    cfg = skinny_config(n, k, 0)
     rows = []
     for m in ms:
         a, a_scale = per_token_group_quant_fp8(torch.randn(m, k, device=DEV, dtype=BF16), 0)
@@ -199,7 +199,7 @@ def channel_rowwise_call(a, a_scale, c, cfg=None):
 
 
 def sweep(name, n, k, m, a, a_scale, ref, copies, moved, bw) -> dict:
-    table = skinny_config(m, n, k, GROUP)
+    table = skinny_config(n, k, GROUP)
     configs = []
     for cfg in sweep_candidates(n, k):
         try:

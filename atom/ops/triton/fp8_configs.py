@@ -70,25 +70,15 @@ def gemm_config(m: int, n: int, k: int, per_group: bool) -> dict:
 # vs 34.2 / 34.4 / 34.8 (with 8 warps and no split 32.5: not in the rule below).
 SKINNY_MAX_ROWS = 16
 SKINNY_MAX_N = 24576
-# Up to this many rows the block-scaled skinny GEMM sums on the CUDA cores, several scale
-# groups a key step (gemv's ``groups`` mode); its launch. Not yet swept (tests/gpu/fp8_skinny_sweep.py):
-# 8 weight rows x 1,024 columns, the bf16 one-row launch's 8 KB a step.
-GROUPS_MAX_ROWS = 2
-GROUPS_CONFIG = GemvConfig(block_n=8, block_k=1024, mode="groups", num_warps=4, num_stages=3)
 
 
-def skinny_config(m: int, n: int, k: int, group_k: int) -> GemvConfig:
-    """The skinny kernel's launch for ``m`` rows (up to ``SKINNY_MAX_ROWS``). Up to
-    ``GROUPS_MAX_ROWS`` rows with block scales: the ``groups`` mode, whose key step reads
-    ``block_k`` contiguous bytes of each of a few weight rows (a 1 x 128 e4m3 group is only
-    128 bytes). Otherwise the tile as the MMA's long side ("swap AB"; one compiled variant
-    for every row count: the rows pad to 16): 128 weight rows where N and K are 4,096 or more,
-    as swept, else 64, one 128-column scale group per key step, and the key range split in two
-    until the grid fills the GPU or a split would get fewer than 8 key steps (4 with 64 rows).
-    Unrolling several scale groups per loop iteration of that mode (tried in the same sweep)
-    did not pay."""
-    if group_k and m <= GROUPS_MAX_ROWS and GROUPS_CONFIG.block_k % group_k == 0:
-        return GROUPS_CONFIG
+def skinny_config(n: int, k: int, group_k: int) -> GemvConfig:
+    """The skinny kernel's launch for every row count up to ``SKINNY_MAX_ROWS`` (one compiled
+    variant: the rows pad to 16): a program's weight rows as the MMA's long side ("swap AB";
+    128 rows where N and K are 4,096 or more, as swept, else 64), one 128-column scale group
+    per key step, and the key range split in two until the grid fills the GPU or a split
+    would get fewer than 8 key steps (4 with 64 rows). Unrolling several scale groups per
+    loop iteration (tried in the same sweep) did not pay."""
     block_n = 128 if n >= 4096 and k >= 4096 else 64
     block_k = group_k or 128
     programs, steps = -(-n // block_n), -(-k // block_k)

@@ -153,7 +153,7 @@ def w8a8_matmul(
     if group_k and (group_k < 16 or group_k & (group_k - 1)):
         raise ValueError(f"block-scaled FP8 GEMM needs a power-of-two group of at least 16 columns, got {group_k}")
     if config is None and m <= SKINNY_MAX_ROWS and n <= SKINNY_MAX_N:
-        return skinny_gemm(a, w, bias, skinny_config(m, n, k, group_k), scales=(a_scale, w_scale, group_k),
+        return skinny_gemm(a, w, bias, skinny_config(n, k, group_k), scales=(a_scale, w_scale, group_k),
                            out_dtype=out_dtype)  # fmt: skip
     if config is None and w_block_scale is not None and m > SKINNY_MAX_ROWS:  # decode-sized: measured on the tiles
         out = scaled_mm_block(a, a_scale, w, w_block_scale, out_dtype)
@@ -194,7 +194,7 @@ def fp8_linear(
     if group_k and 0 < m <= SKINNY_MAX_ROWS and n <= SKINNY_MAX_N:
         if x.stride(-1) != 1:
             x = x.contiguous()
-        return skinny_gemm(x, w, bias, skinny_config(m, n, k, group_k), scales=(None, w_scale, group_k),
+        return skinny_gemm(x, w, bias, skinny_config(n, k, group_k), scales=(None, w_scale, group_k),
                            out_dtype=x.dtype)  # fmt: skip
     a, a_scale = per_token_group_quant_fp8(x, group_k)
     return w8a8_matmul(a, a_scale, w, w_scale, group_k, x.dtype, bias, w_block_scale)

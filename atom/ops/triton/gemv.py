@@ -12,11 +12,7 @@ adds in a fixed order (deterministic, no atomics). Four ways to multiply a tile:
 - ``dot``: ``tl.dot`` with M padded to 16;
 - ``dot_t``: ``tl.dot`` of the weight tile by the transposed input ("swap AB"): the weight's
   ``block_n`` rows fill the MMA's long side (64 rows: Hopper's wgmma) and the few input rows
-  pad only its short side to 16;
-- ``groups`` (block-scaled FP8 only, its own kernel): ``sum`` over a key step of several scale
-  groups, each group's partial sum times its scales. The other modes step one group (128
-  columns: 128 bytes of an e4m3 weight row) at a time; this one reads ``block_k`` bytes of
-  each weight row per step, long contiguous runs as the bf16 ``sum`` launch reads.
+  pad only its short side to 16.
 
 The same kernel runs FP8 (e4m3) weights and activations with float32 scales
 (``atom.ops.reference_fp8.w8a8_matmul``'s product, called from ``fp8_gemm.w8a8_matmul`` for a
@@ -36,7 +32,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-_MODES = {"sum": 0, "defer": 1, "dot": 2, "dot_t": 3, "groups": 4}
+_MODES = {"sum": 0, "defer": 1, "dot": 2, "dot_t": 3}
 # Where the skinny kernel beats cuBLAS (H100 sweep, tests/gpu/gemv_bench.py, CUDA-graph replay
 # over weight copies that do not fit L2): at one row on every Qwen3 projection (8B: 80-97% of
 # the copy bandwidth vs cuBLAS's 70-90%), and up to 32 rows for vocabulary-wide weights (the
@@ -174,67 +170,6 @@ def _split_k_reduce_kernel(
     tl.store(out_ptr + m * stride_om + rn, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["M", "stride_os", "stride_xsk"])
-def _skinny_groups_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, xs_ptr, ws_ptr,
-    M, N, K, k_per_split,
-    stride_xm, stride_wn, stride_om, stride_os, stride_xsm, stride_xsk, stride_wsn, stride_wsk,
-    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, GROUP_K: tl.constexpr, QUANT_X: tl.constexpr,
-):  # fmt: skip
-    # e4m3 x [M, K] (or 16-bit with QUANT_X: quantised here per 1 x GROUP_K group, as
-    # fp8_gemm's _group_quant_kernel does) times e4m3 w [N, K]; scales xs [M, groups],
-    # ws [N, groups]. A key step is GROUPS whole groups; every product is summed in float32
-    # on the CUDA cores, then each group's sum is scaled
-    BLOCK_K: tl.constexpr = GROUPS * GROUP_K
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    rm = tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    rg = tl.arange(0, GROUPS)
-    # out-of-range rows read a valid row (their results are never stored): no load masks on M, N
-    rm_load = tl.minimum(rm, M - 1)
-    rn_load = tl.minimum(rn, N - 1)
-    x_rows = x_ptr + rm_load.to(tl.int64)[:, None] * stride_xm
-    w_rows = w_ptr + rn_load.to(tl.int64)[:, None] * stride_wn
-    num_groups = tl.cdiv(K, GROUP_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_start = pid_k * k_per_split
-    for k0 in range(0, k_per_split, BLOCK_K):
-        k = k_start + k0 + rk
-        g = (k_start + k0) // GROUP_K + rg
-        g_ok = g < num_groups
-        if EVEN_K:
-            x = tl.load(x_rows + k[None, :])
-            w = tl.load(w_rows + k[None, :], eviction_policy="evict_first")
-        else:
-            x = tl.load(x_rows + k[None, :], mask=k[None, :] < K, other=0.0)
-            w = tl.load(w_rows + k[None, :], mask=k[None, :] < K, other=0.0, eviction_policy="evict_first")
-        # scales of groups past K read 0: their products are 0 already
-        ws = tl.load(ws_ptr + rn_load[:, None] * stride_wsn + g[None, :] * stride_wsk, mask=g_ok[None, :], other=0.0)
-        xg = tl.reshape(x.to(tl.float32), (BLOCK_M, GROUPS, GROUP_K))
-        if QUANT_X:
-            # amax / 448 times the float32 reciprocal, an IEEE-rounded division (as the
-            # quantisation kernel and the reference); zeros past K leave amax unchanged
-            xs = tl.maximum(tl.max(tl.abs(xg), axis=2) * (1.0 / 448.0), 1e-12)
-            xg = tl.clamp(tl.math.div_rn(xg, xs[:, :, None]), -448.0, 448.0).to(w.dtype).to(tl.float32)
-        else:
-            xs = tl.load(xs_ptr + rm_load[:, None] * stride_xsm + g[None, :] * stride_xsk, mask=g_ok[None, :],
-                         other=0.0)  # fmt: skip
-        wg = tl.reshape(w.to(tl.float32), (BLOCK_N, GROUPS, GROUP_K))
-        part = tl.sum(xg[:, None, :, :] * wg[None, :, :, :], axis=3)  # [BLOCK_M, BLOCK_N, GROUPS]
-        acc += tl.sum(part * (xs[:, None, :] * ws[None, :, :]), axis=2)
-    mask = (rm[:, None] < M) & (rn[None, :] < N)
-    offs = rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
-    if PARTIAL:
-        tl.store(out_ptr + pid_k.to(tl.int64) * stride_os + offs, acc, mask=mask)
-    else:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + rn_load).to(tl.float32)[None, :]
-        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
 def skinny_gemm(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: GemvConfig,
     scales: tuple[torch.Tensor, torch.Tensor, int] | None = None, out_dtype: torch.dtype | None = None,
@@ -259,8 +194,6 @@ def skinny_gemm(
         raise ValueError("quantising the activations in the kernel needs block scales (group_k > 0)")
     x_scale = out if quant_x else x_scale
     mode = _MODES[cfg.mode]
-    if mode == _MODES["groups"]:
-        return _skinny_groups(x, weight, bias, cfg, x_scale, w_scale, group_k, quant_x, out)
     block_k = group_k or cfg.block_k
     if group_k and mode == _MODES["defer"]:
         raise ValueError("the defer mode reduces once at the end: it cannot apply block scales per key step")
@@ -283,43 +216,11 @@ def skinny_gemm(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if partial:
-        _reduce_splits(target, b, out, bias is not None)
-    return out
-
-
-def _reduce_splits(partials: torch.Tensor, bias: torch.Tensor, out: torch.Tensor, has_bias: bool) -> None:
-    """``out`` = the sum of the float32 partial sums [splits, M, N] (+ ``bias``), in a fixed order."""
-    splits, m, n = partials.shape
-    block = min(triton.next_power_of_2(n), 1024)
-    _split_k_reduce_kernel[(m, triton.cdiv(n, block))](
-        partials, bias, out, n, partials.stride(1), partials.stride(0), out.stride(0),
-        SPLIT_K=splits, HAS_BIAS=has_bias, BLOCK=block, num_warps=4,
-    )  # fmt: skip
-
-
-def _skinny_groups(x, weight, bias, cfg, x_scale, w_scale, group_k, quant_x, out) -> torch.Tensor:
-    """``skinny_gemm`` in the ``groups`` mode: ``cfg.block_k`` (a multiple of ``group_k``)
-    key columns a step."""
-    m, k = x.shape
-    n = weight.shape[0]
-    if not group_k or cfg.block_k % group_k:
-        raise ValueError(f"the groups mode steps whole scale groups: block_k {cfg.block_k} and group_k {group_k}")
-    split_k = min(cfg.split_k, triton.cdiv(k, cfg.block_k))
-    k_per_split = triton.cdiv(triton.cdiv(k, split_k), cfg.block_k) * cfg.block_k
-    split_k = triton.cdiv(k, k_per_split)  # no empty split
-    partial = split_k > 1
-    target = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if partial else out
-    b = bias if bias is not None else out
-    _skinny_groups_kernel[(triton.cdiv(n, cfg.block_n), split_k)](
-        x, weight, b, target, x_scale, w_scale, m, n, k, k_per_split,
-        x.stride(0), weight.stride(0), target.stride(-2), target.stride(0) if partial else 0,
-        x_scale.stride(0), x_scale.stride(1), w_scale.stride(0), w_scale.stride(1),
-        HAS_BIAS=bias is not None, PARTIAL=partial, EVEN_K=k % k_per_split == 0,
-        BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, GROUPS=cfg.block_k // group_k, GROUP_K=group_k,
-        QUANT_X=quant_x, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
-    if partial:
-        _reduce_splits(target, b, out, bias is not None)
+        block = min(triton.next_power_of_2(n), 1024)
+        _split_k_reduce_kernel[(m, triton.cdiv(n, block))](
+            target, b, out, n, target.stride(1), target.stride(0), out.stride(0),
+            SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
+        )  # fmt: skip
     return out
 
 
