@@ -5,7 +5,9 @@ one server at a time, ``benchmark_serving`` against each, a short table last.
         --run after:qwen3-8b:sync --run after:qwen3-8b:async --run vllm:qwen3-8b
 
 A run is ``TREE:MODEL[:FLAG,...]``; flags: ``async`` / ``sync`` (atom's scheduling mode; default: the tree's),
-``mnbt=N`` (--max-num-batched-tokens), ``c=N`` (the client's concurrency; default --concurrency),
+``mnbt=N`` (--max-num-batched-tokens), ``c=N`` (the client's concurrency; default --concurrency;
+``c=1/16/64/256``: one measured pass per concurrency against the same server, each of
+``min(--num-prompts, max(32, --prompts-per-client x N))`` prompts),
 ``tpN`` / ``dpN`` (-tp N / -dp N), ``ep`` (--enable-expert-parallel), ``fp8`` (--quantization fp8),
 ``fp8kv`` (--kv-cache-dtype fp8), for both engines; ``dpattn``
 (atom's --enable-dp-attention; vLLM's equivalent is ``dpN,ep``: attention data-parallel, experts over the replicas).
@@ -59,10 +61,10 @@ def wait_healthy(port: int, proc: subprocess.Popen, timeout: float) -> bool:
     return False
 
 
-def summarize_trace(path: str, since: float) -> dict:
+def summarize_trace(path: str, since: float, until: float = float("inf")) -> dict:
     if not os.path.exists(path):
         return {}
-    rows = [r for r in map(json.loads, open(path)) if r.get("t", r.get("arrive")) >= since]
+    rows = [r for r in map(json.loads, open(path)) if since <= r.get("t", r.get("arrive")) < until]
     steps = [r for r in rows if "arrive" not in r]
     if not steps:
         return {}
@@ -92,10 +94,10 @@ def summarize_trace(path: str, since: float) -> dict:
     }
 
 
-def run_one(spec: str, args, trees: dict[str, str], port: int) -> dict:
+def run_one(spec: str, args, trees: dict[str, str], port: int) -> list[dict]:
     tree, model, *rest = spec.split(":")
     flags = rest[0].split(",") if rest else []
-    name = spec.replace(":", "_").replace(",", "-").replace("=", "")
+    name = spec.replace(":", "_").replace(",", "-").replace("=", "").replace("/", "-")
     path = os.path.abspath(trees[next(iter(trees))] if tree == "vllm" else trees[tree])
     mdir = model_dir(model)
     for f in os.listdir(args.tokenizer):
@@ -112,7 +114,7 @@ def run_one(spec: str, args, trees: dict[str, str], port: int) -> dict:
         ATOM_STEP_TRACE=trace,
     )
     mnbt = [f.split("=")[1] for f in flags if f.startswith("mnbt=")]
-    concurrency = next((f.split("=")[1] for f in flags if f.startswith("c=")), str(args.concurrency))
+    concurrency = next((f.split("=")[1] for f in flags if f.startswith("c=")), str(args.concurrency)).split("/")
     if tree == "vllm":
         cmd = [
             sys.executable,
@@ -123,7 +125,7 @@ def run_one(spec: str, args, trees: dict[str, str], port: int) -> dict:
             "--load-format",
             "dummy",
             "--max-model-len",
-            "4096",
+            str(args.max_model_len),
             "--port",
             str(port),
         ]
@@ -135,7 +137,7 @@ def run_one(spec: str, args, trees: dict[str, str], port: int) -> dict:
             mdir,
             "--load_dummy",
             "--max-model-len",
-            "4096",
+            str(args.max_model_len),
             "--port",
             str(port),
             "--disable-uvicorn-access-log",
@@ -148,15 +150,14 @@ def run_one(spec: str, args, trees: dict[str, str], port: int) -> dict:
     cmd += ["--quantization", "fp8"] if "fp8" in flags else []
     cmd += ["--kv-cache-dtype", "fp8"] if "fp8kv" in flags else []
     cmd += [a for f in flags if f[:2] in ("tp", "dp") and f[2:].isdigit() for a in (f"-{f[:2]}", f[2:])]
-    result, since = {"run": spec}, None
+    results, start_s = [], None
     log = open(os.path.join(args.out, f"log_{name}.txt"), "w")
     start = time.time()
     server = subprocess.Popen(cmd, cwd=path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         if not wait_healthy(port, server, args.start_timeout):
-            result["error"] = "server did not start"
-            return result
-        result["start_s"] = round(time.time() - start, 1)
+            return [{"run": spec, "error": "server did not start"}]
+        start_s = round(time.time() - start, 1)
         bench = [
             sys.executable,
             "-m",
@@ -176,8 +177,6 @@ def run_one(spec: str, args, trees: dict[str, str], port: int) -> dict:
             "--request-rate",
             "inf",
             "--ignore-eos",
-            "--max-concurrency",
-            concurrency,
             "--disable-tqdm",
             "--percentile-metrics",
             "ttft,tpot,itl,e2el",
@@ -188,7 +187,7 @@ def run_one(spec: str, args, trees: dict[str, str], port: int) -> dict:
         benv = dict(env, PYTHONPATH=":".join(p for p in ("/tmp/site", first) if os.path.isdir(p)))
         with open(os.path.join(args.out, f"log_{name}.txt"), "a") as blog:
             subprocess.run(
-                bench + ["--num-prompts", str(args.warmup_prompts)],
+                bench + ["--max-concurrency", max(concurrency, key=int), "--num-prompts", str(args.warmup_prompts)],
                 cwd=path,
                 env=benv,
                 stdout=blog,
@@ -197,40 +196,12 @@ def run_one(spec: str, args, trees: dict[str, str], port: int) -> dict:
             )
             if os.path.exists(trace):
                 os.remove(trace)  # the warm-up pass's steps
-            before, since = cpu_seconds(server.pid), time.time()
-            subprocess.run(
-                bench
-                + [
-                    "--num-prompts",
-                    str(args.num_prompts),
-                    "--save-result",
-                    "--result-dir",
-                    args.out,
-                    "--result-filename",
-                    f"serve_{name}.json",
-                ],
-                cwd=path,
-                env=benv,
-                stdout=blog,
-                stderr=subprocess.STDOUT,
-                timeout=args.timeout,
-            )
-            after = cpu_seconds(server.pid)
-        used = {p: after[p] - before.get(p, 0) for p in after}
-        result["cpu_s"] = {str(p): round(s, 1) for p, s in used.items() if s > 1}
-        res = os.path.join(args.out, f"serve_{name}.json")
-        if os.path.exists(res):
-            r = json.load(open(res))
-            result.update(
-                {
-                    k: r[k]
-                    for k in r
-                    if k.endswith("_ms") or k in ("output_throughput", "duration", "completed", "request_throughput")
-                }
-            )
-            os.remove(res)  # per-request lists; the device tool brings back few files
+            for c in concurrency:
+                label = f"{tree}:{model}:" + ",".join([f for f in flags if not f.startswith("c=")] + [f"c={c}"])
+                results.append(measured_pass(label, name, c, bench, path, benv, blog, server, trace, args))
+                results[-1]["start_s"] = start_s
     except subprocess.TimeoutExpired:
-        result["error"] = "benchmark timed out"
+        results.append({"run": spec, "error": "benchmark timed out", "start_s": start_s})
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(server.pid, signal.SIGINT)
@@ -240,7 +211,37 @@ def run_one(spec: str, args, trees: dict[str, str], port: int) -> dict:
             os.killpg(server.pid, signal.SIGKILL)
             server.wait()
         log.close()
-    result["trace"] = summarize_trace(trace, since) if since is not None else {}
+    for r in results:
+        r["trace"] = summarize_trace(trace, *r.pop("window")) if "window" in r else {}
+    return results
+
+
+def measured_pass(label, name, c, bench, path, benv, blog, server, trace, args) -> dict:
+    """One measured ``benchmark_serving`` pass at concurrency ``c``; its step-trace window is
+    summarised once the server has flushed the trace (at exit)."""
+    prompts = min(args.num_prompts, max(32, args.prompts_per_client * int(c)))
+    result = {"run": label, "concurrency": int(c), "prompts": prompts}
+    res = os.path.join(args.out, f"serve_{name}_c{c}.json")
+    before, since = cpu_seconds(server.pid), time.time()
+    subprocess.run(
+        bench
+        + ["--max-concurrency", c, "--num-prompts", str(prompts), "--save-result", "--result-dir", args.out]
+        + ["--result-filename", os.path.basename(res)],
+        cwd=path,
+        env=benv,
+        stdout=blog,
+        stderr=subprocess.STDOUT,
+        timeout=args.timeout,
+    )
+    after = cpu_seconds(server.pid)
+    result["window"] = (since, time.time())
+    used = {p: after[p] - before.get(p, 0) for p in after}
+    result["cpu_s"] = {str(p): round(s, 1) for p, s in used.items() if s > 1}
+    if os.path.exists(res):
+        r = json.load(open(res))
+        keep = ("output_throughput", "duration", "completed", "request_throughput")
+        result.update({k: r[k] for k in r if k.endswith("_ms") or k in keep})
+        os.remove(res)  # per-request lists; the device tool brings back few files
     return result
 
 
@@ -252,6 +253,8 @@ def main() -> None:
     p.add_argument("--num-prompts", type=int, default=500)
     p.add_argument("--warmup-prompts", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--prompts-per-client", type=int, default=8, help="prompts of a pass per unit of concurrency")
+    p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--input-len", type=int, default=1024)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--start-timeout", type=float, default=300)
@@ -262,18 +265,23 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     results = []
     for i, spec in enumerate(args.run):
-        results.append(run_one(spec, args, trees, 8100 + i))
-        print(json.dumps(results[-1]), flush=True)
+        for r in run_one(spec, args, trees, 8100 + i):
+            results.append(r)
+            print(json.dumps(r), flush=True)
         json.dump(results, open(f"{args.out}/serve_compare.json", "w"), indent=1)
     print("\n| run | tok/s | TTFT p50/p99 ms | TPOT p50/p99 ms | ITL p99 | steps | gpu ms | gap ms | host ms |")
     print("|---|---|---|---|---|---|---|---|---|")
+    def f(x) -> str:
+        return f"{x:.1f}" if isinstance(x, float) else str(x)
+
     for r in results:
         t = r.get("trace", {})
         host = "/".join(str(t.get(k)) for k in ("sched_ms", "launch_ms", "collect_ms")) if t else ""
         print(
-            f"| {r['run']} | {r.get('output_throughput', r.get('error', ''))} | {r.get('p50_ttft_ms')}/"
-            f"{r.get('p99_ttft_ms')} | {r.get('p50_tpot_ms')}/{r.get('p99_tpot_ms')} | {r.get('p99_itl_ms')} | "
-            f"{t.get('steps', '')} | {t.get('gpu_ms', '')} | {t.get('gap_ms', '')} | {host} |"
+            f"| {r['run']} | {f(r.get('output_throughput', r.get('error', '')))} | {f(r.get('p50_ttft_ms'))}/"
+            f"{f(r.get('p99_ttft_ms'))} | {f(r.get('p50_tpot_ms'))}/{f(r.get('p99_tpot_ms'))} | "
+            f"{f(r.get('p99_itl_ms'))} | {t.get('steps', '')} | {t.get('gpu_ms', '')} | {t.get('gap_ms', '')} | "
+            f"{host} |"
         )
 
 
