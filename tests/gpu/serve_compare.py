@@ -200,6 +200,8 @@ def run_one(spec: str, args, trees: dict[str, str], port: int) -> list[dict]:
                 label = f"{tree}:{model}:" + ",".join([f for f in flags if not f.startswith("c=")] + [f"c={c}"])
                 results.append(measured_pass(label, name, c, bench, path, benv, blog, server, trace, args))
                 results[-1]["start_s"] = start_s
+                # now, in case a later pass does not finish (its trace summary comes at the end)
+                print("pass:", json.dumps({k: v for k, v in results[-1].items() if k != "window"}), flush=True)
     except subprocess.TimeoutExpired:
         results.append({"run": spec, "error": "benchmark timed out", "start_s": start_s})
     finally:
