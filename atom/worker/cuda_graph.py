@@ -51,12 +51,16 @@ class CUDAGraphRunner:
     @torch.inference_mode()
     def capture(self) -> None:
         start, free_before = time.perf_counter(), torch.cuda.mem_get_info()[0]
+        first = None  # seconds of the first warm-up forward (compilation, if any, shows there)
         for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its pool
             meta = self._meta(bs)
             layers = get_forward_context().attn_layers
             inputs = (self.input_ids[:bs], self.positions[:bs], *(h[:bs] for h in self.hidden_inputs))
             with set_forward_context(meta, self.positions[:bs], layers):
                 self.output[:bs] = self.forward(*inputs)  # warm-up
+                if first is None:
+                    torch.cuda.synchronize()
+                    first = time.perf_counter() - start
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool):
                     self.output[:bs] = self.forward(*inputs)
@@ -66,8 +70,8 @@ class CUDAGraphRunner:
             torch.cuda.synchronize()
         # the graphs' memory pool (and any warm-up allocations kept), as vLLM reports it
         used = (free_before - torch.cuda.mem_get_info()[0]) / (1 << 30)
-        logger.info("captured %d CUDA graphs (batch sizes %s) in %.1f s, %.2f GiB", len(self.graphs), self.sizes,
-                    time.perf_counter() - start, used)
+        logger.info("captured %d CUDA graphs (batch sizes %s) in %.1f s (the first warm-up forward %.1f s), %.2f GiB",
+                    len(self.graphs), self.sizes, time.perf_counter() - start, first, used)  # fmt: skip
 
     def can_run(self, meta: AttentionMetadata, num_tokens: int) -> bool:
         return meta.max_seqlen_q == 1 and num_tokens <= self.sizes[-1] and meta.block_tables.shape[1] <= \

@@ -309,6 +309,8 @@ class ModelRunner:
     def capture_cudagraphs(self) -> None:
         """Capture decode graphs unless eager is asked for or the ops cannot be captured; the
         last step of start-up, so from here on a Triton kernel compiled is a warm-up gap."""
+        if self.device.type == "cuda":
+            log_late_compiles("during the CUDA-graph capture")
         self._capture_cudagraphs()
         if self.device.type == "cuda":
             log_late_compiles()

@@ -96,14 +96,14 @@ def warm_up_sampler(compute_logits, hidden: torch.Tensor, max_rows: int) -> None
         sample(logits, SamplingTensors(temperatures, top_k, top_p, min_p, [None] * rows, all_greedy=False))
 
 
-def log_late_compiles() -> None:
-    """Log each Triton kernel variant compiled from now on (after start-up): a gap in the
-    warm-up, which stalls the step that meets it by 0.1-1 s."""
+def log_late_compiles(when: str = "after start-up (a warm-up gap)") -> None:
+    """Log each Triton kernel variant compiled from now on, saying ``when``: after start-up it
+    is a gap in the warm-up, which stalls the step that meets it by 0.1-1 s; during the CUDA
+    graph capture it lengthens start-up (a capture of 4 graphs took as long as one of 20)."""
     import triton
 
     def hook(*, fn, compile, **_):
-        logger.info("Triton kernel %s built after start-up (a warm-up gap), constants %s", fn.name,
-                    compile["constants"])
+        logger.info("Triton kernel %s built %s, constants %s", fn.name, when, compile["constants"])
         return None  # compile it
 
     triton.knobs.runtime.jit_cache_hook = hook

@@ -79,3 +79,23 @@ def test_batches_meet_every_moe_and_fp8_tile_bucket(experts, top_k):
     warm = {c for q, _ in warmup_batches(budget, 40960) for c in configs(sum(q))}
     needed = {c for tokens in range(1, budget + 1) for c in configs(tokens)}
     assert needed <= warm
+
+
+def test_late_compiles_are_logged_with_when_they_happened(caplog, monkeypatch):
+    # the hook Triton calls before compiling a kernel variant: each one is logged (and still
+    # compiled) with the phase it happened in, capture or serving
+    import triton
+
+    from atom.worker.warmup import log_late_compiles
+
+    monkeypatch.setattr(triton.knobs.runtime, "jit_cache_hook", None)
+    fn = type("Kernel", (), {"name": "_k"})()
+    with caplog.at_level("INFO", logger="atom.worker.warmup"):
+        log_late_compiles("during the CUDA-graph capture")
+        assert triton.knobs.runtime.jit_cache_hook(fn=fn, compile={"constants": {(3,): 1}}) is None
+        log_late_compiles()
+        triton.knobs.runtime.jit_cache_hook(fn=fn, compile={"constants": {}})
+    assert [r.getMessage() for r in caplog.records] == [
+        "Triton kernel _k built during the CUDA-graph capture, constants {(3,): 1}",
+        "Triton kernel _k built after start-up (a warm-up gap), constants {}",
+    ]
