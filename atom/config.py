@@ -28,6 +28,12 @@ _DTYPES = {
 # "auto"/"bf16": the model dtype; "fp8" (vLLM's alias "fp8_e4m3"): e4m3 with per-layer scales
 KV_CACHE_DTYPES = ("auto", "bf16", "fp8", "fp8_e4m3")
 DEFAULT_CUDAGRAPH_SIZES = [1, 2, 4, 8] + list(range(16, 257, 16))
+# vLLM's CUDA-graph modes: full graphs of decode batches, and piecewise graphs (attention eager,
+# the rest captured) of mixed prefill + decode batches up to the largest piecewise size
+CUDAGRAPH_MODES = ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "NONE")
+# token counts mixed batches are padded to: fine steps where a prefill chunk is cheap, 128-token
+# steps up to 2048 (beyond, a step's GPU time exceeds its launch time, which async scheduling hides)
+DEFAULT_PIECEWISE_SIZES = [16, 32, 48, 64, 96, 128, 192, 256] + list(range(384, 2049, 128))
 
 
 def resolve_dtype(dtype: str | torch.dtype, hf_config: PretrainedConfig, device: torch.device) -> torch.dtype:
@@ -138,12 +144,18 @@ class CompilationConfig:
     level: int = 3
     enforce_eager: bool = False
     cudagraph_capture_sizes: tuple[int, ...] = tuple(DEFAULT_CUDAGRAPH_SIZES)
+    cudagraph_mode: str = "FULL_AND_PIECEWISE"
+    piecewise_capture_sizes: tuple[int, ...] = tuple(DEFAULT_PIECEWISE_SIZES)
 
     def __post_init__(self):
         if self.level not in (0, 1, 2, 3):
             raise ValueError(f"level must be 0, 1, 2 or 3, got {self.level}")
-        if not self.cudagraph_capture_sizes or min(self.cudagraph_capture_sizes) <= 0:
-            raise ValueError(f"cudagraph_capture_sizes must be positive sizes, got {self.cudagraph_capture_sizes}")
+        if self.cudagraph_mode not in CUDAGRAPH_MODES:
+            raise ValueError(f"cudagraph_mode must be one of {', '.join(CUDAGRAPH_MODES)}, got {self.cudagraph_mode!r}")
+        for name in ("cudagraph_capture_sizes", "piecewise_capture_sizes"):
+            sizes = getattr(self, name)
+            if not sizes or min(sizes) <= 0:
+                raise ValueError(f"{name} must be positive sizes, got {sizes}")
 
 
 SPECULATIVE_METHODS = ("mtp", "shared_weights")

@@ -14,6 +14,7 @@ import torch
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
 from atom.config import (
+    CUDAGRAPH_MODES,
     KV_CACHE_DTYPES,
     SPECULATIVE_METHODS,
     CacheConfig,
@@ -28,6 +29,8 @@ from atom.config import (
 from atom.structured_output.reasoning import REASONING_TAGS
 
 logger = logging.getLogger(__name__)
+# what --compilation-config may set (the compilation flags of the same names)
+COMPILATION_KEYS = ("level", "cudagraph_mode", "cudagraph_capture_sizes", "piecewise_capture_sizes")
 
 
 @dataclass
@@ -56,6 +59,9 @@ class EngineArgs:
     async_scheduling: bool = SchedulerConfig.async_scheduling
     cudagraph_capture_sizes: list[int] = field(default_factory=lambda: list(CompilationConfig.cudagraph_capture_sizes))
     level: int = CompilationConfig.level
+    cudagraph_mode: str = CompilationConfig.cudagraph_mode
+    piecewise_capture_sizes: list[int] = field(default_factory=lambda: list(CompilationConfig.piecewise_capture_sizes))
+    compilation_config: dict | None = None  # vLLM's form: {"cudagraph_mode": "FULL_AND_PIECEWISE", ...}
     load_dummy: bool = ModelConfig.load_dummy
     enable_expert_parallel: bool = ParallelConfig.enable_expert_parallel
     enable_dp_attention: bool = ParallelConfig.enable_dp_attention
@@ -101,6 +107,12 @@ class EngineArgs:
         a("--cudagraph-capture-sizes", type=str, default=json.dumps(d.cudagraph_capture_sizes),
           help="batch sizes captured as CUDA graphs, e.g. '[1,2,4,8]'")
         a("--level", type=int, default=d.level, choices=[0, 1, 2, 3], help="compilation level; 3 = torch.compile")
+        a("--cudagraph-mode", type=str, default=d.cudagraph_mode, choices=list(CUDAGRAPH_MODES),
+          help="FULL_AND_PIECEWISE: full graphs for decode batches, piecewise ones (attention eager) for mixed "
+               "batches up to the largest piecewise size; FULL_DECODE_ONLY: decode graphs only")
+        a("--compilation-config", type=json.loads, default=None,
+          help='vLLM\'s form, e.g. \'{"cudagraph_mode": "FULL_AND_PIECEWISE"}\'; keys: '
+               + ", ".join(COMPILATION_KEYS))
         a("--load_dummy", "--load-dummy", action="store_true", help="random weights (no checkpoint needed)")
         a("--enable-expert-parallel", action="store_true")
         a("--enable-dp-attention", action="store_true")
@@ -170,14 +182,23 @@ class EngineArgs:
             cache_config=self._section(CacheConfig),
             scheduler_config=self._section(SchedulerConfig),
             parallel_config=self._section(ParallelConfig),
-            compilation_config=self._section(CompilationConfig,
-                                             cudagraph_capture_sizes=tuple(self.cudagraph_capture_sizes),
-                                             **self._dp_attention_eager(device)),
+            compilation_config=self._compilation_section(device),
             speculative_config=self._speculative_section(),
             device=device,
             torch_profiler_dir=self.torch_profiler_dir or os.environ.get("ATOM_TORCH_PROFILER_DIR"),
             reasoning_parser=self.reasoning_parser,
         )
+
+    def _compilation_section(self, device: torch.device) -> CompilationConfig:
+        """The compilation flags, overridden by vLLM's ``compilation_config`` dict where it sets them."""
+        values = dict(self.compilation_config or {})
+        unknown = set(values) - set(COMPILATION_KEYS)
+        if unknown:
+            raise ValueError(f"compilation_config keys not supported: {sorted(unknown)} (supported: "
+                             f"{', '.join(COMPILATION_KEYS)})")
+        for name in ("cudagraph_capture_sizes", "piecewise_capture_sizes"):
+            values[name] = tuple(values.get(name, getattr(self, name)))
+        return self._section(CompilationConfig, **(values | self._dp_attention_eager(device)))
 
     def _speculative_section(self) -> SpeculativeConfig:
         """``method``/``num_speculative_tokens``, or vLLM's ``speculative_config`` dict."""

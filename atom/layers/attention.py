@@ -3,7 +3,11 @@
 The layer gets q/k/v straight from the QKV projection and does the rest in one opaque op,
 ``torch.ops.atom.unified_attention``: per-head q/k RMSNorm (Qwen3), RoPE and the KV-cache
 write as one fused kernel, then paged attention with the batch's metadata from the forward
-context. Being one custom op, it is where torch.compile splits the graph. In plugin mode
+context. Being one custom op, it is where torch.compile splits the graph, and where the
+piecewise CUDA graphs of mixed batches split it (``atom.worker.piecewise``): so the op
+writes into an output the layer allocates before it (vLLM's ``unified_attention_with_output``),
+which a captured piece then owns, and it attends only the batch's real tokens, the
+metadata's, of inputs that may be padded to a captured size. In plugin mode
 a host attention layer is attached (``attach_host_attention``) and gets the rotated q/k/v
 instead: the host framework owns the cache and the metadata.
 """
@@ -61,51 +65,55 @@ class Attention(nn.Module):
             q, k = ops.qk_norm_rope_store(self._heads(q, self.num_heads), self._heads(k), self._heads(v), qw, kw,
                                           eps, positions, rotary_emb.cos_sin_cache, None, None, None)
             return self.host_attention(q.flatten(1), k.flatten(1), v)
-        return torch.ops.atom.unified_attention(q, k, v, positions, rotary_emb.cos_sin_cache, qw, kw, eps,
-                                                self.prefix)
+        out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
+        torch.ops.atom.unified_attention(q, k, v, out, positions, rotary_emb.cos_sin_cache, qw, kw, eps, self.prefix)
+        return out
 
     def _heads(self, x: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
         return x.reshape(x.shape[0], num_heads or self.num_kv_heads, self.head_dim)
 
-    def run(self, q, k, v, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps: float) -> torch.Tensor:
+    def run(self, q, k, v, out, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps: float) -> None:
+        """Attention of the metadata's tokens, the first rows of the (maybe padded) inputs,
+        into the same rows of ``out``."""
         meta = get_forward_context().attn_metadata
-        q, k, v = self._heads(q, self.num_heads), self._heads(k), self._heads(v)
-        q, k = ops.qk_norm_rope_store(q, k, v, q_norm_weight, k_norm_weight, eps, positions, cos_sin_cache,
-                                      self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        n = meta.slot_mapping.shape[0]
+        q, k, v = self._heads(q[:n], self.num_heads), self._heads(k[:n]), self._heads(v[:n])
+        positions, out = positions[:n], out[:n].view(n, self.num_heads, self.head_dim)
+        store = ops.unwrapped("qk_norm_rope_store", q.device)  # already inside the opaque op
+        q, k = store(q, k, v, q_norm_weight, k_norm_weight, eps, positions, cos_sin_cache, self.k_cache, self.v_cache,
+                     meta.slot_mapping, self.k_scale, self.v_scale)
         if self.k_cache is None:  # memory-profiling run: prompts only, no cache yet
-            o = _prompt_attention(q, k, v, meta.cu_seqlens_q, self.scale)
+            _prompt_attention(q, k, v, out, meta.cu_seqlens_q, self.scale)
         else:
-            o = ops.paged_attention(q, self.k_cache, self.v_cache, meta.cu_seqlens_q, meta.seq_lens,
-                                    meta.block_tables, self.scale, meta.max_seqlen_q, meta.max_seqlen_k,
-                                    meta.num_decode_tokens, k, v, self.k_scale, self.v_scale)
-        return o.flatten(1)
+            ops.paged_attention_into(out, q, self.k_cache, self.v_cache, meta.cu_seqlens_q, meta.seq_lens,
+                                     meta.block_tables, self.scale, meta.max_seqlen_q, meta.max_seqlen_k,
+                                     meta.num_decode_tokens, k, v, self.k_scale, self.v_scale)
 
 
-@torch.library.custom_op("atom::unified_attention", mutates_args=())
+@torch.library.custom_op("atom::unified_attention", mutates_args=("out",))
 def unified_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-    q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None, eps: float, layer_name: str,
-) -> torch.Tensor:
-    """Writes the layer's KV cache (found by name in the forward context) as a side effect."""
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor, q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None, eps: float,
+    layer_name: str,
+) -> None:
+    """Writes ``out`` [T, heads * head_dim] and, as a side effect, the layer's KV cache (the
+    layer is found by name in the forward context)."""
     ctx = get_forward_context()
-    layer = ctx.attn_layers[layer_name]
-    return layer.run(q, k, v, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps)
+    ctx.attn_layers[layer_name].run(q, k, v, out, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps)
 
 
 @unified_attention.register_fake
-def _(q, k, v, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps, layer_name):
-    return torch.empty_like(q)
+def _(q, k, v, out, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps, layer_name) -> None:
+    return None
 
 
-def _prompt_attention(q, k, v, cu_seqlens_q: torch.Tensor, scale: float) -> torch.Tensor:
-    """The memory profile's attention (no cache yet). Batched 4-D inputs with grouped heads
-    let SDPA pick its flash kernel, whose memory, like atom's kernels', does not grow with
-    the square of the prompt: its math fallback (3-D inputs) held 1 GiB per 4,096-token
+def _prompt_attention(q, k, v, out: torch.Tensor, cu_seqlens_q: torch.Tensor, scale: float) -> None:
+    """The memory profile's attention (no cache yet), into ``out``. Batched 4-D inputs with
+    grouped heads let SDPA pick its flash kernel, whose memory, like atom's kernels', does not
+    grow with the square of the prompt: its math fallback (3-D inputs) held 1 GiB per 4,096-token
     prompt and head group, which the KV cache lost."""
-    out = torch.empty_like(q)
     cu = cu_seqlens_q.tolist()
     for start, end in zip(cu[:-1], cu[1:]):
         qi, ki, vi = (t[start:end].transpose(0, 1)[None] for t in (q, k, v))
         o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
         out[start:end] = o[0].transpose(0, 1)
-    return out

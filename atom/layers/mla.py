@@ -71,20 +71,26 @@ class MLAAttention(Attention):
                                          self.interleaved)  # fmt: skip
             return self.host_attention(q, kv_c, k_pe.unsqueeze(1),
                                        output_shape=(q.shape[0], self.num_heads * self.v_head_dim))
-        return torch.ops.atom.mla_attention(q, kv_c, k_pe, positions, rotary_emb.cos_sin_cache, kv_b_weight,
-                                            self.prefix)  # fmt: skip
+        out = q.new_empty(q.shape[0], self.num_heads * self.v_head_dim)
+        torch.ops.atom.mla_attention(q, kv_c, k_pe, out, positions, rotary_emb.cos_sin_cache, kv_b_weight,
+                                     self.prefix)  # fmt: skip
+        return out
 
-    def run_mla(self, q, kv_c, k_pe, positions, cos_sin_cache, kv_b_weight) -> torch.Tensor:
+    def run_mla(self, q, kv_c, k_pe, out, positions, cos_sin_cache, kv_b_weight) -> None:
+        """As ``Attention.run``: the metadata's tokens (the first rows of maybe padded inputs)
+        into the same rows of ``out``."""
         meta = get_forward_context().attn_metadata
+        n = meta.slot_mapping.shape[0]
+        q, kv_c, k_pe, positions = q[:n], kv_c[:n], k_pe[:n], positions[:n]
         slots = meta.slot_mapping if self.kv_cache is not None else None
         q, k_pe = ops.mla_rope_store(q, kv_c, k_pe, positions, cos_sin_cache, self.kv_cache, slots,
                                      self.interleaved, self.k_scale)  # fmt: skip
         # the memory-profiling run has no cache: every row is a prompt row there
         num_decodes = meta.num_decode_tokens if self.kv_cache is not None else 0
-        out = latent_attention(q, torch.cat((kv_c, k_pe), dim=-1), self.kv_cache, meta.cu_seqlens_q, meta.seq_lens,
+        o = latent_attention(q, torch.cat((kv_c, k_pe), dim=-1), self.kv_cache, meta.cu_seqlens_q, meta.seq_lens,
                                meta.block_tables, num_decodes, kv_b_weight, self.scale, self.v_head_dim,
                                self.k_scale, meta.max_seqlen_q)  # fmt: skip
-        return out.flatten(1)
+        out[:n] = o.flatten(1)
 
 
 # sequences bringing at most this many rows (MTP's K + 1) run them as decode rows
@@ -142,18 +148,17 @@ def causal_rows(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables
     return (seq_lens[seq] - rows_after).to(seq_lens.dtype), block_tables[seq]
 
 
-@torch.library.custom_op("atom::mla_attention", mutates_args=())
+@torch.library.custom_op("atom::mla_attention", mutates_args=("out",))
 def mla_attention(
-    q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-    kv_b_weight: torch.Tensor, layer_name: str,
-) -> torch.Tensor:  # fmt: skip
-    """Writes the layer's latent cache (found by name in the forward context) as a side effect."""
+    q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, out: torch.Tensor, positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor, kv_b_weight: torch.Tensor, layer_name: str,
+) -> None:  # fmt: skip
+    """Writes ``out`` [T, heads * v_head_dim] and, as a side effect, the layer's latent cache
+    (the layer is found by name in the forward context)."""
     layer = get_forward_context().attn_layers[layer_name]
-    return layer.run_mla(q, kv_c, k_pe, positions, cos_sin_cache, kv_b_weight)
+    layer.run_mla(q, kv_c, k_pe, out, positions, cos_sin_cache, kv_b_weight)
 
 
 @mla_attention.register_fake
-def _(q, kv_c, k_pe, positions, cos_sin_cache, kv_b_weight, layer_name):
-    num_heads = q.shape[1]
-    v_head_dim = kv_b_weight.shape[0] // num_heads - (q.shape[2] - k_pe.shape[1])
-    return q.new_empty(q.shape[0], num_heads * v_head_dim)
+def _(q, kv_c, k_pe, out, positions, cos_sin_cache, kv_b_weight, layer_name) -> None:
+    return None

@@ -22,6 +22,7 @@ logger = logging.getLogger(__name__)
 
 
 class CUDAGraphRunner:
+    @torch.inference_mode()  # inference tensors, as the warm-up's inputs were: else the compiled forward recompiles
     def __init__(self, forward: Callable, capture_sizes: list[int], max_model_len: int, block_size: int,
                  hidden_size: int, dtype: torch.dtype, device: torch.device, hidden_inputs: int = 0):
         self.forward = forward  # the (possibly compiled) model forward

@@ -34,6 +34,7 @@ from atom.spec_decode.decoder import build_spec_decoder
 from atom.spec_decode.proposers import MtpProposer, SharedWeightsProposer
 from atom.worker.logits_processors import process_logits
 from atom.worker.logprobs import prompt_logprobs, token_logprobs, top_logprobs
+from atom.worker.piecewise import PiecewiseGraphs
 from atom.worker.profiler import start_torch_profiler
 from atom.worker.sampler import SamplingTensors, sample
 from atom.worker.warmup import log_late_compiles, warm_up_sampler, warmup_batches, warmup_inputs
@@ -66,7 +67,8 @@ class ModelRunner:
         self.attn_layers += self.spec.attn_layers if self.spec is not None else []
         self.kv_cache: torch.Tensor | None = None
         self.generators: dict[str, torch.Generator] = {}
-        self.graph_runner = None
+        self.graph_runner = None  # full CUDA graphs of decode batches
+        self.piecewise: PiecewiseGraphs | None = None  # piecewise ones of mixed batches
         # the last launched step's sampled tokens (device) and their row by request id,
         # which the next step's placeholder tokens read (async scheduling)
         self._last_sampled: torch.Tensor | None = None
@@ -278,6 +280,8 @@ class ModelRunner:
         with set_forward_context(meta, positions, self.attn_layer_map):
             if self.graph_runner is not None and self.graph_runner.can_run(meta, input_ids.shape[0]):
                 return self.graph_runner.run(input_ids, positions, meta)
+            if self.piecewise is not None and self.piecewise.can_run(input_ids.shape[0]):
+                return self.piecewise.run(input_ids, positions)
             return self.forward(input_ids, positions)
 
     # compilation
@@ -320,7 +324,7 @@ class ModelRunner:
         from atom.worker.cuda_graph import CUDAGraphRunner
 
         cc, mc = self.config.compilation_config, self.config.model_config
-        if cc.enforce_eager or self.device.type != "cuda":
+        if cc.enforce_eager or cc.cudagraph_mode == "NONE" or self.device.type != "cuda":
             return
         if not use_triton(self.device):
             logger.warning("CUDA graphs need the Triton ops (ATOM_FORCE_REFERENCE_OPS is set): running eagerly")
@@ -346,6 +350,24 @@ class ModelRunner:
             # the target drafts through its own graphs: their output buffer is the verify step's
             # hidden states, which every read of has been queued before the draft runs
             proposer.loop.graphs = self.graph_runner
+        if cc.cudagraph_mode == "FULL_AND_PIECEWISE":
+            self._capture_piecewise()
+
+    def _capture_piecewise(self) -> None:
+        """Piecewise graphs for mixed batches up to the scheduler's token budget; the capture
+        runs each size as prompts of at most ``max_model_len`` tokens that write no KV."""
+        cc, max_len = self.config.compilation_config, self.config.model_config.max_model_len
+        sizes = [s for s in cc.piecewise_capture_sizes if s <= self.config.scheduler_config.max_num_batched_tokens]
+        if not sizes:
+            return
+
+        def meta_for(size: int) -> AttentionMetadata:
+            q_lens = [min(max_len, size - start) for start in range(0, size, max_len)]
+            return warmup_inputs(q_lens, q_lens, self.block_size, self.device)[2]
+
+        piecewise = PiecewiseGraphs(self.model.forward, sizes, self.device)
+        piecewise.capture(self.attn_layer_map, meta_for)
+        self.piecewise = piecewise
 
     @torch.inference_mode()
     def launch(self, batch: SchedulerOutput) -> PendingOutput:

@@ -269,6 +269,7 @@ def paged_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     num_splits: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """See ``atom.ops.reference.paged_attention``.
 
@@ -282,9 +283,10 @@ def paged_attention(
     values the cache holds for them; prefill tiles then read the chunk's own keys through
     tensor descriptors (bulk tensor copies) instead of gathering them from the cache; not
     with an fp8 cache, whose values differ from the unquantised ``k``/``v``.
-    ``k_scale``/``v_scale``: an fp8 cache's scales (float32, one element each).
+    ``k_scale``/``v_scale``: an fp8 cache's scales (float32, one element each). ``out``: where
+    to write the result (shaped like ``q``, unit stride along head_dim); returned.
     """
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     if q.shape[0] == 0:
         return out
     q = q if q.stride(-1) == 1 else q.contiguous()
