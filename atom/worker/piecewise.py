@@ -22,6 +22,7 @@ import bisect
 import logging
 import operator
 import time
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -81,28 +82,30 @@ def weak_ref(x):
 class _Piece:
     """One piece of the split graph: runs it, or captures it for the runner's current size,
     or replays that size's graph (runs it when that size was captured by another compilation
-    of the model: see ``PiecewiseGraphs.capture``)."""
+    of the model: see ``PiecewiseGraphs.uncaptured``). Dynamo's cache holds the pieces for as
+    long as the model's code lives, so a piece reaches its runner (which owns the graphs) by a
+    weak reference: an engine's graphs and their memory go with it."""
 
     def __init__(self, module: fx.GraphModule, runner: PiecewiseGraphs):
-        self.module, self.runner = module, runner
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, object]] = {}
+        self.module, self.runner = module, weakref.ref(runner)
 
     def __call__(self, *args):
-        size = self.runner.size
+        runner = self.runner()
+        size = runner.size if runner is not None else None
         if size is None:
             return self.module(*args)
-        if self.runner.capturing:
+        if runner.capturing:
             graph = torch.cuda.CUDAGraph()
-            graph.capture_begin(pool=self.runner.pool)
+            graph.capture_begin(pool=runner.pool)
             try:
                 out = self.module(*args)
             finally:
                 graph.capture_end()
-            self.graphs[size] = (graph, weak_ref(out))
+            runner.graphs[self, size] = (graph, weak_ref(out))
             return out  # the real tensors, alive while later pieces of this size are captured
-        entry = self.graphs.get(size)
+        entry = runner.graphs.get((self, size))
         if entry is None:
-            self.runner.uncaptured(size)
+            runner.uncaptured(size)
             return self.module(*args)
         entry[0].replay()
         return entry[1]
@@ -123,14 +126,16 @@ class PiecewiseGraphs:
         self.capturing = False
         self.pool = None
         self.compilations: list[list[_Piece]] = []  # each Dynamo compilation's pieces, in order
+        self.graphs: dict[tuple[_Piece, int], tuple[torch.cuda.CUDAGraph, object]] = {}  # (piece, size) ->
         self._missed: set[int] = set()
 
-        def model_forward(input_ids, positions):  # its own code object: Dynamo's cache of it is this runner's
-            return forward(input_ids, positions)
+        # beside the model's other compilations (inductor's, for larger batches): Dynamo keeps
+        # one cache entry per backend, and keeps it (the backend too) while the model's code lives
+        me = weakref.ref(self)
+        self.forward = torch.compile(forward, backend=lambda gm, example_inputs: me()._split(gm), dynamic=True,
+                                     fullgraph=True)  # fmt: skip
 
-        self.forward = torch.compile(model_forward, backend=self._backend, dynamic=True, fullgraph=True)
-
-    def _backend(self, gm: fx.GraphModule, example_inputs) -> Callable:
+    def _split(self, gm: fx.GraphModule) -> Callable:
         split, names = split_at_attention(gm)
         pieces = [_Piece(getattr(split, name), self) for name in names]
         for name, piece in zip(names, pieces):

@@ -4,7 +4,9 @@ size gives the real tokens' rows unchanged; weak references share memory; the co
 of the CUDA-graph modes. The captures themselves run on the GPU (tests/gpu/test_piecewise_gpu.py)."""
 
 import argparse
+import gc
 import json
+import weakref
 
 import pytest
 import torch
@@ -92,6 +94,23 @@ def test_attention_reads_only_the_real_rows_of_padded_inputs(tiny_model, arch):
     torch.testing.assert_close(got[: ids.shape[0]], expected)
     for before, after in zip(caches, _caches(runner), strict=True):
         torch.testing.assert_close(after, before)  # the padded rows wrote no KV
+
+
+def test_compiled_pieces_do_not_keep_the_model_alive(tiny_model):
+    """Dynamo keeps a compilation (backend and pieces) while the model class's code lives: the
+    pieces reach their runner, and the runner its model, only weakly, so a dropped engine's
+    model and graphs are freed."""
+    def compile_once():
+        runner = _runner(tiny_model("llama"))
+        ids, positions, meta = _mixed_batch(runner.block_size, runner.config.model_config.hf_config.vocab_size)
+        piecewise = PiecewiseGraphs(runner.model.forward, [16], torch.device("cpu"))
+        with torch.inference_mode(), set_forward_context(meta, positions, runner.attn_layer_map):
+            piecewise.forward(ids, positions)
+        return weakref.ref(runner.model), weakref.ref(piecewise)
+
+    model, piecewise = compile_once()
+    gc.collect()
+    assert model() is None and piecewise() is None
 
 
 def test_weak_ref_views_the_same_memory():
