@@ -129,10 +129,15 @@ class PiecewiseGraphs:
         self.graphs: dict[tuple[_Piece, int], tuple[torch.cuda.CUDAGraph, object]] = {}  # (piece, size) ->
         self._missed: set[int] = set()
 
-        # beside the model's other compilations (inductor's, for larger batches): Dynamo keeps
-        # one cache entry per backend, and keeps it (the backend too) while the model's code lives
+        def model_forward(input_ids, positions):
+            return forward(input_ids, positions)
+
+        # A code object of its own: Dynamo caches compilations on the code object, so this
+        # runner's stay out of the model class's cache (whose recompile limit every engine of the
+        # class in the process shares) and go with the runner. The backend reaches it weakly.
+        model_forward.__code__ = model_forward.__code__.replace()
         me = weakref.ref(self)
-        self.forward = torch.compile(forward, backend=lambda gm, example_inputs: me()._split(gm), dynamic=True,
+        self.forward = torch.compile(model_forward, backend=lambda gm, example_inputs: me()._split(gm), dynamic=True,
                                      fullgraph=True)  # fmt: skip
 
     def _split(self, gm: fx.GraphModule) -> Callable:
@@ -179,6 +184,9 @@ class PiecewiseGraphs:
                 with set_forward_context(meta_for(size), self.positions[:size], layers):
                     self.run(self.input_ids[:size], self.positions[:size])
             torch.cuda.synchronize()
+        if not self.compilations:  # Dynamo did not compile the model (it ran as it is)
+            logger.warning("piecewise CUDA graphs: the model did not compile; mixed batches run without graphs")
+            return
         used = (free_before - torch.cuda.mem_get_info()[0]) / (1 << 30)
         logger.info("captured piecewise CUDA graphs for mixed batches of %d-%d tokens (%d sizes, %d pieces, %d "
                     "compilation(s)) in %.1f s, %.2f GiB", self.sizes[0], self.sizes[-1], len(self.sizes),

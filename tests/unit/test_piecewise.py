@@ -97,20 +97,22 @@ def test_attention_reads_only_the_real_rows_of_padded_inputs(tiny_model, arch):
 
 
 def test_compiled_pieces_do_not_keep_the_model_alive(tiny_model):
-    """Dynamo keeps a compilation (backend and pieces) while the model class's code lives: the
-    pieces reach their runner, and the runner its model, only weakly, so a dropped engine's
-    model and graphs are freed."""
+    """Each runner compiles the model into a cache of its own: more engines of one model class
+    than Dynamo's recompile limit (8) each get their single compilation, and a dropped engine's
+    model, runner and graphs are freed with it."""
     def compile_once():
         runner = _runner(tiny_model("llama"))
         ids, positions, meta = _mixed_batch(runner.block_size, runner.config.model_config.hf_config.vocab_size)
         piecewise = PiecewiseGraphs(runner.model.forward, [16], torch.device("cpu"))
         with torch.inference_mode(), set_forward_context(meta, positions, runner.attn_layer_map):
             piecewise.forward(ids, positions)
+        assert len(piecewise.compilations) == 1
         return weakref.ref(runner.model), weakref.ref(piecewise)
 
-    model, piecewise = compile_once()
-    gc.collect()
-    assert model() is None and piecewise() is None
+    for _ in range(10):
+        model, piecewise = compile_once()
+        gc.collect()
+        assert model() is None and piecewise() is None
 
 
 def test_weak_ref_views_the_same_memory():
