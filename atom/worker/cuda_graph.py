@@ -51,6 +51,7 @@ class CUDAGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
+        torch.cuda.empty_cache()  # the warm-up's cached blocks, else their release shows as negative graph memory
         start, free_before = time.perf_counter(), torch.cuda.mem_get_info()[0]
         first = None  # seconds of the first warm-up forward (compilation, if any, shows there)
         for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its pool

@@ -167,8 +167,9 @@ class PiecewiseGraphs:
     def capture(self, layers: dict, meta_for: Callable[[int], AttentionMetadata]) -> None:
         """Capture every size, largest first (smaller ones reuse its pool memory); each size runs
         once uncaptured first so that every kernel is compiled and loaded before its capture."""
-        start, free_before = time.perf_counter(), torch.cuda.mem_get_info()[0]
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # cached blocks released during the capture would hide the graphs' memory
+        start, free_before = time.perf_counter(), torch.cuda.mem_get_info()[0]
         self.pool = torch.cuda.graph_pool_handle()
         with torch.cuda.stream(torch.cuda.Stream()):  # captures cannot use the legacy default stream
             for size in reversed(self.sizes):
@@ -180,13 +181,16 @@ class PiecewiseGraphs:
                         self.forward(ids, pos)
                     finally:
                         self.size, self.capturing = None, False
-            for size in self.sizes:  # a graph's first replay uploads it (ms): here, not in a request's step
-                with set_forward_context(meta_for(size), self.positions[:size], layers):
-                    self.run(self.input_ids[:size], self.positions[:size])
             torch.cuda.synchronize()
         if not self.compilations:  # Dynamo did not compile the model (it ran as it is)
             logger.warning("piecewise CUDA graphs: the model did not compile; mixed batches run without graphs")
             return
+        # A graph's first launch into a stream uploads it (ms): here, on the stream the steps
+        # replay on, not in a request's step
+        for size in self.sizes:
+            with set_forward_context(meta_for(size), self.positions[:size], layers):
+                self.run(self.input_ids[:size], self.positions[:size])
+        torch.cuda.synchronize()
         used = (free_before - torch.cuda.mem_get_info()[0]) / (1 << 30)
         logger.info("captured piecewise CUDA graphs for mixed batches of %d-%d tokens (%d sizes, %d pieces, %d "
                     "compilation(s)) in %.1f s, %.2f GiB", self.sizes[0], self.sizes[-1], len(self.sizes),
