@@ -185,8 +185,8 @@ class PiecewiseGraphs:
         if not self.compilations:  # Dynamo did not compile the model (it ran as it is)
             logger.warning("piecewise CUDA graphs: the model did not compile; mixed batches run without graphs")
             return
-        # A graph's first launch into a stream uploads it (ms): here, on the stream the steps
-        # replay on, not in a request's step
+        # A graph's first launch uploads it (ms), and one launched into another stream may be
+        # uploaded again: replay every size once here, on the stream the steps replay on
         for size in self.sizes:
             with set_forward_context(meta_for(size), self.positions[:size], layers):
                 self.run(self.input_ids[:size], self.positions[:size])
