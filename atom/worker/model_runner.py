@@ -350,7 +350,10 @@ class ModelRunner:
             # the target drafts through its own graphs: their output buffer is the verify step's
             # hidden states, which every read of has been queued before the draft runs
             proposer.loop.graphs = self.graph_runner
-        if cc.cudagraph_mode == "FULL_AND_PIECEWISE":
+        if cc.cudagraph_mode == "FULL_AND_PIECEWISE" and cc.level < 3:
+            logger.info("level %d runs the model eagerly: mixed batches get no piecewise CUDA graphs (they are "
+                        "pieces of the model's Dynamo graph); decode batches keep theirs", cc.level)
+        elif cc.cudagraph_mode == "FULL_AND_PIECEWISE":
             self._capture_piecewise()
 
     def _capture_piecewise(self) -> None:

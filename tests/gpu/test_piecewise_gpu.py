@@ -57,10 +57,11 @@ def test_piecewise_engine_matches_eager_mixed_batches(arch, tmp_path):
     assert not runner.piecewise._missed and len(runner.piecewise.graphs) == len(pieces) * len(runner.piecewise.sizes)
 
 
-def test_piecewise_decode_only_mode_captures_no_pieces(tmp_path):
+@pytest.mark.parametrize("args", [dict(cudagraph_mode="FULL_DECODE_ONLY"), dict(level=0)])
+def test_decode_only_mode_and_eager_levels_capture_no_pieces(tmp_path, args):
     path = build(str(tmp_path / "llama"), "llama")
-    engine = LLMEngine(path, max_model_len=256, dtype="float32", device="cuda", cudagraph_mode="FULL_DECODE_ONLY",
-                       kv_cache_memory_bytes=1 << 28)  # fmt: skip
+    engine = LLMEngine(path, max_model_len=256, dtype="float32", device="cuda", kv_cache_memory_bytes=1 << 28,
+                       **args)  # fmt: skip
     assert engine.core.runner.piecewise is None and engine.core.runner.graph_runner is not None
 
 
