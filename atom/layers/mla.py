@@ -83,13 +83,13 @@ class MLAAttention(Attention):
         n = meta.slot_mapping.shape[0]
         q, kv_c, k_pe, positions = q[:n], kv_c[:n], k_pe[:n], positions[:n]
         slots = meta.slot_mapping if self.kv_cache is not None else None
-        q, k_pe = ops.mla_rope_store(q, kv_c, k_pe, positions, cos_sin_cache, self.kv_cache, slots,
-                                     self.interleaved, self.k_scale)  # fmt: skip
+        store = ops.unwrapped("mla_rope_store", q.device)  # already inside the opaque op
+        q, k_pe = store(q, kv_c, k_pe, positions, cos_sin_cache, self.kv_cache, slots, self.interleaved, self.k_scale)
         # the memory-profiling run has no cache: every row is a prompt row there
         num_decodes = meta.num_decode_tokens if self.kv_cache is not None else 0
         o = latent_attention(q, torch.cat((kv_c, k_pe), dim=-1), self.kv_cache, meta.cu_seqlens_q, meta.seq_lens,
-                               meta.block_tables, num_decodes, kv_b_weight, self.scale, self.v_head_dim,
-                               self.k_scale, meta.max_seqlen_q)  # fmt: skip
+                             meta.block_tables, num_decodes, kv_b_weight, self.scale, self.v_head_dim, self.k_scale,
+                             meta.max_seqlen_q)  # fmt: skip
         out[:n] = o.flatten(1)
 
 
@@ -119,8 +119,10 @@ def latent_attention(
 
     def absorbed(rows: slice, lens: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
         q_lat = torch.bmm(q[rows, :, :nope].transpose(0, 1), w[:, :nope]).transpose(0, 1)
-        o_lat = ops.mla_decode(torch.cat((q_lat, q[rows, :, nope:]), dim=-1), kv_cache, lens, tables, scale,
-                               kv_lora_rank, k_scale)  # fmt: skip
+        # latent_attention runs inside an opaque op (atom's or vLLM's): the kernel, not its custom op
+        decode = ops.unwrapped("mla_decode", q.device)
+        o_lat = decode(torch.cat((q_lat, q[rows, :, nope:]), dim=-1), kv_cache, lens, tables, scale, kv_lora_rank,
+                       k_scale)  # fmt: skip
         return torch.bmm(o_lat.transpose(0, 1), w[:, nope:].transpose(1, 2)).transpose(0, 1)
 
     if num_decodes:

@@ -172,7 +172,9 @@ class ATOMAttentionImpl(AttentionImpl[ATOMAttentionMetadata]):
                            slot_mapping: torch.Tensor) -> None:
         k_cache, v_cache, k_scale, v_scale = self._caches(layer, kv_cache)
         n = slot_mapping.shape[0]
-        ops.store_kv_cache(key[:n], value[:n], k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        # inside vLLM's opaque KV-update op already: the kernel itself, not its custom op
+        ops.unwrapped("store_kv_cache", key.device)(key[:n], value[:n], k_cache, v_cache, slot_mapping, k_scale,
+                                                   v_scale)  # fmt: skip
 
     def forward(
         self,
@@ -194,10 +196,10 @@ class ATOMAttentionImpl(AttentionImpl[ATOMAttentionMetadata]):
         m = attn_metadata
         n = m.num_actual_tokens
         k_cache, v_cache, k_scale, v_scale = self._caches(layer, kv_cache)
-        out = ops.paged_attention(query[:n], k_cache, v_cache, m.query_start_loc, m.seq_lens, m.block_table,
-                                  self.scale, m.max_query_len, m.max_seq_len, m.num_decode_tokens, None, None,
-                                  k_scale, v_scale)
-        output[:n].copy_(out.view_as(output[:n]))
+        # inside vLLM's opaque attention op already: the kernel writes vLLM's output buffer
+        ops.paged_attention_into(output[:n].view(query[:n].shape), query[:n], k_cache, v_cache, m.query_start_loc,
+                                 m.seq_lens, m.block_table, self.scale, m.max_query_len, m.max_seq_len,
+                                 m.num_decode_tokens, None, None, k_scale, v_scale)  # fmt: skip
         return output
 
 
