@@ -236,7 +236,7 @@ def paged_attention_into(out: torch.Tensor, *args, **kwargs) -> None:
     """``out[:] = paged_attention(*args, **kwargs)``, for callers already inside an opaque op:
     on CUDA the kernel writes ``out`` directly (no copy, no wrapper's dispatch)."""
     if use_triton(out.device):
-        _kernel(_OPS["paged_attention"])(*args, **kwargs, out=out)
+        unwrapped("paged_attention", out.device)(*args, **kwargs, out=out)
     else:
         out.copy_(reference.paged_attention(*args, **kwargs))
 

@@ -127,7 +127,7 @@ class PiecewiseGraphs:
         self.pool = None
         self.compilations: list[list[_Piece]] = []  # each Dynamo compilation's pieces, in order
         self.graphs: dict[tuple[_Piece, int], tuple[torch.cuda.CUDAGraph, object]] = {}  # (piece, size) ->
-        self._missed: set[int] = set()
+        self.missed: set[int] = set()  # sizes that reached pieces without their graphs
 
         def model_forward(input_ids, positions):
             return forward(input_ids, positions)
@@ -150,16 +150,12 @@ class PiecewiseGraphs:
                     len(names), len(list(split.children())) - len(names), len(self.compilations))
         return split
 
-    @property
-    def pieces(self) -> list[_Piece]:
-        return [p for pieces in self.compilations for p in pieces]
-
     def uncaptured(self, size: int) -> None:
         """A forward of ``size`` tokens reached pieces that were not captured for it: Dynamo
         chose another compilation of the model than at capture. Its pieces run uncaptured
         (correct, slower); said once per size."""
-        if size not in self._missed:
-            self._missed.add(size)
+        if size not in self.missed:
+            self.missed.add(size)
             logger.warning("piecewise CUDA graphs: %d-token batches reached a compilation of the model without "
                            "graphs for them; they run uncaptured", size)
 

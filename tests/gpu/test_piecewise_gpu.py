@@ -54,7 +54,7 @@ def test_piecewise_engine_matches_eager_mixed_batches(arch, tmp_path):
     expected = _without_piecewise(engine, lambda: _tokens(engine, PROMPTS))
     assert _tokens(engine, PROMPTS) == expected
     assert _tokens(engine, PROMPTS[::-1]) == expected[::-1]
-    assert not runner.piecewise._missed and len(runner.piecewise.graphs) == len(pieces) * len(runner.piecewise.sizes)
+    assert not runner.piecewise.missed and len(runner.piecewise.graphs) == len(pieces) * len(runner.piecewise.sizes)
 
 
 @pytest.mark.parametrize("args", [dict(cudagraph_mode="FULL_DECODE_ONLY"), dict(level=0)])
