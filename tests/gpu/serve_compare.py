@@ -12,8 +12,10 @@ A run is ``TREE:MODEL[:FLAG,...]``; flags: ``async`` / ``sync`` (atom's scheduli
 ``fp8kv`` (--kv-cache-dtype fp8), for both engines; ``dpattn``
 (atom's --enable-dp-attention; vLLM's equivalent is ``dpN,ep``: attention data-parallel, experts over the replicas).
 Every run first sends a warm-up pass (Triton compiles
-kernels on first use) and then the measured one. atom runs write a step timeline
-(``ATOM_STEP_TRACE``) that is summarised in the table; the CPU seconds of the server's
+kernels on first use) and then the measured ones. Each pass samples its prompts with a seed of its
+own (the same for every engine): with one seed, every pass would resend the prompts of the
+passes before it, and vLLM, whose prefix cache is on by default, would serve those from cache.
+atom runs write a step timeline (``ATOM_STEP_TRACE``) that is summarised in the table; the CPU seconds of the server's
 processes during the measured pass are recorded too. Logs and JSON go to $OUT.
 """
 
@@ -32,6 +34,8 @@ import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from atom.benchmarks.model_configs import model_dir  # noqa: E402
+
+WARMUP_SEED = 1000  # the measured passes use seeds 1, 2, ...: no prompt is sent twice
 
 
 def cpu_seconds(pid: int) -> dict[int, float]:
@@ -187,7 +191,8 @@ def run_one(spec: str, args, trees: dict[str, str], port: int) -> list[dict]:
         benv = dict(env, PYTHONPATH=":".join(p for p in ("/tmp/site", first) if os.path.isdir(p)))
         with open(os.path.join(args.out, f"log_{name}.txt"), "a") as blog:
             subprocess.run(
-                bench + ["--max-concurrency", max(concurrency, key=int), "--num-prompts", str(args.warmup_prompts)],
+                bench + ["--max-concurrency", max(concurrency, key=int), "--num-prompts", str(args.warmup_prompts)]
+                + ["--seed", str(WARMUP_SEED)],
                 cwd=path,
                 env=benv,
                 stdout=blog,
@@ -196,9 +201,9 @@ def run_one(spec: str, args, trees: dict[str, str], port: int) -> list[dict]:
             )
             if os.path.exists(trace):
                 os.remove(trace)  # the warm-up pass's steps
-            for c in concurrency:
+            for seed, c in enumerate(concurrency, start=1):
                 label = f"{tree}:{model}:" + ",".join([f for f in flags if not f.startswith("c=")] + [f"c={c}"])
-                results.append(measured_pass(label, name, c, bench, path, benv, blog, server, trace, args))
+                results.append(measured_pass(label, name, c, seed, bench, path, benv, blog, server, trace, args))
                 results[-1]["start_s"] = start_s
                 # now, in case a later pass does not finish (its trace summary comes at the end)
                 print("pass:", json.dumps({k: v for k, v in results[-1].items() if k != "window"}), flush=True)
@@ -218,7 +223,7 @@ def run_one(spec: str, args, trees: dict[str, str], port: int) -> list[dict]:
     return results
 
 
-def measured_pass(label, name, c, bench, path, benv, blog, server, trace, args) -> dict:
+def measured_pass(label, name, c, seed, bench, path, benv, blog, server, trace, args) -> dict:
     """One measured ``benchmark_serving`` pass at concurrency ``c``; its step-trace window is
     summarised once the server has flushed the trace (at exit)."""
     prompts = min(args.num_prompts, max(32, args.prompts_per_client * int(c)))
@@ -227,7 +232,8 @@ def measured_pass(label, name, c, bench, path, benv, blog, server, trace, args) 
     before, since = cpu_seconds(server.pid), time.time()
     subprocess.run(
         bench
-        + ["--max-concurrency", c, "--num-prompts", str(prompts), "--save-result", "--result-dir", args.out]
+        + ["--max-concurrency", c, "--num-prompts", str(prompts), "--seed", str(seed)]
+        + ["--save-result", "--result-dir", args.out]
         + ["--result-filename", os.path.basename(res)],
         cwd=path,
         env=benv,
