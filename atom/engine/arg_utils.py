@@ -91,7 +91,9 @@ class EngineArgs:
         a("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size)
         a("--data-parallel-size", "-dp", type=int, default=d.data_parallel_size)
         a("--enforce-eager", action="store_true", help="disable CUDA graphs; run eagerly")
-        a("--enable_prefix_caching", "--enable-prefix-caching", action="store_true")
+        a("--enable_prefix_caching", "--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+          default=d.enable_prefix_caching, help="reuse the KV blocks of earlier prompts with the same prefix "
+          "(off unless asked, as in the seed guide)")
         a("--port", type=int, default=d.port, help="internal engine communication port")
         a("--kv_cache_dtype", "--kv-cache-dtype", type=str, default=d.kv_cache_dtype, choices=list(KV_CACHE_DTYPES),
       help="fp8 (alias fp8_e4m3): e4m3 KV cache with the checkpoint's k_scale/v_scale, else 1.0")

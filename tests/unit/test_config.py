@@ -30,6 +30,9 @@ def test_cli_spellings():
     assert (args.kv_cache_dtype, args.block_size, args.max_model_len) == ("fp8", 32, 99)
     assert args.cudagraph_capture_sizes == [1, 2, 3]
     assert (args.method, args.num_speculative_tokens, args.torch_profiler_dir, args.level) == ("mtp", 2, "/tmp/p", 0)
+    # vLLM's spellings of the same switch
+    assert parse(["--enable-prefix-caching"]).enable_prefix_caching
+    assert not parse(["--enable-prefix-caching", "--no-enable-prefix-caching"]).enable_prefix_caching
 
 
 def test_async_scheduling_is_on_unless_turned_off():
