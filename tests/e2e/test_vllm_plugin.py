@@ -328,7 +328,16 @@ def test_platform_resolution_and_backend_selection(ckpts):
                              "DeepseekV3ForCausalLM")}
         from vllm.model_executor.models.interfaces_base import is_text_generation_model
         from atom.plugin.vllm import model_wrapper
+        # the GPU worker atom's platform names on CUDA: vLLM's, subclassed; a runner without
+        # vLLM's dummy run only skips the warm-up
+        from vllm.v1.worker.gpu_worker import Worker
+        from atom.plugin.vllm import worker
+        mod, _, name = p.ATOM_GPU_WORKER.rpartition(".")
+        atom_worker = getattr(__import__(mod, fromlist=[name]), name)
+        worker.warm_up_atom_kernels(object(), 64)
         print("RESULT" + json.dumps(dict(
+            vllm_worker=f"{Worker.__module__}.{Worker.__qualname__}" == p.VLLM_GPU_WORKER,
+            atom_worker=issubclass(atom_worker, Worker) and atom_worker is worker.ATOMWorker,
             off=off, untested=untested, qualname=qualname, untouched=untouched, cls=type(current_platform).__qualname__,
             base=p.detect_base_platform(), is_base=isinstance(current_platform, base),
             same_device=current_platform.device_type == base.device_type,
@@ -354,6 +363,8 @@ def test_platform_resolution_and_backend_selection(ckpts):
                             for a in ("Qwen3ForCausalLM", "LlamaForCausalLM", "Qwen3MoeForCausalLM",
                                       "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")}
     assert r["text_generation"]
+    assert r["vllm_worker"] and r["atom_worker"], r
+    assert "atom kernel warm-up skipped" in out.stderr
 
 
 @needs_vllm

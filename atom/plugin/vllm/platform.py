@@ -15,6 +15,8 @@ import torch
 from atom.plugin.vllm import attention_disabled, logger
 
 ATTENTION_BACKEND = "atom.plugin.vllm.attention.ATOMAttentionBackend"
+VLLM_GPU_WORKER = "vllm.v1.worker.gpu_worker.Worker"
+ATOM_GPU_WORKER = "atom.plugin.vllm.worker.ATOMWorker"  # vLLM's, plus a warm-up of atom's kernels
 _EXTENDED = ("CPU", "CUDA", "ROCM")  # PlatformEnum names atom's kernels run on
 
 
@@ -112,6 +114,9 @@ class ATOMPlatform(_Base):  # type: ignore[misc, valid-type]
             # vLLM's CPU platform turns both off for its own CPU MLA backend; atom's latent
             # attention reads cached prefixes and earlier chunks from the latent cache
             scheduler.enable_chunked_prefill, scheduler.max_num_batched_tokens, cache.enable_prefix_caching = asked
+        parallel = vllm_config.parallel_config
+        if cls.device_type == "cuda" and parallel.worker_cls == VLLM_GPU_WORKER:
+            parallel.worker_cls = ATOM_GPU_WORKER
         # the first hook that runs after vLLM has configured its logging
         _log_once(f"atom platform active: ATOMPlatform extends {_base_qualname}")
 
