@@ -57,6 +57,23 @@ def test_piecewise_engine_matches_eager_mixed_batches(arch, tmp_path):
     assert not runner.piecewise.missed and len(runner.piecewise.graphs) == len(pieces) * len(runner.piecewise.sizes)
 
 
+@pytest.mark.parametrize("method", ["mtp", "shared_weights"])
+def test_piecewise_with_speculative_decoding(method, tmp_path):
+    """MTP's verify steps (K + 1 query rows a sequence) and chunked prompts replay the pieces;
+    the tokens equal the same engine's without them."""
+    from atom.testing.tiny_checkpoint import add_mtp_layer
+
+    path = add_mtp_layer(build(str(tmp_path / "llama-mtp"), "llama"))
+    engine = LLMEngine(path, max_model_len=512, dtype="float32", device="cuda", max_num_batched_tokens=96,
+                       max_num_seqs=8, kv_cache_memory_bytes=1 << 28, method=method,
+                       num_speculative_tokens=2)  # fmt: skip
+    runner = engine.core.runner
+    assert runner.piecewise is not None
+    expected = _without_piecewise(engine, lambda: _tokens(engine, PROMPTS))
+    assert _tokens(engine, PROMPTS) == expected
+    assert not runner.piecewise.missed
+
+
 @pytest.mark.parametrize("args", [dict(cudagraph_mode="FULL_DECODE_ONLY"), dict(level=0)])
 def test_decode_only_mode_and_eager_levels_capture_no_pieces(tmp_path, args):
     path = build(str(tmp_path / "llama"), "llama")
