@@ -196,10 +196,15 @@ class ATOMAttentionImpl(AttentionImpl[ATOMAttentionMetadata]):
         m = attn_metadata
         n = m.num_actual_tokens
         k_cache, v_cache, k_scale, v_scale = self._caches(layer, kv_cache)
+        # the chunk's own keys and values, which this layer has just written to its cache: the
+        # prefill kernel reads their full tiles through tensor descriptors instead of gathering
+        # them from the cache, as in atom's engine (not for a layer reading another's cache)
+        own = key is not None and value is not None and self.kv_sharing_target_layer_name is None
+        k, v = (key[:n], value[:n]) if own else (None, None)
         # inside vLLM's opaque attention op already: the kernel writes vLLM's output buffer
         ops.paged_attention_into(output[:n].view(query[:n].shape), query[:n], k_cache, v_cache, m.query_start_loc,
                                  m.seq_lens, m.block_table, self.scale, m.max_query_len, m.max_seq_len,
-                                 m.num_decode_tokens, None, None, k_scale, v_scale)  # fmt: skip
+                                 m.num_decode_tokens, k, v, k_scale, v_scale)  # fmt: skip
         return output
 
 
