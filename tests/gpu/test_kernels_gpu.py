@@ -48,6 +48,9 @@ MODELS = {
     "qwen3_0.6b": (16, 8, 128),
     "d64_mha": (16, 16, 64),
     "d256_gqa2": (8, 4, 256),
+    # head_dims that are not powers of two: tiles padded to the next one, padding masked
+    "d96_gqa4": (32, 8, 96),
+    "d80_mha": (8, 8, 80),
 }
 
 BATCHES = {
@@ -185,7 +188,7 @@ def test_silu_and_mul(num_tokens, inter, dtype):
 
 
 @pytest.mark.parametrize("qk_norm", [True, False])
-@pytest.mark.parametrize("model", ["qwen3_8b", "qwen3_0.6b", "d64_mha", "d256_gqa2"])
+@pytest.mark.parametrize("model", ["qwen3_8b", "qwen3_0.6b", "d64_mha", "d256_gqa2", "d96_gqa4"])
 @pytest.mark.parametrize("num_tokens", [1, 512])
 def test_qk_norm_rope_store(model, num_tokens, qk_norm):
     dtype = torch.bfloat16

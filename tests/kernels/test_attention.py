@@ -155,3 +155,40 @@ def test_prefill_config_splits_long_keys_only():
     assert "splits" not in prefill_config(128, 4, 2, 1.03, True, 512)  # fresh short prompt
     assert "splits" not in prefill_config(128, 4, 2, 1.03, True, 0)  # key range unknown
     assert "splits" not in prefill_config(128, 4, 2, 4.0, True, 8192)  # enough tiles
+
+
+@pytest.mark.parametrize("head_dim", [24, 48, 80, 96])
+@pytest.mark.parametrize(
+    "q_lens, context_lens, num_splits, config",
+    [
+        ([1, 1, 1], [7, 40, 100], None, None),  # decode launch
+        ([1, 1, 1], [7, 40, 100], 3, None),  # decode with split-K and the merge kernel
+        ([1, 30, 1, 70], [20, 0, 9, 33], None, None),  # mixed: decode launch + small-tile prefill
+        ([150, 70], [0, 40], None, dict(block_m=64, block_n=32, num_warps=4, num_stages=1)),  # prefill kernel
+        ([70, 40], [90, 0], None, dict(block_m=64, block_n=16, num_warps=4, num_stages=1, splits=2)),  # + merge
+    ],
+    ids=["decode", "decode_split3", "mixed", "prefill", "prefill_split2"],
+)
+def test_head_dim_not_a_power_of_two(head_dim, q_lens, context_lens, num_splits, config, assert_close):
+    """Models whose head_dim is not a power of two (Triton's blocks are): tiles padded to the
+    next one with the padding columns masked, in every launch; the packed K/V offered with them
+    are not read through descriptors (whose blocks are powers of two) but give the same result."""
+    from atom.ops.triton.prefill_attention import prefill_attention
+
+    dtype = torch.bfloat16
+    q, k_cache, v_cache, cu, seq_lens, tables = make_batch(q_lens, context_lens, 6, 2, head_dim, 16, dtype)
+    scale = head_dim**-0.5
+    ref = reference.paged_attention(q.float(), k_cache.float(), v_cache.float(), cu, seq_lens, tables, scale)
+    pos = torch.cat([torch.arange(c, c + n) for c, n in zip(context_lens, q_lens)])
+    seq = torch.repeat_interleave(torch.arange(len(q_lens)), torch.tensor(q_lens))
+    slots = tables[seq, pos // 16].long()
+    k, v = k_cache[slots, :, pos % 16], v_cache[slots, :, pos % 16]
+    if config is None:
+        decodes = next((i for i, n in enumerate(q_lens) if n > 1), len(q_lens))
+        out = paged_attention(q, k_cache, v_cache, cu, seq_lens, tables, scale, num_decode_tokens=decodes,
+                              num_splits=num_splits, k=k, v=v)  # fmt: skip
+    else:
+        out = torch.full_like(q, float("nan"))  # every element must be written, none past head_dim
+        prefill_attention(q, out, k_cache, v_cache, cu, seq_lens, tables, scale * 1.4426950408889634, config, k=k,
+                          v=v)  # fmt: skip
+    assert_close(out, ref, dtype)

@@ -50,7 +50,8 @@ def test_store_kv_cache(block_size, dtype):
 
 @pytest.mark.parametrize(
     "num_q_heads, num_kv_heads, head_dim, block_size, qk_norm",
-    [(4, 2, 64, 16, True), (8, 2, 128, 32, True), (4, 4, 128, 16, False), (16, 8, 64, 32, False)],
+    [(4, 2, 64, 16, True), (8, 2, 128, 32, True), (4, 4, 128, 16, False), (16, 8, 64, 32, False),
+     (6, 2, 96, 16, True), (4, 2, 24, 16, False)],  # head_dims that are not powers of two too
 )
 def test_qk_norm_rope_store(num_q_heads, num_kv_heads, head_dim, block_size, qk_norm, dtype, assert_close):
     num_tokens, num_blocks = 13, 3

@@ -20,6 +20,10 @@ programs that write unnormalised partial results; a second kernel merges them.
 
 An fp8 cache (``float8_e4m3fn``) is read as is and multiplied by its per-layer scales:
 the K scale folds into the softmax scale and the V scale into the output.
+
+A head_dim that is not a power of two (Triton's blocks are) runs in tiles padded to the next
+one, its padding columns masked (read as zeros, never stored); a power of two compiles exactly
+as before (``with_columns`` is then the row mask alone).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import triton
 import triton.language as tl
 
 from atom.ops.triton.attention_merge import merge_splits, split_partials
-from atom.ops.triton.prefill_attention import _find_seq, _num_sms, descriptor_ready, prefill_attention
+from atom.ops.triton.prefill_attention import _find_seq, _num_sms, descriptor_ready, prefill_attention, with_columns
 
 
 # per-step values (sequence count, block-table width, metadata slice offsets) are not
@@ -67,6 +71,7 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -98,11 +103,12 @@ def _paged_attention_kernel(
     q_idx = first_q + offs_m // GROUP_PAD
     head = kv_head * GROUP + offs_m % GROUP_PAD
     row_ok = (q_idx < q_len) & (offs_m % GROUP_PAD < GROUP)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    row_mask = with_columns(row_ok[:, None], offs_d[None, :], HEAD_DIM, HEAD_DIM_PAD)
     tok = (q_start + q_idx).to(tl.int64)
     q = tl.load(
         q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-        mask=row_ok[:, None],
+        mask=row_mask,
         other=0.0,
     )
     # Causal: row at absolute position context_len + q_idx sees keys up to and including it.
@@ -115,7 +121,7 @@ def _paged_attention_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     kv_head_off = kv_head.to(tl.int64) * stride_ch
     for t in range(tile_lo, tile_hi):
@@ -123,7 +129,8 @@ def _paged_attention_kernel(
         n_ok = offs_n < kv_end
         page = tl.load(table + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
         kv_off = page * stride_cb + kv_head_off + (offs_n % PAGE_SIZE) * stride_ct
-        k = tl.load(k_cache_ptr + kv_off[None, :] + offs_d[:, None], mask=n_ok[None, :], other=0.0)
+        k_mask = with_columns(n_ok[None, :], offs_d[:, None], HEAD_DIM, HEAD_DIM_PAD)
+        k = tl.load(k_cache_ptr + kv_off[None, :] + offs_d[:, None], mask=k_mask, other=0.0)
         s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale
         s = tl.where((offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -133,7 +140,8 @@ def _paged_attention_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+        v_mask = with_columns(n_ok[:, None], offs_d[None, :], HEAD_DIM, HEAD_DIM_PAD)
+        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=v_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -142,13 +150,13 @@ def _paged_attention_kernel(
         row = (tok * tl.num_programs(1) * GROUP + head) * num_splits + split
         tl.store(part_max_ptr + row, m_i, mask=row_ok)
         tl.store(part_sum_ptr + row, l_i, mask=row_ok)
-        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc * v_scale, mask=row_ok[:, None])
+        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc * v_scale, mask=row_mask)
     else:
         out = acc * v_scale / l_i[:, None]
         tl.store(
             out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
             out.to(out_ptr.dtype.element_ty),
-            mask=row_ok[:, None],
+            mask=row_mask,
         )
 
 
@@ -200,7 +208,7 @@ def _attend(
         prefill_attention(q, out, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale * log2e, k=k, v=v,
                           kv_scales=kv_scales, max_seqlen_k=max_seqlen_k)  # fmt: skip
         return
-    cfg = _config(head_dim, group_pad, max_seqlen_q, q.element_size())
+    cfg = _config(triton.next_power_of_2(head_dim), group_pad, max_seqlen_q, q.element_size())
     if k_cache.element_size() == 1 and num_splits == 1 and cfg["block_n"] == 64:
         # fp8 cache, no split-K: 128 keys per step (half the bytes of 64 bf16 ones) was 21%
         # faster at batch 64 x 2k context on an H100 (docs/fp8.md); split-K batches are not
@@ -242,6 +250,7 @@ def _attend(
         BLOCK_Q=block_q,
         BLOCK_N=cfg["block_n"],
         HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
         PAGE_SIZE=page_size,
         SPLIT=split,
         DOT_PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32",

@@ -20,22 +20,25 @@ def _merge_splits_kernel(
     stride_ot,
     stride_oh,
     HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)  # a head_dim that is not a power of two: padded, masked
+    d_ok = offs_d < HEAD_DIM
     s_ok = offs_s < num_splits
     row = (tok * num_heads + head) * num_splits + offs_s
     m = tl.load(part_max_ptr + row, mask=s_ok, other=float("-inf"))
     l = tl.load(part_sum_ptr + row, mask=s_ok, other=0.0)
-    acc = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None], other=0.0)
+    acc = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :],
+                  other=0.0)
     m_max = tl.max(m, axis=0)
     # Splits that saw no key have m = -inf and l = 0, so they get weight 0.
     w = tl.exp2(m - m_max)
     out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
-    tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
 def split_partials(num_tokens: int, num_heads: int, num_splits: int, head_dim: int, device) -> tuple:
@@ -50,5 +53,6 @@ def merge_splits(out: torch.Tensor, part_out: torch.Tensor, part_max: torch.Tens
     num_tokens, num_heads, num_splits, head_dim = part_out.shape
     _merge_splits_kernel[(num_tokens, num_heads)](
         out, part_out, part_max, part_sum, num_heads, num_splits, out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_S=triton.next_power_of_2(num_splits),
+        num_warps=4,
     )  # fmt: skip

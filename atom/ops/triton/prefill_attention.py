@@ -53,27 +53,46 @@ def _find_seq(cu_seqlens_q_ptr, q_base, tile, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def with_columns(mask, offs_d, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
+    """``mask`` and, for a head_dim padded to a power of two, the real columns of ``offs_d``
+    (broadcast against each other); ``mask`` alone when there is no padding, so a power-of-two
+    head_dim compiles the same code as without this."""
+    if HEAD_DIM_PAD == HEAD_DIM:
+        out = mask
+    else:
+        out = mask & (offs_d < HEAD_DIM)
+    return out
+
+
+@triton.jit
 def _load_kv(k_cache_ptr, v_cache_ptr, k_desc, v_desc, table, kv_head_off, t, kv_end, desc_row, desc_col, stride_cb,
-             stride_ct, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
-             FROM_DESC: tl.constexpr):  # fmt: skip
+             stride_ct, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+             PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, FROM_DESC: tl.constexpr):  # fmt: skip
     """Key tile ``t`` as [BLOCK_N, HEAD_DIM] K and V: from the packed current chunk through
     tensor descriptors (bulk tensor copies), or gathered from the paged cache."""
     if FROM_DESC:
         row = desc_row + t * BLOCK_N
         return k_desc.load([row, desc_col]), v_desc.load([row, desc_col])
     offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
     if MASKED:
         n_ok = offs_n < kv_end
         page = tl.load(table + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
         kv_off = page * stride_cb + kv_head_off + (offs_n % PAGE_SIZE) * stride_ct
-        k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+        mask = with_columns(n_ok[:, None], offs_d[None, :], HEAD_DIM, HEAD_DIM_PAD)
+        k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=mask, other=0.0)
         return k, v
     page = tl.load(table + offs_n // PAGE_SIZE).to(tl.int64)
     kv_off = page * stride_cb + kv_head_off + (offs_n % PAGE_SIZE) * stride_ct
-    k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :])
-    return k, tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :])
+    if HEAD_DIM_PAD == HEAD_DIM:
+        k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :])
+        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :])
+    else:
+        cols = (offs_d < HEAD_DIM)[None, :]
+        k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=cols, other=0.0)
+        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=cols, other=0.0)
+    return k, v
 
 
 @triton.jit
@@ -108,8 +127,8 @@ def _prefill_attention_kernel(
     cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr, k_scale_ptr, v_scale_ptr, qk_scale, num_seqs, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ch, stride_ct, stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, PACKED_KV: tl.constexpr,
-    SPLIT: tl.constexpr, HAS_SCALE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PACKED_KV: tl.constexpr, SPLIT: tl.constexpr, HAS_SCALE: tl.constexpr,
 ):  # fmt: skip
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     kv_head = tl.program_id(0)
@@ -133,10 +152,11 @@ def _prefill_attention_kernel(
     q_idx = first_q + offs_m // GROUP_PAD
     head = kv_head * GROUP + offs_m % GROUP_PAD
     row_ok = (q_idx < q_len) & (offs_m % GROUP_PAD < GROUP)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    row_mask = with_columns(row_ok[:, None], offs_d[None, :], HEAD_DIM, HEAD_DIM_PAD)
     tok = (q_start + q_idx).to(tl.int64)
     q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                mask=row_ok[:, None], other=0.0)  # fmt: skip
+                mask=row_mask, other=0.0)  # fmt: skip
 
     # The tile's first query sits at position first_pos and sees keys 0..first_pos, so key
     # tiles below full_hi are visible to every row; the rest (up to kv_end) need the mask.
@@ -161,34 +181,35 @@ def _prefill_attention_kernel(
     desc_col = kv_head * HEAD_DIM
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     kv_head_off = kv_head.to(tl.int64) * stride_ch
     for t in range(lo, tl.minimum(hi, paged_hi)):
         k, v = _load_kv(k_cache_ptr, v_cache_ptr, k_desc, v_desc, table, kv_head_off, t, kv_end, desc_row, desc_col,
-                        stride_cb, stride_ct, BLOCK_N, HEAD_DIM, PAGE_SIZE, False, False)  # fmt: skip
+                        stride_cb, stride_ct, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, False, False)  # fmt: skip
         m_i, l_i, acc = _attend_tile(q, k, v, t, m_i, l_i, acc, qk_scale, q_pos, kv_end, BLOCK_N, False,
                                      DOT_PRECISION)  # fmt: skip
     if PACKED_KV:
         for t in range(tl.maximum(lo, paged_hi), hi):
             k, v = _load_kv(k_cache_ptr, v_cache_ptr, k_desc, v_desc, table, kv_head_off, t, kv_end, desc_row,
-                            desc_col, stride_cb, stride_ct, BLOCK_N, HEAD_DIM, PAGE_SIZE, False, True)  # fmt: skip
+                            desc_col, stride_cb, stride_ct, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, False,
+                            True)  # fmt: skip
             m_i, l_i, acc = _attend_tile(q, k, v, t, m_i, l_i, acc, qk_scale, q_pos, kv_end, BLOCK_N, False,
                                          DOT_PRECISION)  # fmt: skip
     for t in range(diag_lo, num_tiles):
         k, v = _load_kv(k_cache_ptr, v_cache_ptr, k_desc, v_desc, table, kv_head_off, t, kv_end, desc_row, desc_col,
-                        stride_cb, stride_ct, BLOCK_N, HEAD_DIM, PAGE_SIZE, True, False)  # fmt: skip
+                        stride_cb, stride_ct, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, True, False)  # fmt: skip
         m_i, l_i, acc = _attend_tile(q, k, v, t, m_i, l_i, acc, qk_scale, q_pos, kv_end, BLOCK_N, True,
                                      DOT_PRECISION)  # fmt: skip
     if SPLIT:  # unnormalised partials [token, head, split, ...] for the merge kernel
         row = (tok * (tl.num_programs(0) * GROUP) + head) * num_splits + tl.program_id(2)
         tl.store(part_max_ptr + row, m_i, mask=row_ok)
         tl.store(part_sum_ptr + row, l_i, mask=row_ok)
-        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc * v_scale, mask=row_ok[:, None])
+        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc * v_scale, mask=row_mask)
     else:
         out = acc * v_scale / l_i[:, None]
         tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])  # fmt: skip
+                 out.to(out_ptr.dtype.element_ty), mask=row_mask)  # fmt: skip
 
 
 def prefill_config(head_dim: int, group_pad: int, elem_bytes: int, programs_per_sm: float = 2.0,
@@ -218,9 +239,12 @@ def prefill_config(head_dim: int, group_pad: int, elem_bytes: int, programs_per_
 
 def descriptor_ready(k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether packed K/V [tokens, kv_heads, head_dim] can back a tensor descriptor: rows of
-    contiguous heads, 16-byte aligned base and row stride (the bulk copy engine's rule)."""
-    return all(t.stride(2) == 1 and t.stride(1) == t.shape[2] and (t.stride(0) * t.element_size()) % 16 == 0
-               and t.data_ptr() % 16 == 0 for t in (k, v))  # fmt: skip
+    contiguous heads, 16-byte aligned base and row stride (the bulk copy engine's rule), and a
+    power-of-two head_dim (a descriptor's block is one)."""
+    head_dim = k.shape[2]
+    return head_dim & (head_dim - 1) == 0 and all(
+        t.stride(2) == 1 and t.stride(1) == t.shape[2] and (t.stride(0) * t.element_size()) % 16 == 0
+        and t.data_ptr() % 16 == 0 for t in (k, v))  # fmt: skip
 
 
 @functools.cache
@@ -242,8 +266,11 @@ def prefill_attention(q, out, k_cache, v_cache, cu_seqlens_q, seq_lens, block_ta
     num_seqs = seq_lens.shape[0]
     group = num_q_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
+    head_dim_pad = triton.next_power_of_2(head_dim)
+    if head_dim != head_dim_pad:  # a descriptor's block is a power of two: read the chunk from the cache
+        k = v = None
     programs_per_sm = (num_tokens * group_pad / 128 + num_seqs) * num_kv_heads / _num_sms(q.device.index or 0)
-    cfg = config or prefill_config(head_dim, group_pad, q.element_size(), programs_per_sm, k is not None,
+    cfg = config or prefill_config(head_dim_pad, group_pad, q.element_size(), programs_per_sm, k is not None,
                                    max_seqlen_k or 0)  # fmt: skip
     block_q = cfg["block_m"] // group_pad
     splits = cfg.get("splits", 1)
@@ -260,7 +287,8 @@ def prefill_attention(q, out, k_cache, v_cache, cu_seqlens_q, seq_lens, block_ta
         splits, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=cfg["block_n"], HEAD_DIM=head_dim,
-        PAGE_SIZE=page_size, DOT_PRECISION="tf32x3" if q.element_size() == 4 else "tf32", PACKED_KV=k is not None,
+        HEAD_DIM_PAD=head_dim_pad, PAGE_SIZE=page_size, DOT_PRECISION="tf32x3" if q.element_size() == 4 else "tf32",
+        PACKED_KV=k is not None,
         SPLIT=splits > 1, HAS_SCALE=kv_scales[0] is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         maxnreg=cfg.get("maxnreg"),

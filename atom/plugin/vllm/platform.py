@@ -74,8 +74,8 @@ def unsupported_attention(selected_backend, config, device_type: str) -> str | N
         f"dtype {get('dtype', None)}": not B.supports_dtype(get("dtype", torch.float32)),
     }
     head_size = get("head_size", 0)
-    if device_type != "cpu":  # the Triton kernels tile the head dim with tl.arange
-        needs[f"head size {head_size}"] = head_size <= 0 or head_size & (head_size - 1) != 0 or head_size > 256
+    if device_type != "cpu":  # the Triton kernels tile the head dim padded to a power of two, at most 256
+        needs[f"head size {head_size}"] = not 0 < head_size <= 256
     missing = [name for name, needed in needs.items() if needed]
     return ", ".join(missing) if missing else None
 
