@@ -10,7 +10,11 @@ A run is ``TREE:MODEL[:FLAG,...]``; flags: ``async`` / ``sync`` (atom's scheduli
 ``min(--num-prompts, max(32, --prompts-per-client x N))`` prompts),
 ``tpN`` / ``dpN`` (-tp N / -dp N), ``ep`` (--enable-expert-parallel), ``fp8`` (--quantization fp8),
 ``fp8kv`` (--kv-cache-dtype fp8), for both engines; ``dpattn``
-(atom's --enable-dp-attention; vLLM's equivalent is ``dpN,ep``: attention data-parallel, experts over the replicas).
+(atom's --enable-dp-attention; vLLM's equivalent is ``dpN,ep``: attention data-parallel, experts over the replicas),
+``pc`` / ``nopc`` (prefix caching on / off: atom's default is off, vLLM's on), ``prefix=N`` (a shared
+N-token prefix on every prompt, --random-prefix-len), ``plugin`` (vLLM runs: atom's plugin on; its entry
+points must be importable, e.g. the dist-info directory of docs/plugin.md on PYTHONPATH).
+Each pass records the prefix-cache hit rate the server's /metrics report for it.
 Every run first sends a warm-up pass (Triton compiles
 kernels on first use) and then the measured ones. Each pass samples its prompts with a seed of its
 own (the same for every engine): with one seed, every pass would resend the prompts of the
@@ -112,8 +116,8 @@ def run_one(spec: str, args, trees: dict[str, str], port: int) -> list[dict]:
         os.remove(trace)
     env = dict(
         os.environ,
-        PYTHONPATH=":".join(p for p in ("/tmp/site", path) if os.path.isdir(p)),
-        ATOM_DISABLE_VLLM_PLUGIN="1",
+        PYTHONPATH=":".join(p for p in ("/tmp/site", path, "/tmp/atom_ep") if os.path.isdir(p)),
+        ATOM_DISABLE_VLLM_PLUGIN="0" if "plugin" in flags else "1",
         PYTHONUNBUFFERED="1",
         ATOM_STEP_TRACE=trace,
     )
@@ -153,6 +157,8 @@ def run_one(spec: str, args, trees: dict[str, str], port: int) -> list[dict]:
     cmd += ["--enable-dp-attention"] if "dpattn" in flags else []
     cmd += ["--quantization", "fp8"] if "fp8" in flags else []
     cmd += ["--kv-cache-dtype", "fp8"] if "fp8kv" in flags else []
+    cmd += ["--enable-prefix-caching"] if "pc" in flags else []
+    cmd += ["--no-enable-prefix-caching"] if "nopc" in flags else []
     cmd += [a for f in flags if f[:2] in ("tp", "dp") and f[2:].isdigit() for a in (f"-{f[:2]}", f[2:])]
     results, start_s = [], None
     log = open(os.path.join(args.out, f"log_{name}.txt"), "w")
@@ -178,6 +184,8 @@ def run_one(spec: str, args, trees: dict[str, str], port: int) -> list[dict]:
             str(args.input_len),
             "--random-output-len",
             str(args.output_len),
+            "--random-prefix-len",
+            next((f.split("=")[1] for f in flags if f.startswith("prefix=")), "0"),
             "--request-rate",
             "inf",
             "--ignore-eos",
@@ -203,7 +211,8 @@ def run_one(spec: str, args, trees: dict[str, str], port: int) -> list[dict]:
                 os.remove(trace)  # the warm-up pass's steps
             for seed, c in enumerate(concurrency, start=1):
                 label = f"{tree}:{model}:" + ",".join([f for f in flags if not f.startswith("c=")] + [f"c={c}"])
-                results.append(measured_pass(label, name, c, seed, bench, path, benv, blog, server, trace, args))
+                results.append(measured_pass(label, name, c, seed, bench, path, benv, blog, server, trace, args,
+                                             port))  # fmt: skip
                 results[-1]["start_s"] = start_s
                 # now, in case a later pass does not finish (its trace summary comes at the end)
                 print("pass:", json.dumps({k: v for k, v in results[-1].items() if k != "window"}), flush=True)
@@ -223,13 +232,31 @@ def run_one(spec: str, args, trees: dict[str, str], port: int) -> list[dict]:
     return results
 
 
-def measured_pass(label, name, c, seed, bench, path, benv, blog, server, trace, args) -> dict:
+def prefix_cache_counts(port: int) -> tuple[float, float]:
+    """(queried, hit) prompt tokens of the prefix cache so far, from the server's /metrics
+    (``atom:prefix_cache_*`` or ``vllm:prefix_cache_*_total``); zeros where it has none."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    except OSError:
+        return 0.0, 0.0
+    counts = {"queries": 0.0, "hits": 0.0}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            kind = sample.name.split(":")[-1].removesuffix("_total").removeprefix("prefix_cache_")
+            if kind in counts:
+                counts[kind] += sample.value
+    return counts["queries"], counts["hits"]
+
+
+def measured_pass(label, name, c, seed, bench, path, benv, blog, server, trace, args, port) -> dict:
     """One measured ``benchmark_serving`` pass at concurrency ``c``; its step-trace window is
     summarised once the server has flushed the trace (at exit)."""
     prompts = min(args.num_prompts, max(32, args.prompts_per_client * int(c)))
     result = {"run": label, "concurrency": int(c), "prompts": prompts}
     res = os.path.join(args.out, f"serve_{name}_c{c}.json")
-    before, since = cpu_seconds(server.pid), time.time()
+    (queried, hit), before, since = prefix_cache_counts(port), cpu_seconds(server.pid), time.time()
     subprocess.run(
         bench
         + ["--max-concurrency", c, "--num-prompts", str(prompts), "--seed", str(seed)]
@@ -243,6 +270,8 @@ def measured_pass(label, name, c, seed, bench, path, benv, blog, server, trace, 
     )
     after = cpu_seconds(server.pid)
     result["window"] = (since, time.time())
+    queried2, hit2 = prefix_cache_counts(port)
+    result["prefix_hit_pct"] = round(100 * (hit2 - hit) / (queried2 - queried), 1) if queried2 > queried else 0.0
     used = {p: after[p] - before.get(p, 0) for p in after}
     result["cpu_s"] = {str(p): round(s, 1) for p, s in used.items() if s > 1}
     if os.path.exists(res):
@@ -277,8 +306,9 @@ def main() -> None:
             results.append(r)
             print(json.dumps(r), flush=True)
         json.dump(results, open(f"{args.out}/serve_compare.json", "w"), indent=1)
-    print("\n| run | tok/s | TTFT p50/p99 ms | TPOT p50/p99 ms | ITL p99 | steps | gpu ms | gap ms | host ms |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n| run | tok/s | TTFT p50/p99 ms | TPOT p50/p99 ms | ITL p99 | prefix hits % | steps | gpu ms | gap ms "
+          "| host ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     def f(x) -> str:
         return f"{x:.1f}" if isinstance(x, float) else str(x)
 
@@ -288,7 +318,8 @@ def main() -> None:
         print(
             f"| {r['run']} | {f(r.get('output_throughput', r.get('error', '')))} | {f(r.get('p50_ttft_ms'))}/"
             f"{f(r.get('p99_ttft_ms'))} | {f(r.get('p50_tpot_ms'))}/{f(r.get('p99_tpot_ms'))} | "
-            f"{f(r.get('p99_itl_ms'))} | {t.get('steps', '')} | {t.get('gpu_ms', '')} | {t.get('gap_ms', '')} | "
+            f"{f(r.get('p99_itl_ms'))} | {r.get('prefix_hit_pct', '')} | {t.get('steps', '')} | "
+            f"{t.get('gpu_ms', '')} | {t.get('gap_ms', '')} | "
             f"{host} |"
         )
 

@@ -32,8 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from atom.ops.triton.attention_merge import merge_splits, split_partials
-from atom.ops.triton.prefill_attention import _find_seq, _num_sms, descriptor_ready, prefill_attention, with_columns
+from atom.ops.triton.attention_merge import merge_splits, split_partials, with_columns
+from atom.ops.triton.prefill_attention import _find_seq, _num_sms, descriptor_ready, prefill_attention
 
 
 # per-step values (sequence count, block-table width, metadata slice offsets) are not

@@ -9,6 +9,18 @@ import triton
 import triton.language as tl
 
 
+@triton.jit
+def with_columns(mask, offs_d, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
+    """``mask`` and, for a head_dim padded to a power of two, the real columns of ``offs_d``
+    (broadcast against each other); ``mask`` alone when there is no padding, so a power-of-two
+    head_dim compiles the same code as without this."""
+    if HEAD_DIM_PAD == HEAD_DIM:
+        out = mask
+    else:
+        out = mask & (offs_d < HEAD_DIM)
+    return out
+
+
 @triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(
     out_ptr,
@@ -27,18 +39,21 @@ def _merge_splits_kernel(
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, HEAD_DIM_PAD)  # a head_dim that is not a power of two: padded, masked
-    d_ok = offs_d < HEAD_DIM
     s_ok = offs_s < num_splits
     row = (tok * num_heads + head) * num_splits + offs_s
     m = tl.load(part_max_ptr + row, mask=s_ok, other=float("-inf"))
     l = tl.load(part_sum_ptr + row, mask=s_ok, other=0.0)
-    acc = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :],
-                  other=0.0)
+    acc = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
+                  mask=with_columns(s_ok[:, None], offs_d[None, :], HEAD_DIM, HEAD_DIM_PAD), other=0.0)
     m_max = tl.max(m, axis=0)
     # Splits that saw no key have m = -inf and l = 0, so they get weight 0.
     w = tl.exp2(m - m_max)
     out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
-    tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
+    if HEAD_DIM_PAD == HEAD_DIM:
+        tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
+    else:
+        tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
+                 mask=offs_d < HEAD_DIM)
 
 
 def split_partials(num_tokens: int, num_heads: int, num_splits: int, head_dim: int, device) -> tuple:

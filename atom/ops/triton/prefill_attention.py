@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from atom.ops.triton.attention_merge import merge_splits, split_partials
+from atom.ops.triton.attention_merge import merge_splits, split_partials, with_columns
 
 
 @triton.jit
@@ -50,18 +50,6 @@ def _find_seq(cu_seqlens_q_ptr, q_base, tile, num_seqs, BLOCK_Q: tl.constexpr):
         else:
             hi = mid
     return lo - 1
-
-
-@triton.jit
-def with_columns(mask, offs_d, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
-    """``mask`` and, for a head_dim padded to a power of two, the real columns of ``offs_d``
-    (broadcast against each other); ``mask`` alone when there is no padding, so a power-of-two
-    head_dim compiles the same code as without this."""
-    if HEAD_DIM_PAD == HEAD_DIM:
-        out = mask
-    else:
-        out = mask & (offs_d < HEAD_DIM)
-    return out
 
 
 @triton.jit
