@@ -250,7 +250,9 @@ def engines(ckpts):
 
     def get(arch: str):
         if arch not in cache:
-            cache[arch] = LLMEngine(ckpts[arch], max_model_len=512, dtype="float32", enforce_eager=True)
+            # a small share of a GPU: the module's five vLLM processes take 0.15 each
+            cache[arch] = LLMEngine(ckpts[arch], max_model_len=512, dtype="float32", enforce_eager=True,
+                                    gpu_memory_utilization=0.1)  # fmt: skip
         return cache[arch]
 
     return get
@@ -316,6 +318,7 @@ def test_platform_resolution_and_backend_selection(ckpts):
         qualname = register_platform()
         import atom.plugin.vllm.platform as p
         untouched = platforms._current_platform is None
+        touched_by = getattr(platforms, "_init_trace", "")  # vLLM's record of where it was resolved
         from vllm.platforms import current_platform
         base = p._import(p.detect_base_platform())
         from vllm.v1.attention.selector import AttentionSelectorConfig
@@ -346,7 +349,7 @@ def test_platform_resolution_and_backend_selection(ckpts):
             base=p.detect_base_platform(), is_base=isinstance(current_platform, base),
             same_device=current_platform.device_type == base.device_type,
             choices=choices, entries=entries,
-            text_generation=is_text_generation_model(model_wrapper.ATOMQwen3ForCausalLM))))
+            text_generation=is_text_generation_model(model_wrapper.ATOMQwen3ForCausalLM), touched_by=touched_by)))
     """)
     out = subprocess.run([sys.executable, "-c", script], env=_env(), capture_output=True, text=True, timeout=300)
     line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT")]
@@ -356,7 +359,7 @@ def test_platform_resolution_and_backend_selection(ckpts):
     log = out.stdout + out.stderr  # vLLM's logger writes to stdout in 0.26, to stderr in 0.32
     assert r["untested"] is None and "vLLM 0.40.0 is installed" in log
     assert r["qualname"] == "atom.plugin.vllm.platform.ATOMPlatform"
-    assert r["untouched"], "resolving atom's platform read vllm.platforms.current_platform"
+    assert r["untouched"], "resolving atom's platform read vllm.platforms.current_platform:\n" + r["touched_by"]
     assert r["cls"] == "ATOMPlatform" and r["is_base"] and r["same_device"], r
     assert r["base"].startswith("vllm.platforms.")
     atom_backend = "atom.plugin.vllm.attention.ATOMAttentionBackend"
