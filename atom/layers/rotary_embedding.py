@@ -37,3 +37,21 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(t, inv_freq.float().to(t.device))
         cache = torch.cat((freqs.cos() * scaling, freqs.sin() * scaling), dim=-1)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
+
+
+def share_cos_sin_caches(model: nn.Module) -> None:
+    """Point each ``RotaryEmbedding`` of ``model`` whose table equals an earlier one's at that
+    one. Every attention layer builds its own (from the same config: the same values), and a
+    model's 28-61 private fp32 copies of a 40,960-163,840-row table cost 0.55 GiB of GPU memory
+    (Qwen3-0.6B) to 2.5 GiB (DeepSeek-V3), which the KV cache could hold instead."""
+    kept: list[torch.Tensor] = []
+    for module in model.modules():
+        if not isinstance(module, RotaryEmbedding) or module.cos_sin_cache.is_meta:
+            continue
+        table = module.cos_sin_cache
+        same = (t for t in kept if t.shape == table.shape and t.device == table.device and torch.equal(t, table))
+        shared = next(same, None)
+        if shared is None:
+            kept.append(table)
+        else:
+            module.cos_sin_cache = shared

@@ -31,6 +31,7 @@ from atom.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from atom.layers.layernorm import RMSNorm
 from atom.layers.linear import ReplicatedLinear
 from atom.layers.moe import FusedMoE
+from atom.layers.rotary_embedding import share_cos_sin_caches
 from atom.model_loader.weight_utils import load_weights
 from atom.models.deepseek_v2 import DeepseekAttention, DeepseekV3ForCausalLM, deepseek_mlp, mtp_layer_index
 from atom.models.llama import DecoderLayer
@@ -82,6 +83,7 @@ class DeepseekMTP(nn.Module):
         self.model.layers = nn.ModuleDict(
             {str(first + i): DeepseekMTPLayer(config, tp, first + i) for i in range(self.num_layers)}
         )
+        share_cos_sin_caches(self)
 
     def layer(self, spec_step_idx: int) -> DeepseekMTPLayer:
         return self.model.layers[str(self.config.num_hidden_layers + spec_step_idx % self.num_layers)]

@@ -14,7 +14,7 @@ from atom.layers.attention import Attention
 from atom.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from atom.layers.layernorm import RMSNorm
 from atom.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from atom.layers.rotary_embedding import RotaryEmbedding
+from atom.layers.rotary_embedding import RotaryEmbedding, share_cos_sin_caches
 from atom.model_loader.weight_utils import load_weights
 
 
@@ -89,6 +89,7 @@ class DecoderModel(nn.Module):
             DecoderLayer(config, tp, i, qk_norm, make_mlp, make_attn) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        share_cos_sin_caches(self)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
