@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import subprocess
 import sys
 
@@ -102,8 +103,6 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--sequence-len", type=int, default=512, help="tokens of each teacher-forced sequence")
     args = p.parse_args()
-    import random
-
     out = os.path.abspath(os.environ.get("OUT", "gpu-results"))
     os.makedirs(out, exist_ok=True)
     path = f"{out}/ckpt-{args.shape}"

@@ -227,12 +227,10 @@ def prefill_config(head_dim: int, group_pad: int, elem_bytes: int, programs_per_
 
 def descriptor_ready(k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether packed K/V [tokens, kv_heads, head_dim] can back a tensor descriptor: rows of
-    contiguous heads, 16-byte aligned base and row stride (the bulk copy engine's rule), and a
-    power-of-two head_dim (a descriptor's block is one)."""
-    head_dim = k.shape[2]
-    return head_dim & (head_dim - 1) == 0 and all(
-        t.stride(2) == 1 and t.stride(1) == t.shape[2] and (t.stride(0) * t.element_size()) % 16 == 0
-        and t.data_ptr() % 16 == 0 for t in (k, v))  # fmt: skip
+    contiguous heads, 16-byte aligned base and row stride (the bulk copy engine's rule); a head_dim
+    that is not a power of two is left to ``prefill_attention``, which then reads the cache."""
+    return all(t.stride(2) == 1 and t.stride(1) == t.shape[2] and (t.stride(0) * t.element_size()) % 16 == 0
+               and t.data_ptr() % 16 == 0 for t in (k, v))  # fmt: skip
 
 
 @functools.cache
