@@ -11,7 +11,10 @@ instead of benchmark_throughput), ``tpN`` (-tp N), ``ep`` (--enable-expert-paral
 ``nocar`` (--disable-custom-all-reduce: NCCL for every all-reduce), ``fp8`` (--quantization fp8: weights
 quantised on load), ``fp8kv`` (--kv-cache-dtype fp8). FP8 checkpoints: the models ``qwen3-8b-fp8`` and
 ``qwen3-30b-a3b-fp8`` (block-128 e4m3 weights, as Qwen's FP8 releases).
-Each run's log and JSON go to $OUT (or ./gpu-results). A run that times out has its whole
+A run may be listed more than once: list a pair as A B B A, since the order of the processes
+in a machine session may matter (session 15: the second of two vLLM processes ran the same
+Python ~1.3x slower; each run's log starts with the busiest processes of the machine).
+Each run's log and JSON go to $OUT (or ./gpu-results), named by position and run. A run that times out has its whole
 process group killed (engine and rank processes included), after ``py-spy dump`` of every
 process in it where ``py-spy`` is on PATH (the stacks go to the run's log).
 """
@@ -28,13 +31,13 @@ import sys
 import time
 
 
-def run_one(spec: str, trees: dict[str, str], out: str, timeout: int) -> dict:
+def run_one(spec: str, trees: dict[str, str], out: str, timeout: int, index: int = 0) -> dict:
     tree, model, *rest = spec.split(":")
     flags = rest[0].split(",") if rest else []
     engine = "vllm" if tree == "vllm" else "atom"
     path = os.path.abspath(trees[next(iter(trees))] if engine == "vllm" else trees[tree])
     bench = "benchmark_latency" if "latency" in flags else "benchmark_throughput"
-    name = spec.replace(":", "_").replace(",", "-")
+    name = f"{index}_" + spec.replace(":", "_").replace(",", "-")
     cmd = [sys.executable, "-m", f"atom.benchmarks.{bench}", "--engine", engine, "--model", model,
            "--output-json", f"{out}/{name}.json"]
     cmd += ["--async-scheduling"] if "async" in flags else []
@@ -50,6 +53,8 @@ def run_one(spec: str, trees: dict[str, str], out: str, timeout: int) -> dict:
                ATOM_DISABLE_VLLM_PLUGIN="1", PYTHONUNBUFFERED="1")
     start = time.time()
     with open(f"{out}/{name}.log", "w") as log:
+        log.write(busiest_processes())
+        log.flush()
         proc = subprocess.Popen(cmd, cwd=path, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         try:
@@ -63,6 +68,12 @@ def run_one(spec: str, trees: dict[str, str], out: str, timeout: int) -> dict:
     if os.path.exists(f"{out}/{name}.json"):
         result.update(json.load(open(f"{out}/{name}.json")))
     return result
+
+
+def busiest_processes(n: int = 4) -> str:
+    """The machine's busiest processes now (a leftover of an earlier run would show here)."""
+    ps = subprocess.run(["ps", "-eo", "pcpu,etime,args", "--sort=-pcpu"], capture_output=True, text=True)
+    return "".join(line[:160] + "\n" for line in ps.stdout.splitlines()[: n + 1])
 
 
 def dump_stacks(pgid: int, log) -> None:
@@ -93,8 +104,8 @@ def main() -> None:
     out = os.environ.get("OUT", "gpu-results")
     os.makedirs(out, exist_ok=True)
     results = []
-    for spec in args.run:
-        results.append(run_one(spec, trees, out, args.timeout))
+    for i, spec in enumerate(args.run):
+        results.append(run_one(spec, trees, out, args.timeout, i))
         print(json.dumps(results[-1]), flush=True)
     json.dump(results, open(f"{out}/e2e_compare.json", "w"), indent=1)
     print("\n| run | rc | wall s | output tok/s | TPOT ms |\n|---|---|---|---|---|")

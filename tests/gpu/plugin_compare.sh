@@ -6,6 +6,10 @@
 # plugin's log the platform line, atom's kernel warm-up and any kernel vLLM saw compiled during
 # inference (there should be none). Logs and JSON in $OUT.
 #     bash tests/gpu/plugin_compare.sh qwen3-0.6b qwen3-8b
+# ORDER (default "1 0 0 1": native, plugin, plugin, native) lists the runs per model by their
+# ATOM_DISABLE_VLLM_PLUGIN value: in session 15 the second process of a machine session ran the
+# same Python ~1.3x slower (cProfile), which a native-then-plugin pair charges to the plugin. The
+# busiest processes are listed before each run (a leftover of the previous run would show there).
 set -uo pipefail
 test -d /tmp/site/vllm || { echo "vLLM is not installed in /tmp/site"; exit 3; }
 out=${OUT:-gpu-results}; mkdir -p "$out"
@@ -15,8 +19,10 @@ printf '[vllm.platform_plugins]\natom = atom.plugin.vllm.register:register_platf
 export PYTHONPATH=/tmp/site:$PWD:/tmp/atom_ep VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1
 py=/opt/torch/.venv/bin/python3; [ -x $py ] || py=python
 for model in "${@:-qwen3-0.6b}"; do
-  for off in 1 0; do
-    log=$out/tput_${model}_plugin_off$off.log; start=$(date +%s)
+  i=0
+  for off in ${ORDER:-1 0 0 1}; do
+    i=$((i + 1)); log=$out/tput_${model}_${i}_plugin_off$off.log; start=$(date +%s)
+    ps -eo pcpu,etime,args --sort=-pcpu | head -4 | cut -c1-150
     ATOM_DISABLE_VLLM_PLUGIN=$off timeout ${PAIR_TIMEOUT:-300} $py -m atom.benchmarks.benchmark_throughput --model $model \
       --engine vllm --output-json ${log%.log}.json > $log 2>&1
     echo "== $model, ATOM_DISABLE_VLLM_PLUGIN=$off: rc $?, $(( $(date +%s) - start )) s"; tail -1 $log
@@ -24,4 +30,10 @@ for model in "${@:-qwen3-0.6b}"; do
     grep -m1 "atom kernel warm-up" $log | cut -c1-200
     grep "JIT compilation during inference" $log | cut -c1-200
   done
+done
+echo "| model | run | ATOM_DISABLE_VLLM_PLUGIN | output tok/s |"
+echo "|---|---|---|---|"
+for j in $out/tput_*_plugin_off*.json; do
+  $py -c "import json, re, sys; r = json.load(open(sys.argv[1])); m = re.match(r'.*/tput_(.+)_(\d+)_plugin_off(\d)', sys.argv[1])
+print(f'| {m[1]} | {m[2]} | {m[3]} | {r[\"output_tokens_per_s\"]} |')" $j
 done

@@ -15,6 +15,7 @@ worker profiler (``profiler_config``, rank 0's trace). Traces in $OUT.
 from __future__ import annotations
 
 import argparse
+import bisect
 import glob
 import gzip
 import json
@@ -61,7 +62,36 @@ def summarise(trace_path: str) -> dict:
     span = (max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels)) if kernels else 0.0
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
     return dict(span_ms=span / 1e3, busy_ms=busy / 1e3, kinds={k: v / 1e3 for k, v in by_kind.items()},
-                top=[(n, v / 1e3) for n, v in top])
+                top=[(n, v / 1e3) for n, v in top], host=host_view(events, kernels))
+
+
+def host_view(events: list[dict], kernels: list[dict], min_gap_us: float = 50.0) -> dict:
+    """What the host did while the GPU idled: launches by kind (a graph replay or single kernels)
+    and the host ops and annotations overlapping the GPU's idle gaps of at least ``min_gap_us``,
+    summed by name (nested ops each count)."""
+    launches = defaultdict(lambda: [0, 0.0])
+    for e in events:
+        if e.get("cat") == "cuda_runtime" and re.search(r"launch|graph", e.get("name", ""), re.I):
+            launches[e["name"]][0] += 1
+            launches[e["name"]][1] += e.get("dur", 0) / 1e3
+    gaps, end = [], None
+    for e in sorted(kernels, key=lambda e: e["ts"]):
+        if end is not None and e["ts"] - end >= min_gap_us:
+            gaps.append((end, e["ts"]))
+        end = max(end or e["ts"], e["ts"] + e["dur"])
+    host = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation", "python_function") and "dur" in e]
+    long_ops = [e for e in host if e["dur"] > 5e3]  # checked against every gap; the rest by start time
+    short = sorted((e for e in host if e["dur"] <= 5e3), key=lambda e: e["ts"])
+    starts = [e["ts"] for e in short]
+    in_gaps = defaultdict(float)
+    for a, b in gaps:
+        for e in long_ops + short[bisect.bisect_left(starts, a - 5e3):bisect.bisect_left(starts, b)]:
+            overlap = min(b, e["ts"] + e["dur"]) - max(a, e["ts"])
+            if overlap > 0:
+                in_gaps[e["name"][:80]] += overlap / 1e3
+    return dict(launches={k: v for k, v in sorted(launches.items(), key=lambda kv: -kv[1][1])},
+                gaps=len(gaps), gap_ms=sum(b - a for a, b in gaps) / 1e3,
+                in_gaps=sorted(in_gaps.items(), key=lambda kv: -kv[1])[:25])
 
 
 def atom_run(model: str, tp: int, level: int, prompts, params, window, out: str) -> str:
@@ -82,7 +112,7 @@ def atom_run(model: str, tp: int, level: int, prompts, params, window, out: str)
     return ([t for t in traces if "rank_0" in t] or traces)[0]
 
 
-def vllm_run(model: str, tp: int, prompts, params, window, out: str) -> str:
+def vllm_run(model: str, tp: int, prompts, params, window, out: str, python: bool = False) -> str:
     """One GPU: in-process under ``torch.profiler`` (one profiler sees the model). Several:
     vLLM's own worker profiler (``profiler_config``), rank 0's trace."""
     import torch
@@ -105,6 +135,8 @@ def vllm_run(model: str, tp: int, prompts, params, window, out: str) -> str:
         engine.add_request(str(i), {"prompt_token_ids": prompt}, VParams(detokenize=False, **p))
     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                               torch.profiler.ProfilerActivity.CUDA])
+    if python:  # the host's Python functions over the window instead (one GPU)
+        return python_profile(engine, window, out)
     for step in range(window[1]):
         if step == window[0]:
             prof.start() if tp == 1 else llm.start_profile()
@@ -125,11 +157,44 @@ def vllm_run(model: str, tp: int, prompts, params, window, out: str) -> str:
     return path
 
 
-def run(model: str, spec: str, window: tuple[int, int], out: str, batch_1: bool) -> dict:
+def python_profile(engine, window, out: str) -> str:
+    """cProfile over the window's engine steps (no torch profiler): where the host's time per
+    step goes, by function; the top of the table is printed, all of it written to $OUT."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)  # a CPU dry run
+    for _ in range(window[0]):
+        engine.step()
+    sync()
+    prof, start = cProfile.Profile(), time.perf_counter()
+    prof.enable()
+    for _ in range(window[1] - window[0]):
+        engine.step()
+    sync()
+    prof.disable()
+    wall = time.perf_counter() - start
+    text = io.StringIO()
+    for key in ("tottime", "cumulative"):
+        pstats.Stats(prof, stream=text).sort_stats(key).print_stats(40)
+    path = f"{out}/cprofile.txt"
+    with open(path, "w") as f:
+        # paths shortened to the package: the table is read side by side with another run's
+        table = re.sub(r"/\S*/(site-packages|dist-packages)/|/\S*/(?=atom/)", "", text.getvalue())
+        f.write(f"window wall {wall * 1e3:.1f} ms for {window[1] - window[0]} steps\n{table}")
+    return path
+
+
+def run(model: str, spec: str, window: tuple[int, int], out: str, batch_1: bool, python: bool = False):
     engine, tp, level = (spec + ":3").split(":")[:3]
     random.seed(0)
     prompts, max_tokens = ([list(range(1, 33))], [512]) if batch_1 else workload(256, 1024, 1024)
     params = [dict(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
+    if engine == "vllm" and python:
+        return vllm_run(model, int(tp), prompts, params, window, out, python=True)
     if engine == "vllm":
         return summarise(vllm_run(model, int(tp), prompts, params, window, out))
     return summarise(atom_run(model, int(tp), int(level), prompts, params, window, out))
@@ -141,14 +206,25 @@ def main() -> None:
     p.add_argument("--run", action="append", help="ENGINE:TP[:LEVEL], one engine each (default atom:1)")
     p.add_argument("--steps", default="300:340", help="the profiled window of engine steps, FIRST:LAST")
     p.add_argument("--batch-1", action="store_true", help="one request (batch-1 decode) instead of the workload")
+    p.add_argument("--python", action="store_true", help="vLLM on one GPU: cProfile the host over the window instead")
     args = p.parse_args()
     out = os.environ.get("OUT", "gpu-results")
     window = tuple(int(x) for x in args.steps.split(":"))
+    if args.python:
+        for spec in args.run or ["vllm:1"]:
+            path = run(args.model, spec, window, out, args.batch_1, python=True)
+            print(open(path).read()[:7000])
+        return
     results = {spec: run(args.model, spec, window, out, args.batch_1) for spec in args.run or ["atom:1"]}
     json.dump(results, open(f"{out}/profile_steps.json", "w"), indent=1)
     for tp, r in results.items():
         print(f"\n{tp}: top kernels (ms over the window)")
         for name, ms in r["top"]:
+            print(f"  {ms:8.2f}  {name}")
+        h = r["host"]
+        print("  launches: " + ", ".join(f"{k} {n} ({ms:.1f} ms)" for k, (n, ms) in h["launches"].items()))
+        print(f"  GPU idle gaps >= 50 us: {h['gaps']}, {h['gap_ms']:.1f} ms; host ops overlapping them (ms):")
+        for name, ms in h["in_gaps"]:
             print(f"  {ms:8.2f}  {name}")
     kinds = sorted({k for r in results.values() for k in r["kinds"]})
     print("\n| run | window ms | GPU busy ms | " + " | ".join(kinds) + " |\n|" + "---|" * (len(kinds) + 3))
