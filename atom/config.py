@@ -53,6 +53,19 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config: PretrainedConfig, device:
     return cfg_dtype if cfg_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
 
 
+def sliding_window(hf_config: PretrainedConfig) -> int | None:
+    """The attention window of a model with sliding-window layers (Mistral; Qwen2 with
+    ``use_sliding_window``), else None. atom attends to the whole sequence, which is the same
+    as long as no sequence is longer than the window."""
+    window = getattr(hf_config, "sliding_window", None)
+    if not window or getattr(hf_config, "use_sliding_window", True) is False:
+        return None  # Qwen2/Qwen3 configs carry a window they do not use
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return int(window)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model: str
@@ -73,6 +86,13 @@ class ModelConfig:
             raise ValueError(
                 f"max_model_len ({self.max_model_len}) is larger than the model's "
                 f"max_position_embeddings ({limit})"
+            )
+        window = sliding_window(self.hf_config)
+        if window is not None and self.max_model_len > window:
+            raise ValueError(
+                f"max_model_len ({self.max_model_len}) is longer than the model's sliding attention window "
+                f"({window}); atom does not implement sliding-window attention, so it serves this model up to "
+                f"--max-model-len {window} (where full attention is the same)"
             )
 
     @property

@@ -25,6 +25,7 @@ from atom.config import (
     SchedulerConfig,
     SpeculativeConfig,
     resolve_dtype,
+    sliding_window,
 )
 from atom.structured_output.reasoning import REASONING_TAGS
 
@@ -167,7 +168,7 @@ class EngineArgs:
         hf_config = load_hf_config(model, self.trust_remote_code)
         device = torch.device("cuda" if self.device == "auto" and torch.cuda.is_available() else
                               ("cpu" if self.device == "auto" else self.device))
-        max_len = self.max_model_len or getattr(hf_config, "max_position_embeddings", 4096)
+        max_len = self.max_model_len or default_max_model_len(hf_config)
         model_config = ModelConfig(
             model=model,
             hf_config=hf_config,
@@ -219,6 +220,19 @@ class EngineArgs:
         """A config dataclass from the arguments of the same names."""
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(cls)}
         return cls(**(values | overrides))
+
+
+def default_max_model_len(hf_config: PretrainedConfig) -> int:
+    """The model's context length; for a model with sliding-window layers at most the window
+    (atom's attention is full attention: the same up to that length)."""
+    max_len = getattr(hf_config, "max_position_embeddings", 4096)
+    window = sliding_window(hf_config)
+    if window is not None and window < max_len:
+        arch = (getattr(hf_config, "architectures", None) or ["the model"])[0]
+        logger.warning("%s uses sliding-window attention (window %d), which atom does not implement: "
+                       "max_model_len %d instead of %d", arch, window, window, max_len)  # fmt: skip
+        return window
+    return max_len
 
 
 def load_hf_config(model: str, trust_remote_code: bool = False) -> PretrainedConfig:

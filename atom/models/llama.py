@@ -19,13 +19,16 @@ from atom.model_loader.weight_utils import load_weights
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: PretrainedConfig, tp: TPInfo, prefix: str, qk_norm: bool = False):
+    def __init__(self, config: PretrainedConfig, tp: TPInfo, prefix: str, qk_norm: bool = False,
+                 qkv_bias: bool | None = None, o_bias: bool | None = None):
         super().__init__()
         num_heads, num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-        bias = getattr(config, "attention_bias", False)
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, num_heads, num_kv_heads, bias, tp)
-        self.o_proj = RowParallelLinear(num_heads * self.head_dim, config.hidden_size, bias, tp)
+        # Llama's attention_bias applies to all four projections; Qwen2 biases q, k and v only
+        bias = bool(getattr(config, "attention_bias", False))
+        qkv_bias, o_bias = bias if qkv_bias is None else qkv_bias, bias if o_bias is None else o_bias
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, num_heads, num_kv_heads, qkv_bias, tp)
+        self.o_proj = RowParallelLinear(num_heads * self.head_dim, config.hidden_size, o_bias, tp)
         self.q_size = self.qkv_proj.num_heads * self.head_dim
         self.kv_size = self.qkv_proj.num_kv_heads * self.head_dim
         self.rotary_emb = RotaryEmbedding(config, self.head_dim, config.max_position_embeddings)

@@ -42,6 +42,10 @@ ARCHS = {
                          "rope_theta": 500000.0},
         tie_word_embeddings=True,
     ),
+    # q/k/v biases (random: see build), head_dim from hidden_size / heads (12)
+    "qwen2": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True),
+    # Llama's layers; a sliding window longer than any sequence (atom caps max_model_len at it)
+    "mistral": dict(model_type="mistral", architectures=["MistralForCausalLM"], head_dim=16, sliding_window=4096),
     "qwen3_moe": dict(
         model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], head_dim=16, num_experts=6,
         num_experts_per_tok=2, moe_intermediate_size=40, decoder_sparse_step=1, norm_topk_prob=True,
@@ -118,9 +122,13 @@ def build(out_dir: str, arch: str = "qwen3", seed: int = 0, num_layers: int = 3,
     ) | spec | config)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    for name, buf in model.named_buffers():
-        if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing bias: zero at init
-            buf.normal_(0.0, 0.3)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing bias: zero at init
+                buf.normal_(0.0, 0.3)
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):  # linear biases are zero at init: a bias not loaded would not show
+                param.normal_(0.0, 0.3)
     model.save_pretrained(out_dir)
     write_mtp_layers(config, out_dir, seed, dtype)
     tokenizer.save_pretrained(out_dir)

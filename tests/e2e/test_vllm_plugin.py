@@ -2,10 +2,10 @@
 
 Three OpenAI servers on one tiny Qwen3 checkpoint start together (atom's platform; the plugin
 off; atom's models with vLLM's attention), and two offline ``vllm.LLM`` runs alongside them
-(atom's plugin on Llama and Qwen3-MoE, prefix caching and chunked prefill on and off; the plugin
-off on Llama). Every comparison is greedy and token-exact; atom's own ``LLMEngine`` is the
-reference too. The checkpoints use head_dim 32, a size vLLM's CPU
-attention supports. Without vLLM installed only the first tests run (the rest skip).
+(atom's plugin on Llama, Qwen3-MoE and Qwen2, prefix caching and chunked prefill on and off; the
+plugin off on Llama and Qwen2). Every comparison is greedy and token-exact; atom's own
+``LLMEngine`` is the reference too. The checkpoints use head_dim 32, a size vLLM's CPU attention
+supports. Without vLLM installed only the first tests run (the rest skip).
 
     .venv-vllm/bin/python -m pytest tests/e2e/test_vllm_plugin.py
 """
@@ -190,7 +190,10 @@ def ckpts(tmp_path_factory):
     from atom.testing.tiny_checkpoint import build
 
     root = tmp_path_factory.mktemp("vllm-plugin-ckpt")
-    return {arch: build(str(root / arch), arch, head_dim=32) for arch in ("qwen3", "llama", "qwen3_moe")}
+    ckpts = {arch: build(str(root / arch), arch, head_dim=32) for arch in ("qwen3", "llama", "qwen3_moe")}
+    # vLLM's Qwen2 takes head_dim as hidden_size / heads: 32 here too
+    ckpts["qwen2"] = build(str(root / "qwen2"), "qwen2", hidden_size=128, num_attention_heads=4)
+    return ckpts
 
 
 @pytest.fixture(scope="module")
@@ -210,7 +213,7 @@ def runs(ckpts, tmp_path_factory):
         port = _free_port()
         procs[name] = Proc(f"server-{name}", [*server, "--port", str(port)], _env(**extra), logs, port)
     offline = [sys.executable, "-c", OFFLINE_SCRIPT]
-    prompts, models = json.dumps(OFFLINE_PROMPTS), [ckpts["llama"], ckpts["qwen3_moe"]]
+    prompts, models = json.dumps(OFFLINE_PROMPTS), [ckpts["llama"], ckpts["qwen3_moe"], ckpts["qwen2"]]
     procs["offline_atom"] = Proc("offline_atom", [*offline, str(logs / "offline_atom.json"), prompts,
                                                   str(MAX_TOKENS), "on,off", *models],
                                  _env(VLLM_ENABLE_V1_MULTIPROCESSING="0"), logs)
@@ -218,12 +221,12 @@ def runs(ckpts, tmp_path_factory):
     # skip the trace this run must show)
     procs["offline_atom_compiled"] = Proc(
         "offline_atom_compiled",
-        [*offline, str(logs / "offline_atom_compiled.json"), prompts, str(MAX_TOKENS), "compiled", *models],
+        [*offline, str(logs / "offline_atom_compiled.json"), prompts, str(MAX_TOKENS), "compiled", *models[:2]],
         _env(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CACHE_ROOT=str(logs / "vllm-cache")), logs)
     # vLLM's own CPU MoE kernels need hidden sizes divisible by 32 (the tiny checkpoints have 72),
-    # so the plugin-off reference runs Llama only
+    # so the plugin-off reference runs the dense models only
     procs["offline_vllm"] = Proc("offline_vllm", [*offline, str(logs / "offline_vllm.json"), prompts,
-                                                  str(MAX_TOKENS), "on", ckpts["llama"]],
+                                                  str(MAX_TOKENS), "on", ckpts["llama"], ckpts["qwen2"]],
                                  _env(VLLM_ENABLE_V1_MULTIPROCESSING="0", ATOM_DISABLE_VLLM_PLUGIN="1"), logs)
     procs["deadline"] = time.time() + START_TIMEOUT_S
     yield procs
@@ -421,7 +424,7 @@ def test_server_matches_llm_engine(answers, engines):
 @needs_vllm
 def test_offline_prefix_caching_and_chunked_prefill(runs, ckpts):
     result = _offline(runs, "offline_atom")
-    for arch in ("llama", "qwen3_moe"):
+    for arch in ("llama", "qwen3_moe", "qwen2"):
         on, off = result[f"{ckpts[arch]}|on"], result[f"{ckpts[arch]}|off"]
         assert on["prefix_cache_hits"] >= 128, (arch, on["why"])  # the second batch reused the shared prefix
         assert off["prefix_cache_hits"] == 0, arch
@@ -430,10 +433,11 @@ def test_offline_prefix_caching_and_chunked_prefill(runs, ckpts):
 
 
 @needs_vllm
-def test_offline_matches_vllm_and_llm_engine(runs, ckpts, engines):
-    ours = _offline(runs, "offline_atom")[f"{ckpts['llama']}|on"]["tokens"]
-    assert ours == _offline(runs, "offline_vllm")[f"{ckpts['llama']}|on"]["tokens"]
-    assert ours == _engine_greedy(engines("llama"), OFFLINE_PROMPTS)
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_offline_matches_vllm_and_llm_engine(runs, ckpts, engines, arch):
+    ours = _offline(runs, "offline_atom")[f"{ckpts[arch]}|on"]["tokens"]
+    assert ours == _offline(runs, "offline_vllm")[f"{ckpts[arch]}|on"]["tokens"]
+    assert ours == _engine_greedy(engines(arch), OFFLINE_PROMPTS)
 
 
 @needs_vllm

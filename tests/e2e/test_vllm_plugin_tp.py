@@ -113,6 +113,33 @@ def test_qwen3_moe_tp2_matches_llm_engine(tp_run, ckpts, engines, mode):  # noqa
     assert "atom model ATOMQwen3MoeForCausalLM (atom.models.qwen3_moe) built for vLLM" in tp_run.log()
 
 
+def vllm_config_stub(parallel, hf_config=None, max_model_len: int = 512):
+    """The parts of a ``VllmConfig`` that ``check_supported`` reads."""
+    from types import SimpleNamespace
+
+    model = SimpleNamespace(hf_config=hf_config or SimpleNamespace(), quantization=None, max_model_len=max_model_len)
+    return SimpleNamespace(model_config=model, parallel_config=parallel, quant_config=None, lora_config=None)
+
+
+@pytest.mark.parametrize("max_model_len", [4096, 4097])
+def test_sliding_window_within_the_window_only(max_model_len):
+    """A Mistral-style window: atom's full attention serves up to the window's length, and
+    says why it refuses beyond it."""
+    from types import SimpleNamespace
+
+    from transformers import MistralConfig
+
+    from atom.plugin.vllm.model_wrapper import check_supported
+
+    parallel = SimpleNamespace(pipeline_parallel_size=1, tensor_parallel_size=1, data_parallel_size=1)
+    config = vllm_config_stub(parallel, MistralConfig(sliding_window=4096), max_model_len)
+    if max_model_len == 4096:
+        check_supported(config, "MistralForCausalLM")
+        return
+    with pytest.raises(NotImplementedError, match="sliding-window attention beyond its 4096-token window"):
+        check_supported(config, "MistralForCausalLM")
+
+
 @pytest.mark.parametrize("data_parallel_size", [1, 2])
 def test_expert_parallel_with_data_parallel_warns(data_parallel_size):
     """atom's expert group is the tensor-parallel group: with -dp 2 as well that differs from
@@ -124,8 +151,7 @@ def test_expert_parallel_with_data_parallel_warns(data_parallel_size):
 
     parallel = SimpleNamespace(pipeline_parallel_size=1, tensor_parallel_size=2, data_parallel_size=data_parallel_size,
                                enable_expert_parallel=True)
-    config = SimpleNamespace(model_config=SimpleNamespace(hf_config=SimpleNamespace(), quantization=None),
-                             parallel_config=parallel, quant_config=None, lora_config=None)
+    config = vllm_config_stub(parallel)
     records: list[logging.LogRecord] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = records.append

@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from atom import LLMEngine, SamplingParams
 
-ARCHS = ["qwen3", "llama", "qwen3_moe", "deepseek_v3", "deepseek_v2"]
+ARCHS = ["qwen3", "llama", "qwen3_moe", "deepseek_v3", "deepseek_v2", "qwen2", "mistral"]
 MAX_TOKENS = 20
 SHARED = "Prefix caching reuses the KV cache of a shared system prompt across requests. " * 4
 PROMPTS = [

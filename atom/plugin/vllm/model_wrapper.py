@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from atom import ops
+from atom.config import sliding_window
 from atom.distributed.parallel_state import SINGLE, TPInfo
 from atom.layers.attention import Attention as AtomAttention
 from atom.layers.mla import MLAAttention
@@ -61,13 +62,15 @@ def vllm_tp(parallel) -> TPInfo:
 def check_supported(vllm_config, arch: str) -> None:
     hf_config = vllm_config.model_config.hf_config
     parallel = vllm_config.parallel_config
+    window, max_len = sliding_window(hf_config), vllm_config.model_config.max_model_len
     unsupported = [name for name, present in (
         ("pipeline parallelism", parallel.pipeline_parallel_size > 1),
         (f"quantization ({getattr(vllm_config.quant_config, 'get_name', lambda: '?')()})",
          vllm_config.quant_config is not None and atom_fp8_config(vllm_config) is None),
         ("LoRA", vllm_config.lora_config is not None),
-        ("sliding-window attention", getattr(hf_config, "use_sliding_window", False)
-         and getattr(hf_config, "sliding_window", None) is not None),
+        # atom's full attention is the window's up to the window's length
+        (f"sliding-window attention beyond its {window}-token window (--max-model-len {max_len})",
+         window is not None and max_len > window),
     ) if present]
     if unsupported:
         raise NotImplementedError(

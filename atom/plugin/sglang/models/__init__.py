@@ -16,6 +16,7 @@ import contextvars
 import torch
 from torch import nn
 
+from atom.config import sliding_window
 from atom.distributed.parallel_state import SINGLE, TPInfo
 from atom.layers.attention import Attention as AtomAttention
 from atom.models.registry import get_model_class, plugin_architectures
@@ -87,6 +88,9 @@ class SGLangModelAdapter:
     def __init__(self, config, quant_config=None, prefix: str = "", **kwargs) -> None:
         if quant_config is not None:
             raise NotImplementedError(f"atom's {type(self).__name__} inside SGLang does not support quantization")
+        if sliding_window(config) is not None:  # SGLang gives the model no context length to check against
+            raise NotImplementedError(f"atom's {type(self).__name__} inside SGLang does not support sliding-window "
+                                      "attention; set ATOM_DISABLE_SGLANG_PLUGIN=1 to run SGLang's own implementation")
         super().__init__(config, sglang_tp())
         layers = attach_radix_attention(self, prefix)
         from sglang.srt.layers.logits_processor import LogitsProcessor
