@@ -6,9 +6,14 @@ import torch
 import triton
 import triton.language as tl
 
+from atom.ops.triton.pdl import pdl_args
+
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, d, stride_x, stride_out, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, d, stride_x, stride_out, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:  # atom.ops.triton.pdl: let the next kernel launch, then wait for the previous one
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
@@ -30,5 +35,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out2 = out.view(-1, d)
     block = min(triton.next_power_of_2(d), 1024)
     grid = (x2.shape[0], triton.cdiv(d, block))
-    _silu_and_mul_kernel[grid](x2, out2, d, x2.stride(0), out2.stride(0), BLOCK=block, num_warps=4)
+    _silu_and_mul_kernel[grid](x2, out2, d, x2.stride(0), out2.stride(0), BLOCK=block, num_warps=4,
+                               **pdl_args(x.device))  # fmt: skip
     return out

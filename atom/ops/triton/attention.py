@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from atom.ops.triton.attention_merge import merge_splits, split_partials, with_columns
+from atom.ops.triton.pdl import pdl_args
 from atom.ops.triton.prefill_attention import _find_seq, _num_sms, descriptor_ready, prefill_attention
 
 
@@ -76,7 +77,11 @@ def _paged_attention_kernel(
     SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     HAS_SCALE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # atom.ops.triton.pdl: let the next kernel launch, then wait for the previous one
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -257,6 +262,7 @@ def _attend(
         HAS_SCALE=kv_scales[0] is not None,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
+        **pdl_args(q.device),
     )
     if split:
         merge_splits(out, part_out, part_max, part_sum)

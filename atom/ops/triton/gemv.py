@@ -32,6 +32,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from atom.ops.triton.pdl import pdl_args
+
 _MODES = {"sum": 0, "defer": 1, "dot": 2, "dot_t": 3}
 # Where the skinny kernel beats cuBLAS (H100 sweep, tests/gpu/gemv_bench.py, CUDA-graph replay
 # over weight copies that do not fit L2): at one row on every Qwen3 projection (8B: 80-97% of
@@ -63,7 +65,7 @@ def _skinny_gemm_kernel(
     stride_xm, stride_wn, stride_om, stride_os, stride_xsm, stride_xsk, stride_wsn, stride_wsk,
     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr, MODE: tl.constexpr,
     SCALES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    QUANT_X: tl.constexpr,
+    QUANT_X: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     # SCALES: 0 none; 1 one scale per input row (xs[m, 0]) and weight row (ws[n, 0]), applied
     # once; 2 one per row and BLOCK_K-wide key group (xs[m, g], ws[n, g]), applied every step.
@@ -99,7 +101,23 @@ def _skinny_gemm_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # transposed until the end
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, k_per_split, BLOCK_K):
+    k_first = 0
+    if USE_PDL:  # atom.ops.triton.pdl: the next kernel may launch; the weight needs no wait
+        tl.extra.cuda.gdc_launch_dependents()
+        if MODE == 0 and SCALES == 0:
+            # the first key step's weight tile loads while the previous kernel finishes
+            k = k_start + rk
+            if EVEN_K:
+                w = tl.load(w_rows + k[None, :], eviction_policy="evict_first")
+            else:
+                w = tl.load(w_rows + k[None, :], mask=k[None, :] < K, other=0.0, eviction_policy="evict_first")
+            tl.extra.cuda.gdc_wait()
+            x = tl.load(x_rows + k[None, :], mask=k[None, :] < K, other=0.0)
+            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+            k_first = BLOCK_K
+        else:
+            tl.extra.cuda.gdc_wait()
+    for k0 in range(k_first, k_per_split, BLOCK_K):
         k = k_start + k0 + rk
         if EVEN_K:
             x = tl.load(x_rows + k[None, :])
@@ -157,8 +175,11 @@ def _skinny_gemm_kernel(
 @triton.jit
 def _split_k_reduce_kernel(
     part_ptr, b_ptr, out_ptr, N, stride_pm, stride_ps, stride_om,
-    SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+    SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     m = tl.program_id(0).to(tl.int64)
     rn = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = rn < N
@@ -213,13 +234,13 @@ def skinny_gemm(
         HAS_BIAS=bias is not None, PARTIAL=partial, EVEN_K=even_k, MODE=mode,
         SCALES=0 if scales is None else 2 if group_k else 1,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, QUANT_X=quant_x,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device),
     )  # fmt: skip
     if partial:
         block = min(triton.next_power_of_2(n), 1024)
         _split_k_reduce_kernel[(m, triton.cdiv(n, block))](
             target, b, out, n, target.stride(1), target.stride(0), out.stride(0),
-            SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
+            SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4, **pdl_args(x.device),
         )  # fmt: skip
     return out
 

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from atom.ops.triton.pdl import pdl_args
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -22,7 +24,11 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # atom.ops.triton.pdl: let the next kernel launch, then wait for the previous one
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -87,5 +93,6 @@ def rms_norm(
         HAS_RESIDUAL=residual is not None,
         BLOCK=block,
         num_warps=num_warps,
+        **pdl_args(x.device),
     )
     return out if residual is None else (out, res_out)

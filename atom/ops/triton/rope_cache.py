@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from atom.ops.triton.pdl import pdl_args
+
 
 @triton.jit
 def to_cache(val, cache_ptr, scale):
@@ -130,7 +132,11 @@ def _qk_norm_rope_store_kernel(
     BLOCK_HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # atom.ops.triton.pdl: let the next kernel launch, then wait for the previous one
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     # Program (token, head block): the first head blocks cover q, the rest cover k and v.
     tok = tl.program_id(0).to(tl.int64)
     head_block = tl.program_id(1)
@@ -257,6 +263,7 @@ def qk_norm_rope_store(
         BLOCK_H=block_h,
         BLOCK_SIZE=k_cache.shape[2] if has_cache else 1,
         num_warps=4 if block_h * head_dim >= 1024 else 1,
+        **pdl_args(q.device),
     )
     return q_out, k_out
 
@@ -289,7 +296,11 @@ def _store_kv_cache_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HAS_SCALE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # atom.ops.triton.pdl: let the next kernel launch, then wait for the previous one
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     tok = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -336,4 +347,5 @@ def store_kv_cache(
         BLOCK_SIZE=k_cache.shape[2],
         HAS_SCALE=k_scale is not None,
         num_warps=4 if block_h * head_dim >= 1024 else 1,
+        **pdl_args(k.device),
     )
