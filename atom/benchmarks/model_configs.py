@@ -23,6 +23,9 @@ _MOE.update(num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, m
 # Qwen's own FP8 releases (Qwen3-8B-FP8, Qwen3-30B-A3B-FP8): e4m3 weights in 128x128 blocks
 _FP8_BLOCK = dict(quantization_config=dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic",
                                            weight_block_size=[128, 128], modules_to_not_convert=["lm_head"]))
+_QWEN2 = dict(_COMMON, model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=152064, rms_norm_eps=1e-6)
+_QWEN2.update(max_position_embeddings=32768, rope_theta=1000000.0, bos_token_id=151643, eos_token_id=151645)
+_QWEN2.update(sliding_window=131072, use_sliding_window=False, max_window_layers=28)  # as Qwen2.5's config.json
 _LLAMA3 = dict(_COMMON, model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=128256, rms_norm_eps=1e-5)
 _LLAMA3.update(max_position_embeddings=8192, rope_theta=500000.0, bos_token_id=128000, eos_token_id=128001)
 # DeepSeek's MLA + MoE models: their Hugging Face config.json fields (atom and vLLM read the same ones)
@@ -44,6 +47,7 @@ CONFIGS = {
     "qwen3-0.6b": {**_QWEN3, **dict(zip(_SHAPE, (1024, 3072, 28, 16, 8))), "tie_word_embeddings": True},
     "qwen3-8b": {**_QWEN3, **dict(zip(_SHAPE, (4096, 12288, 36, 32, 8)))},
     "qwen3-30b-a3b": {**_QWEN3, **dict(zip(_SHAPE, (2048, 6144, 48, 32, 4))), **_MOE},
+    "qwen2.5-7b": {**_QWEN2, **dict(zip(_SHAPE, (3584, 18944, 28, 28, 4)))},  # Qwen/Qwen2.5-7B-Instruct
     "llama-3-8b": {**_LLAMA3, **dict(zip(_SHAPE, (4096, 14336, 32, 32, 8)))},
     "deepseek-v2-lite": _DEEPSEEK_V2_LITE,  # deepseek-ai/DeepSeek-V2-Lite
     "moonlight-16b-a3b": _MOONLIGHT,  # moonshotai/Moonlight-16B-A3B
