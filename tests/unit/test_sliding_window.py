@@ -39,3 +39,19 @@ def test_longer_than_the_window_is_refused(windowed):
     why = r"longer than the model's sliding attention window \(64\).*--max-model-len 64"
     with pytest.raises(ValueError, match=why):
         LLMEngine(windowed, max_model_len=65)
+
+
+def test_same_as_transformers_up_to_the_window(windowed):
+    """transformers applies the 64-token window; atom attends to everything: the same tokens
+    for sequences of up to 64 tokens (prompt + output)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(windowed)
+    ids = tok("Once upon a time, a small model learned to count: one, two, three, four. " * 3).input_ids[:40]
+    model = AutoModelForCausalLM.from_pretrained(windowed, dtype=torch.float32)
+    ref = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                         max_new_tokens=64 - len(ids), do_sample=False)[0, len(ids):].tolist()  # fmt: skip
+    engine = LLMEngine(windowed)
+    out = engine.generate([ids], SamplingParams(temperature=0, max_tokens=64 - len(ids)), use_tqdm=False)
+    assert len(ids) == 40 and out[0]["token_ids"] == ref
