@@ -53,7 +53,7 @@ class EngineArgs:
     kv_cache_dtype: str = CacheConfig.kv_cache_dtype
     block_size: int = CacheConfig.block_size
     max_model_len: int | None = None  # None: the model's max_position_embeddings
-    max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
+    max_num_batched_tokens: int | None = None  # None: default_max_num_batched_tokens(device)
     max_num_seqs: int = SchedulerConfig.max_num_seqs
     gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization
     scheduler_delay_factor: float = SchedulerConfig.scheduler_delay_factor
@@ -100,7 +100,9 @@ class EngineArgs:
       help="fp8 (alias fp8_e4m3): e4m3 KV cache with the checkpoint's k_scale/v_scale, else 1.0")
         a("--block-size", type=int, default=d.block_size)
         a("--max-model-len", type=int, default=None, help="maximum context length (default: from the HF config)")
-        a("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+        a("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+          help=f"tokens one step may schedule (default {SchedulerConfig.max_num_batched_tokens} on a GPU, "
+               f"{CPU_MAX_NUM_BATCHED_TOKENS} on the CPU)")
         a("--max-num-seqs", type=int, default=d.max_num_seqs)
         a("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
         a("--scheduler-delay-factor", type=float, default=d.scheduler_delay_factor)
@@ -183,7 +185,8 @@ class EngineArgs:
         return Config(
             model_config=model_config,
             cache_config=self._section(CacheConfig),
-            scheduler_config=self._section(SchedulerConfig),
+            scheduler_config=self._section(SchedulerConfig, max_num_batched_tokens=self.max_num_batched_tokens
+                                           or default_max_num_batched_tokens(device)),
             parallel_config=self._section(ParallelConfig),
             compilation_config=self._compilation_section(device),
             speculative_config=self._speculative_section(),
@@ -220,6 +223,16 @@ class EngineArgs:
         """A config dataclass from the arguments of the same names."""
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(cls)}
         return cls(**(values | overrides))
+
+
+# vLLM's CPU server budget: a 16,384-token prefill step takes minutes on a CPU, and every other
+# request waits for it (decodes, a request's abort); 2,048-token chunks let them in between
+CPU_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+def default_max_num_batched_tokens(device: torch.device) -> int:
+    """The step's token budget when none is given: the seed's 16,384 on a GPU, 2,048 on the CPU."""
+    return CPU_MAX_NUM_BATCHED_TOKENS if device.type == "cpu" else SchedulerConfig.max_num_batched_tokens
 
 
 def default_max_model_len(hf_config: PretrainedConfig) -> int:

@@ -14,10 +14,25 @@ def parse(argv):
 def test_cli_defaults_follow_the_guide():
     args = parse([])
     assert (args.tensor_parallel_size, args.data_parallel_size, args.block_size) == (1, 1, 16)
-    assert (args.max_num_batched_tokens, args.max_num_seqs, args.gpu_memory_utilization) == (16384, 512, 0.9)
+    assert (args.max_num_batched_tokens, args.max_num_seqs, args.gpu_memory_utilization) == (None, 512, 0.9)
     assert (args.kv_cache_dtype, args.level, args.port, args.num_speculative_tokens) == ("bf16", 3, 8006, 1)
     assert args.cudagraph_capture_sizes[:4] == [1, 2, 4, 8] and args.cudagraph_capture_sizes[-1] == 256
     assert not (args.enforce_eager or args.enable_prefix_caching or args.load_dummy)
+
+
+def test_step_budget_by_device(tiny_model):
+    """The guide's 16,384 tokens a step on a GPU; on the CPU vLLM's server budget, 2,048, so a long
+    prompt is prefilled in chunks that other requests' steps come between."""
+    import torch
+
+    from atom.engine.arg_utils import default_max_num_batched_tokens
+
+    assert default_max_num_batched_tokens(torch.device("cuda")) == 16384
+    assert default_max_num_batched_tokens(torch.device("cpu")) == 2048
+    config = EngineArgs(model=tiny_model("qwen3"), device="cpu").create_engine_config()
+    assert config.scheduler_config.max_num_batched_tokens == 2048
+    config = EngineArgs(model=tiny_model("qwen3"), device="cpu", max_num_batched_tokens=5000).create_engine_config()
+    assert config.scheduler_config.max_num_batched_tokens == 5000
 
 
 def test_cli_spellings():
@@ -60,5 +75,8 @@ def test_every_config_field_is_an_engine_argument_with_the_same_default(section)
     args = EngineArgs()
     for f in dataclasses.fields(section):
         value = getattr(args, f.name)  # an AttributeError names a config field no argument sets
+        if f.name == "max_num_batched_tokens":  # by device: test_step_budget_by_device
+            assert value is None
+            continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         assert (tuple(value) if isinstance(value, list) else value) == default, f.name
