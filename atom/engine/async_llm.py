@@ -23,7 +23,7 @@ from atom.config import Config
 from atom.engine.arg_utils import EngineArgs, eos_token_ids
 from atom.engine.core_client import AsyncEngineCoreClient, CoreInfo, EngineDeadError
 from atom.engine.dp_async_client import DPAsyncEngineCoreClient
-from atom.engine.input_processor import InputProcessor, ProcessedPrompt
+from atom.engine.input_processor import InputProcessor, InvalidInputError, ProcessedPrompt
 from atom.engine.llm_engine import load_tokenizer
 from atom.engine.output_processor import RequestOutput, RequestState
 from atom.engine.outputs import EngineCoreOutput, EngineCoreRequest, EngineStats
@@ -129,10 +129,17 @@ class AsyncLLM:
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, lambda: fn(*args, **kwargs))
 
     def check_capacity(self, num_requests: int) -> None:
-        """Refuse ``num_requests`` more engine requests if the queue is full."""
-        if self.max_in_flight is not None and len(self.requests) + num_requests > self.max_in_flight:
-            raise EngineOverloadedError(f"the server is at capacity ({self.max_in_flight} requests in flight); "
-                                        "retry later")
+        """Refuse ``num_requests`` more engine requests if the queue is full (503: retry), or
+        if they could never fit (400: a retry would fail the same way)."""
+        if self.max_in_flight is None:
+            return
+        if num_requests > self.max_in_flight:
+            raise InvalidInputError(f"this request needs {num_requests} sequences (prompts x n), more than the "
+                                    f"server holds at once ({self.max_in_flight}); lower n or send fewer prompts",
+                                    param="n")  # fmt: skip
+        if len(self.requests) + num_requests > self.max_in_flight:
+            raise EngineOverloadedError(f"the server is at capacity ({len(self.requests)} of {self.max_in_flight} "
+                                        "requests in flight); retry later")
 
     # requests
     async def generate(self, prompt: str | list[int] | ProcessedPrompt, params: SamplingParams, request_id: str,

@@ -228,8 +228,11 @@ def test_body_size_limit(faulty_server):
 
 
 def test_full_queue_gets_503_with_retry_after(faulty_server):
-    """--max-num-seqs 4 --max-queued-requests 4: eight engine requests in flight fill it."""
+    """--max-num-seqs 4 --max-queued-requests 4: eight engine requests in flight fill it; a
+    request of more than eight (prompts x n) could never fit, so it gets a 400, not a 503."""
     srv = faulty_server
+    error = assert_error(srv.post("/v1/completions", {"prompt": ["a", "b", "c"], "n": 3, "max_tokens": 1}), 400, "n")
+    assert "needs 9 sequences" in error["message"] and "(8)" in error["message"]
     socks = []
     body = json.dumps(
         {"prompt": "Hello", "max_tokens": MAX_MODEL_LEN - 16, "ignore_eos": True, "stream": True}
@@ -248,6 +251,7 @@ def test_full_queue_gets_503_with_retry_after(faulty_server):
         r = srv.post("/v1/completions", {"prompt": "Hi", "max_tokens": 1})
         error = assert_error(r, 503, None)
         assert error["code"] == "server_overloaded" and r.headers["Retry-After"] == "1"
+        assert "(8 of 8 requests in flight)" in error["message"]
         r = srv.post("/v1/completions", {"prompt": ["a", "b"], "n": 2, "max_tokens": 1})
         assert r.status_code == 503
     finally:
