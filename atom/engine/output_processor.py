@@ -173,7 +173,8 @@ class RequestState:
         if self.detokenizer is not None and out.new_token_ids:
             old_len = len(self.text)
             self.text += self.detokenizer.add(out.new_token_ids)
-            if self.params.stop:
+            # as vLLM: no stop string ends within the first min_tokens tokens' text
+            if self.params.stop and len(self.token_ids) > self.params.min_tokens:
                 cut = self._find_stop(old_len)
                 if cut is not None:
                     self.text = self.text[:cut]
@@ -193,10 +194,10 @@ class RequestState:
         return self._output(empty, "", "error", time.time())
 
     def _find_stop(self, old_len: int) -> int | None:
-        start = max(0, old_len - self.hold)
+        """The earliest stop string that ends in the text added after ``old_len``."""
         best = None
         for s in self.params.stop:
-            idx = self.text.find(s, start)
+            idx = self.text.find(s, max(0, old_len - len(s) + 1))
             if idx != -1 and (best is None or idx < best):
                 best, self.stop_reason = idx, s
         return best

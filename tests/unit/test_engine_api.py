@@ -62,6 +62,25 @@ def test_stop_string_spanning_tokens_is_cut(engine):
     assert stop not in out["text"]
 
 
+def test_min_tokens_holds_back_stop_strings(engine):
+    """As vLLM: a stop string that ends within the first min_tokens tokens' text does not stop."""
+    prompt, params = "The quick brown fox", dict(temperature=0, max_tokens=20)
+    full = engine.generate([prompt], SamplingParams(**params), use_tqdm=False)[0]
+    text, ids = full["text"], full["token_ids"]
+    # the most tokens whose text is whole characters (byte tokens of a character are held back)
+    k = max(k for k in range(3, 8) if "\ufffd" not in engine.tokenizer.decode(ids[:k]))
+    early = engine.tokenizer.decode(ids[:k])
+    stop = early[-3:]  # ends with the k-th token's text
+    assert text.startswith(early) and len(stop) == 3
+    first = text.find(stop)
+    plain = engine.generate([prompt], SamplingParams(**params, stop=[stop]), use_tqdm=False)[0]
+    assert plain["text"] == text[:first]  # without min_tokens: the first occurrence
+    out = engine.generate([prompt], SamplingParams(**params, stop=[stop], min_tokens=k), use_tqdm=False)[0]
+    later = text.find(stop, len(early) - len(stop) + 1)  # the first one that ends after the k-th token
+    assert out["text"] == (text if later == -1 else text[:later]) != plain["text"]
+    assert out["finish_reason"] == ("length" if later == -1 else "stop")
+
+
 def test_stop_token_ids_and_eos(engine):
     full = engine.generate(["The quick brown fox"], SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)[0]
     stop_tok = full["token_ids"][3]
