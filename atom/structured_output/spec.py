@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -106,13 +107,38 @@ class GrammarSpec:
         xgr = xgrammar()
         try:
             if self.kind == "json":
-                xgr.Grammar.from_json_schema(self.spec)
+                grammar = xgr.Grammar.from_json_schema(self.spec)
             elif self.kind == "regex":
-                xgr.Grammar.from_regex(self.spec)
+                grammar = xgr.Grammar.from_regex(self.spec)
             elif self.kind in ("grammar", "choice"):
-                xgr.Grammar.from_ebnf(self.grammar_text())
+                grammar = xgr.Grammar.from_ebnf(self.grammar_text())
+            else:
+                return
+            empty = admits_nothing(grammar)
         except (RuntimeError, ValueError, TypeError) as error:
             raise ValueError(f"Invalid {self.kind} for structured output: {_first_line(error)}") from error
+        if empty:
+            raise ValueError(f"Invalid {self.kind} for structured output: no output satisfies it")
+
+
+@functools.cache
+def _byte_compiler():
+    """A grammar compiler over a vocabulary of the 256 bytes and a stop token: whatever text a
+    grammar admits, this vocabulary can spell."""
+    xgr = xgrammar()
+    vocab = [bytes([i]) for i in range(256)] + [b"</s>"]
+    return xgr.GrammarCompiler(xgr.TokenizerInfo(vocab, vocab_type=xgr.VocabType.RAW, stop_token_ids=[256]))
+
+
+def admits_nothing(grammar) -> bool:
+    """Whether no output can even begin under ``grammar``: its first step allows no byte and
+    no stop (a grammar that only recurses forever passes). Such a request would fail at its
+    first token in the engine."""
+    xgr = xgrammar()
+    matcher = xgr.GrammarMatcher(_byte_compiler().compile_grammar(grammar))
+    mask = xgr.allocate_token_bitmask(1, 257)
+    matcher.fill_next_token_bitmask(mask)
+    return not bool(mask.any())
 
 
 # String formats xgrammar enforces; any other format it would silently ignore.
@@ -132,6 +158,11 @@ _FORMATS = {
     "json-pointer",
     "relative-json-pointer",
 }
+
+
+# keywords xgrammar accepts without enforcing them, wherever they appear
+_IGNORED = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas", "dependencies",
+            "patternProperties", "propertyNames")  # fmt: skip
 
 
 def unsupported_json_features(schema: Any) -> list[str]:
@@ -157,22 +188,16 @@ def unsupported_json_features(schema: Any) -> list[str]:
                 found.add(f"format {node['format']!r}")
             if ("pattern" in node or "format" in node) and ("minLength" in node or "maxLength" in node):
                 found.add("a pattern or format with minLength/maxLength")
-        if (
-            "object" in types
-            and "propertyNames" in node
-            and (
-                {"properties", "patternProperties"} & node.keys() or node.get("unevaluatedProperties", True) is not True
-            )
-        ):
-            found.add("propertyNames with properties")
-        if (
-            "object" in types
-            and isinstance(node.get("patternProperties"), dict)
-            and ("properties" in node or len(node["patternProperties"]) > 1)
-        ):
-            found.add("patternProperties with properties")
+        # accepted and ignored (the output may break them); patternProperties also lets a key
+        # repeat ({"x": 1, "x": 2})
+        found.update(k for k in _IGNORED if k in node)
         if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
             found.add("allOf with several branches")
+        properties = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+        if node.get("additionalProperties") is False and isinstance(node.get("required"), list):
+            missing = [name for name in node["required"] if name not in properties]
+            if missing:  # no object satisfies it
+                found.add(f"required {', '.join(map(repr, missing))} not allowed by additionalProperties: false")
         for value in node.values():
             visit(value)
 

@@ -146,6 +146,18 @@ def test_no_raw_control_characters_inside_json_strings(compiler, tokenizer):
         assert not allowed[control].any(), [tokenizer.decode([t]) for t in control if allowed[t]]
 
 
+@pytest.mark.parametrize("options", [dict(regex=r"[^\s\S]"), dict(json_schema={"$ref": "#"})])
+def test_constraints_no_output_satisfies_are_rejected(compiler, options):
+    """Found by an adversarial server test: these compiled, then failed the request at its first
+    token in the engine (a 500)."""
+    spec = GrammarSpec.from_options(**options)
+    with pytest.raises(ValueError, match="no output satisfies it"):
+        spec.validate()
+    with pytest.raises(ValueError, match="no output satisfies it"):  # the engine side refuses it too
+        compiler.compile(spec)
+    GrammarSpec.from_options(regex=r"a|[^\s\S]").validate()  # one way out is enough
+
+
 @pytest.mark.parametrize(
     "schema, keyword",
     [
@@ -160,6 +172,13 @@ def test_no_raw_control_characters_inside_json_strings(compiler, tokenizer):
         ({"type": "string", "format": "credit-card"}, "format 'credit-card'"),
         ({"type": "string", "pattern": "^a+$", "maxLength": 3}, "minLength/maxLength"),
         ({"allOf": [{"type": "string"}, {"enum": ["yes", "no"]}]}, "allOf"),
+        # found by an adversarial server test: accepted, then ignored by the grammar
+        ({"type": "string", "not": {"type": "string"}}, "not"),
+        ({"type": "object", "patternProperties": {"^x": {"type": "integer"}}}, "patternProperties"),
+        ({"type": "object", "propertyNames": {"maxLength": 1}}, "propertyNames"),
+        ({"type": "object", "properties": {"a": {}, "b": {}}, "dependentRequired": {"a": ["b"]}}, "dependentRequired"),
+        ({"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}, "if"),
+        ({"type": "object", "properties": {}, "required": ["a"], "additionalProperties": False}, "required 'a'"),
     ],
 )
 def test_schemas_the_grammar_cannot_enforce_are_rejected(compiler, schema, keyword):
