@@ -239,6 +239,9 @@ BAD_REQUESTS = [
     ("unknown model", "/v1/completions", {"prompt": "Hi", "model": "no-such-model"}, 404, "model"),
     ("unknown chat model", "/v1/chat/completions", {"messages": MESSAGES, "model": "gpt-4"}, 404, "model"),
     ("bad stop type", "/v1/completions", {"prompt": "Hi", "stop": 3}, 400, "stop"),
+    # as vLLM: continuing the final message and starting a new assistant turn exclude each other
+    ("continue_final_message with add_generation_prompt", "/v1/chat/completions",
+     {"messages": MESSAGES, "continue_final_message": True}, 400, None),
 ]
 
 
@@ -251,6 +254,18 @@ def test_bad_request(server, path, body, status, param):
     assert error["message"] and error["type"]
     assert error["param"] == param
     assert_serving(server)
+
+
+def test_continue_final_message(server):
+    """The assistant's partial last message is continued: no new turn is opened after it."""
+    messages = [*MESSAGES, {"role": "assistant", "content": "Once upon a"}]
+    body = {"messages": messages, "continue_final_message": True, "add_generation_prompt": False}
+    r = server.post("/tokenize", body)
+    assert r.status_code == 200, r.text
+    opened = server.post("/tokenize", {"messages": messages}).json()["tokens"]
+    assert r.json()["tokens"] != opened  # the template closes (then reopens) the turn otherwise
+    r = server.post("/v1/chat/completions", {**body, "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length", r.text
 
 
 def test_invalid_json_and_unknown_route(server, client, tiny_model):

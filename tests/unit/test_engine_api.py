@@ -185,7 +185,8 @@ def test_unsupported_architecture_lists_supported(tiny_model, tmp_path):
     cfg = json.loads((bad / "config.json").read_text())
     cfg["architectures"] = ["GPT2LMHeadModel"]
     (bad / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="LlamaForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM"):
+    supported = "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM"
+    with pytest.raises(ValueError, match=supported):
         LLMEngine(str(bad))
 
 

@@ -199,6 +199,9 @@ class ChatCompletionRequest(SamplingRequest):
             self.messages = self.prompt
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
+        if self.continue_final_message and self.add_generation_prompt:  # vLLM's rule
+            raise ValueError("continue_final_message=true needs add_generation_prompt=false (the final message "
+                             "is continued, so no new assistant turn is started)")
         return self
 
     @property
