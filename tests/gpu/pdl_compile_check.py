@@ -52,6 +52,15 @@ CASES = {
              QUANT_X=False, USE_PDL=True),
         4, False,
     ),
+    # FP8 block scales: the activation scales come from the previous kernel (the quantiser)
+    "skinny_gemm (fp8 blocks)": (
+        gemv._skinny_gemm_kernel,
+        {"x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "b_ptr": "*bf16", "out_ptr": "*bf16", "xs_ptr": "*fp32",
+         "ws_ptr": "*fp32"},
+        dict(HAS_BIAS=False, PARTIAL=False, EVEN_K=True, MODE=2, SCALES=2, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128,
+             QUANT_X=False, USE_PDL=True),
+        4, False,
+    ),
     "split_k_reduce": (
         gemv._split_k_reduce_kernel, {"part_ptr": "*fp32", **bf16("b_ptr", "out_ptr")},
         dict(SPLIT_K=4, HAS_BIAS=False, BLOCK=1024, USE_PDL=True), 2, False,

@@ -71,6 +71,13 @@ def _skinny_gemm_kernel(
     # once; 2 one per row and BLOCK_K-wide key group (xs[m, g], ws[n, g]), applied every step.
     # QUANT_X (with SCALES 2): x is 16-bit and each step quantises its group to e4m3 here, as
     # fp8_gemm's _group_quant_kernel does (the same codes and scales; xs_ptr is unused)
+    # atom.ops.triton.pdl: the next kernel may launch now; nothing an earlier kernel writes is
+    # read before the wait (the activation scales below are such), except in the prefetch below
+    PREFETCH: tl.constexpr = USE_PDL and MODE == 0 and SCALES == 0
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        if not PREFETCH:
+            tl.extra.cuda.gdc_wait()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
@@ -102,21 +109,18 @@ def _skinny_gemm_kernel(
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_first = 0
-    if USE_PDL:  # atom.ops.triton.pdl: the next kernel may launch; the weight needs no wait
-        tl.extra.cuda.gdc_launch_dependents()
-        if MODE == 0 and SCALES == 0:
-            # the first key step's weight tile loads while the previous kernel finishes
-            k = k_start + rk
-            if EVEN_K:
-                w = tl.load(w_rows + k[None, :], eviction_policy="evict_first")
-            else:
-                w = tl.load(w_rows + k[None, :], mask=k[None, :] < K, other=0.0, eviction_policy="evict_first")
-            tl.extra.cuda.gdc_wait()
-            x = tl.load(x_rows + k[None, :], mask=k[None, :] < K, other=0.0)
-            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-            k_first = BLOCK_K
+    if PREFETCH:
+        # the first key step's weight tile (no kernel writes weights) loads while the previous
+        # kernel finishes; its activations only after the wait
+        k = k_start + rk
+        if EVEN_K:
+            w = tl.load(w_rows + k[None, :], eviction_policy="evict_first")
         else:
-            tl.extra.cuda.gdc_wait()
+            w = tl.load(w_rows + k[None, :], mask=k[None, :] < K, other=0.0, eviction_policy="evict_first")
+        tl.extra.cuda.gdc_wait()
+        x = tl.load(x_rows + k[None, :], mask=k[None, :] < K, other=0.0)
+        acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        k_first = BLOCK_K
     for k0 in range(k_first, k_per_split, BLOCK_K):
         k = k_start + k0 + rk
         if EVEN_K:
