@@ -36,27 +36,28 @@ def bf16(*names: str) -> dict[str, str]:
     return {n: "*bf16" for n in names}
 
 
+def gemv_types(operands: str = "*bf16") -> dict[str, str]:
+    """The skinny GEMM's pointers: ``operands`` for x and the weight, float32 scales."""
+    return {"x_ptr": operands, "w_ptr": operands, **bf16("b_ptr", "out_ptr"), "xs_ptr": "*fp32", "ws_ptr": "*fp32"}
+
+
 CASES = {
     # batch 1, bf16, the config pick_config gives one row (block_n 4, block_k 1024, 3 stages)
     "skinny_gemm (batch 1)": (
-        gemv._skinny_gemm_kernel,
-        {**bf16("x_ptr", "w_ptr", "b_ptr", "out_ptr"), "xs_ptr": "*fp32", "ws_ptr": "*fp32"},
+        gemv._skinny_gemm_kernel, gemv_types(),
         dict(HAS_BIAS=False, PARTIAL=False, EVEN_K=True, MODE=0, SCALES=0, BLOCK_M=1, BLOCK_N=4, BLOCK_K=1024,
              QUANT_X=False, USE_PDL=True),
         3, True,
     ),
     "skinny_gemm (dot)": (
-        gemv._skinny_gemm_kernel,
-        {**bf16("x_ptr", "w_ptr", "b_ptr", "out_ptr"), "xs_ptr": "*fp32", "ws_ptr": "*fp32"},
+        gemv._skinny_gemm_kernel, gemv_types(),
         dict(HAS_BIAS=True, PARTIAL=False, EVEN_K=True, MODE=2, SCALES=0, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128,
              QUANT_X=False, USE_PDL=True),
         4, False,
     ),
     # FP8 block scales: the activation scales come from the previous kernel (the quantiser)
     "skinny_gemm (fp8 blocks)": (
-        gemv._skinny_gemm_kernel,
-        {"x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "b_ptr": "*bf16", "out_ptr": "*bf16", "xs_ptr": "*fp32",
-         "ws_ptr": "*fp32"},
+        gemv._skinny_gemm_kernel, gemv_types("*fp8e4nv"),
         dict(HAS_BIAS=False, PARTIAL=False, EVEN_K=True, MODE=2, SCALES=2, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128,
              QUANT_X=False, USE_PDL=True),
         4, False,

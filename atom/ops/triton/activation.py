@@ -6,14 +6,12 @@ import torch
 import triton
 import triton.language as tl
 
-from atom.ops.triton.pdl import pdl_args
+from atom.ops.triton.pdl import pdl_args, wait_for_previous
 
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, d, stride_x, stride_out, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    if USE_PDL:  # atom.ops.triton.pdl: let the next kernel launch, then wait for the previous one
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+    wait_for_previous(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d

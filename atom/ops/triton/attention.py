@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from atom.ops.triton.attention_merge import merge_splits, split_partials, with_columns
-from atom.ops.triton.pdl import pdl_args
+from atom.ops.triton.pdl import pdl_args, wait_for_previous
 from atom.ops.triton.prefill_attention import _find_seq, _num_sms, descriptor_ready, prefill_attention
 
 
@@ -79,9 +79,7 @@ def _paged_attention_kernel(
     HAS_SCALE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    if USE_PDL:  # atom.ops.triton.pdl: let the next kernel launch, then wait for the previous one
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+    wait_for_previous(USE_PDL)
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from atom.ops.triton.pdl import pdl_args
+from atom.ops.triton.pdl import pdl_args, wait_for_previous
 
 
 @triton.jit
@@ -38,9 +38,7 @@ def _merge_splits_kernel(
     BLOCK_S: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    if USE_PDL:  # atom.ops.triton.pdl: let the next kernel launch, then wait for the previous one
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+    wait_for_previous(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from atom.ops.triton.pdl import pdl_args
+from atom.ops.triton.pdl import pdl_args, wait_for_previous
 
 _MODES = {"sum": 0, "defer": 1, "dot": 2, "dot_t": 3}
 # Where the skinny kernel beats cuBLAS (H100 sweep, tests/gpu/gemv_bench.py, CUDA-graph replay
@@ -181,9 +181,7 @@ def _split_k_reduce_kernel(
     part_ptr, b_ptr, out_ptr, N, stride_pm, stride_ps, stride_om,
     SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+    wait_for_previous(USE_PDL)
     m = tl.program_id(0).to(tl.int64)
     rn = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = rn < N

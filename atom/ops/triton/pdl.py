@@ -19,6 +19,8 @@ import functools
 import os
 
 import torch
+import triton
+import triton.language as tl
 
 
 def pdl_enabled(device: torch.device) -> bool:
@@ -37,3 +39,12 @@ def pdl_args(device: torch.device) -> dict:
     """Launch keywords for a kernel that takes ``USE_PDL``: the constexpr and Triton's launch flag."""
     on = pdl_enabled(device)
     return {"USE_PDL": on, "launch_pdl": on}
+
+
+@triton.jit
+def wait_for_previous(USE_PDL: tl.constexpr):
+    """A kernel's first step under ``USE_PDL``: let the next kernel launch, then wait for the
+    previous one's memory (nothing when off)."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from atom.ops.triton.pdl import pdl_args
+from atom.ops.triton.pdl import pdl_args, wait_for_previous
 
 
 @triton.jit
@@ -134,9 +134,7 @@ def _qk_norm_rope_store_kernel(
     BLOCK_SIZE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    if USE_PDL:  # atom.ops.triton.pdl: let the next kernel launch, then wait for the previous one
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+    wait_for_previous(USE_PDL)
     # Program (token, head block): the first head blocks cover q, the rest cover k and v.
     tok = tl.program_id(0).to(tl.int64)
     head_block = tl.program_id(1)
@@ -298,9 +296,7 @@ def _store_kv_cache_kernel(
     HAS_SCALE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    if USE_PDL:  # atom.ops.triton.pdl: let the next kernel launch, then wait for the previous one
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+    wait_for_previous(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
