@@ -34,6 +34,7 @@ from atom.spec_decode.decoder import build_spec_decoder
 from atom.spec_decode.proposers import MtpProposer, SharedWeightsProposer
 from atom.worker.logits_processors import process_logits
 from atom.worker.logprobs import prompt_logprobs, token_logprobs, top_logprobs
+from atom.worker.memory import GIB, MemorySnapshot, check_startup_memory, kv_cache_budget
 from atom.worker.piecewise import PiecewiseGraphs
 from atom.worker.profiler import start_torch_profiler
 from atom.worker.sampler import SamplingTensors, sample
@@ -57,6 +58,11 @@ class ModelRunner:
         # the same seed on every rank: all ranks sample the same tokens from the same logits
         torch.manual_seed(mc.seed)
         ops.init_device_ops(self.device)
+        # the device before this engine's weights: its KV budget counts only what it adds
+        self._memory_at_start = None
+        if self.device.type == "cuda":
+            self._memory_at_start = MemorySnapshot.take(self.device)
+            check_startup_memory(self._memory_at_start, config.cache_config.gpu_memory_utilization)
         self.model = load_model(mc, self.device, self.tp)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.attn_layer_map = {m.prefix: m for m in self.attn_layers}
@@ -149,20 +155,13 @@ class ModelRunner:
         self.model.compute_logits(hidden[:rows]).float().softmax(-1)
         del hidden
         torch.cuda.synchronize()
-        free, total = torch.cuda.mem_get_info()
-        stats = torch.cuda.memory_stats()
-        peak, current = stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"]
-        # vLLM's account: what torch's allocator does not hold (CUDA context, NCCL, cuBLAS) plus
-        # the allocation peak (weights + the largest batch's activations). The allocator's
-        # cached-but-free blocks are neither: counting them too took the activations twice.
-        non_torch = total - free - stats["reserved_bytes.all.current"]
-        budget = int(total * self.config.cache_config.gpu_memory_utilization - non_torch - peak)
-        gib = 1 << 30
+        util = self.config.cache_config.gpu_memory_utilization
+        now = MemorySnapshot.take(self.device)
+        b = kv_cache_budget(self._memory_at_start, now, util)
         logger.info("memory profile: weights and buffers %.2f GiB, peak activations %.2f GiB, outside torch "
                     "%.2f GiB; %.2f GiB of %.2f (gpu_memory_utilization %.2f) left for the KV cache",
-                    current / gib, (peak - current) / gib, non_torch / gib, budget / gib, total / gib,
-                    self.config.cache_config.gpu_memory_utilization)
-        return budget
+                    b.weights / GIB, b.activations / GIB, b.non_torch / GIB, b.kv_cache / GIB, now.total / GIB, util)
+        return b.kv_cache
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         shape = (len(self.attn_layers), *self.attn_layers[0].kv_cache_shape(num_blocks, self.block_size))
