@@ -170,10 +170,12 @@ OFFLINE_SCRIPT = textwrap.dedent("""
             # execute_model / sample_tokens): they must run, and leave nothing the requests see
             warm = llm.collective_rpc(warm_up_atom_kernels) if mode == "on" else None
             # two batches: the second reuses the shared prefix the first left in the cache
-            tokens = [list(o.outputs[0].token_ids) for o in llm.generate(prompts[:3], sp, use_tqdm=False)]
-            tokens += [list(o.outputs[0].token_ids) for o in llm.generate(prompts[3:], sp, use_tqdm=False)]
+            outs = llm.generate(prompts[:3], sp, use_tqdm=False) + llm.generate(prompts[3:], sp, use_tqdm=False)
+            tokens = [list(o.outputs[0].token_ids) for o in outs]
+            # each request's own count of prompt tokens read from the cache: the metrics lag
+            # the outputs on the GPU (vLLM 0.26 there counted only the first batch's queries)
+            hits = sum(o.num_cached_tokens or 0 for o in outs)
             metrics = [m for m in llm.get_metrics() if "prefix_cache" in m.name and hasattr(m, "value")]
-            hits = sum(m.value for m in metrics if m.name == "vllm:prefix_cache_hits")
             caching = llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
             result[f"{model}|{mode}"] = {"tokens": tokens, "prefix_cache_hits": hits, "warm_up": warm,
                                          "why": {"enable_prefix_caching": caching,

@@ -87,9 +87,10 @@ SCRIPT = textwrap.dedent("""
                       tensor_parallel_size=int(tp), enable_expert_parallel=tp != "1", disable_log_stats=False,
                       kv_cache_dtype=kv_cache_dtype, **extra)
             # two batches: the second reuses the shared prefix the first left in the cache
-            tokens = [list(o.outputs[0].token_ids) for o in llm.generate(prompts[:3], sp, use_tqdm=False)]
-            tokens += [list(o.outputs[0].token_ids) for o in llm.generate(prompts[3:], sp, use_tqdm=False)]
-            hits = sum(m.value for m in llm.get_metrics() if m.name == "vllm:prefix_cache_hits")
+            outs = llm.generate(prompts[:3], sp, use_tqdm=False) + llm.generate(prompts[3:], sp, use_tqdm=False)
+            tokens = [list(o.outputs[0].token_ids) for o in outs]
+            # each request's own count (the metrics lag the outputs on the GPU)
+            hits = sum(o.num_cached_tokens or 0 for o in outs)
             result[run] = {"tokens": tokens, "prefix_cache_hits": hits,
                            "shards": None if native else llm.collective_rpc(shards)}
             del llm
