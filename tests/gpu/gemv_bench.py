@@ -6,12 +6,13 @@ enough copies of the weight (>= 320 MB) that none is still in L2; the copy bandw
 1 GiB ``copy_`` measured in the same run gives the floor (weight bytes / bandwidth).
 Writes $OUT/gemv_bench.json (or ./gpu-results) and prints a table last.
 
-    python tests/gpu/gemv_bench.py [--budget-s 120]
+    python tests/gpu/gemv_bench.py [--budget-s 120] [--rows 1,2]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import time
@@ -19,6 +20,7 @@ from dataclasses import asdict
 
 import torch
 import torch.nn.functional as F
+import triton
 
 from atom.ops.triton.gemv import GemvConfig, pick_config, skinny_gemm
 
@@ -33,18 +35,21 @@ SHAPES = {  # name: (N, K)
     "0.6b.o": (1024, 2048),
     "0.6b.gate_up": (6144, 1024),
     "0.6b.down": (1024, 3072),
+    "7b.qkv": (4608, 3584),
+    "7b.o": (3584, 3584),
+    "7b.gate_up": (37888, 3584),
+    "7b.down": (3584, 18944),
 }
 M_ORDER = (1, 16, 8, 4, 2, 32)  # most important first, in case the budget runs out
 C = GemvConfig
 
 
-def candidates(m: int) -> list[GemvConfig]:
-    if m <= 2:
-        return [
-            C(8, 512, num_stages=3), C(4, 1024, num_stages=3), C(16, 256, num_stages=3), C(8, 512, num_warps=8),
-            C(8, 256, mode="defer"), C(4, 512, mode="defer"), C(32, 256, num_warps=8), C(16, 256, mode="dot"),
-            C(4, 512, num_stages=4), C(8, 1024, num_warps=8, num_stages=3),
-        ]  # fmt: skip
+def candidates(m: int, k: int) -> list[GemvConfig]:
+    if m <= 2:  # a grid of the sum mode's tiles, warps and stages (cheap: ~40 s at one row on an H200)
+        grid = [C(bn, bk, num_warps=w, num_stages=st) for bn, bk, w, st in
+                itertools.product((1, 2, 4, 8), (512, 1024, 2048), (2, 4, 8), (1, 2, 3))
+                if bk <= triton.next_power_of_2(k) and bn * bk <= 8192]  # fmt: skip
+        return grid + [C(8, 256, mode="defer"), C(4, 512, mode="defer"), C(16, 256, mode="dot")]
     if m <= 8:
         return [
             C(8, 128, num_stages=3), C(8, 256, num_warps=8, num_stages=3), C(16, 128, num_warps=8),
@@ -109,7 +114,7 @@ def measure(name: str, n: int, k: int, m: int, ws: list[torch.Tensor], bw: float
     row = {"shape": name, "n": n, "k": k, "m": m, "floor_us": n * k * 2 / bw * 1e6}
     row["torch_us"] = graph_us(lambda w: F.linear(x, w), ws)
     configs = []
-    for base in candidates(m):
+    for base in candidates(m, k):
         for cfg in with_splits(base, n, k):
             try:
                 out = skinny_gemm(x, ws[0], None, cfg)
@@ -137,6 +142,7 @@ def measure(name: str, n: int, k: int, m: int, ws: list[torch.Tensor], bw: float
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--budget-s", type=float, default=120.0)
+    parser.add_argument("--rows", default=",".join(map(str, M_ORDER)), help="row counts, most important first")
     args = parser.parse_args()
     t0 = time.time()
     out_dir = os.environ.get("OUT", "gpu-results")
@@ -149,7 +155,7 @@ def main() -> None:
         copies = max(2, -(-320_000_000 // (n * k * 2)))
         weights[name] = [torch.randn(n, k, device=DEV, dtype=dtype) / k**0.5 for _ in range(copies)]
     results, failures, skipped = [], [], []
-    for m in M_ORDER:
+    for m in map(int, args.rows.split(",")):
         for name, (n, k) in SHAPES.items():
             if time.time() - t0 > args.budget_s:
                 skipped.append((name, m))
