@@ -109,15 +109,15 @@ class InputProcessor:
     def _encode(self, text: str, add_special_tokens: bool, param: str, check_length: bool = True) -> list[int]:
         if self.tokenizer is None:
             raise InvalidInputError("text prompts need a tokenizer (the engine runs with skip_tokenizer_init)", param)
-        if not text:
-            raise InvalidInputError("prompt is empty", param)
         if not is_encodable(text):
             raise InvalidInputError(f"{param} is not valid Unicode: it holds a lone surrogate (e.g. \\ud800)", param)
-        if not check_length:
+        if not check_length:  # /tokenize: any text, the empty one too (vLLM counts its special tokens)
             try:
                 return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
             except Exception as e:
                 raise InvalidInputError(f"cannot tokenize the {param}: {_printable(e)}", param) from e
+        if not text:
+            raise InvalidInputError("prompt is empty", param)
         limit = self.max_seq_len
         if self.max_token_chars is not None and len(text) > 2 * limit * self.max_token_chars:
             # no token covers more than max_token_chars characters, so this text cannot
