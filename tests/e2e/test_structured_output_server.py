@@ -158,6 +158,22 @@ def test_chat_stream_with_json_schema(client, tiny_model):
             "not in tools",
         ),
         ({"tools": []}, "tools", "empty"),
+        # malformed entries are refused whatever tool_choice says, naming the entry's field
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": "abc"}}], "tool_choice": "none"},
+            "tools",
+            "tools[0].function.parameters: Input should be a valid dictionary",
+        ),
+        (
+            {"tools": [WEATHER, {"function": {"description": "no name"}}]},
+            "tools",
+            "tools[1].function.name: Field required",
+        ),
+        (
+            {"tools": [{"type": "retrieval", "function": {"name": "f"}}]},
+            "tools",
+            "tools[0].type: Input should be 'function'",
+        ),
     ],
 )
 def test_unsupported_or_bad_fields_are_400(client, tiny_model, extra, param, words):

@@ -175,6 +175,21 @@ class ChatMessage(OpenAIRequest):
         return self.content or ""
 
 
+class FunctionDefinition(OpenAIBaseModel):
+    """A tool's function as OpenAI and vLLM define it; other keys pass to the chat template."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    name: Text
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+
+
+class ChatTool(OpenAIBaseModel):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
 class ChatCompletionRequest(SamplingRequest):
     # the schema tells clients (and schema-driven fuzzers) what the handler requires: a
     # non-empty messages list, or its alias prompt
@@ -189,7 +204,7 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
 

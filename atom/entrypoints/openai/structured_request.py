@@ -110,7 +110,9 @@ class ToolPlan:
 def tool_plan(request: ChatCompletionRequest, tool_call_parser: str | None, auto_enabled: bool) -> ToolPlan:
     """vLLM's checks: tools need a choice they can serve, "auto" needs the server's
     ``--enable-auto-tool-choice --tool-call-parser``, a named function must be in tools."""
-    tools, choice = request.tools, request.tool_choice
+    # the entries as sent (checked by their model): the chat template sees the client's keys
+    tools = None if request.tools is None else [t.model_dump(exclude_unset=True) for t in request.tools]
+    choice = request.tool_choice
     if tools is not None and not tools:
         raise OpenAIError("tools must not be an empty list", param="tools")
     if choice not in (None, "none") and not tools:
