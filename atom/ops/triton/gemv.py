@@ -255,12 +255,13 @@ def pick_config(m: int, n: int, k: int) -> GemvConfig:
     Qwen2.5-7B): two warps, a weight tile of 4 rows x 1024 keys, narrowed to 2 or 1 rows until
     there are enough programs to keep every SM's loads in flight (short rows need more), and
     2048 keys where K is long or not a multiple of 1024 (fewer masked steps); the LM head's
-    vocabulary-wide weight takes 8 x 512. 3-16% faster than the H100 sweep's 4 x 1024 with four
-    warps on every shape: 8B's four projections 111.2 -> 103.6 us a layer, 80-95% of the copy
-    bandwidth."""
+    vocabulary-wide weight takes 2 x 2048. On the H200 3-16% faster than the earlier H100 pick
+    (4 x 1024, four warps) on every shape (8B's four projections 111.2 -> 103.6 us a layer, the
+    LM head 298 -> 282 us); on the H100 within 2% of it on the 8B projections, 4-16% faster on
+    0.6B's, and within 1-8% of the grid's best everywhere (docs/performance.md, session 16)."""
     if triton.next_power_of_2(m) <= 2:
         if n >= WIDE_N:
-            return GemvConfig(block_n=8, block_k=512, num_warps=2, num_stages=2)
+            return GemvConfig(block_n=2, block_k=2048, num_warps=2, num_stages=2)
         min_programs = 2048 if k <= 1024 else 768
         block_n = 4
         while block_n > 1 and n // block_n < min_programs:
