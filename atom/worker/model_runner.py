@@ -136,7 +136,7 @@ class ModelRunner:
         """Run the largest batch once without a cache and return the bytes the KV cache may use."""
         sc = self.config.scheduler_config
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.reset_peak_memory_stats(self.device)
         num_tokens = sc.max_num_batched_tokens
         seq_len = min(self.config.model_config.max_model_len, num_tokens)
         num_seqs = max(1, num_tokens // seq_len)
