@@ -25,6 +25,11 @@ class MemorySnapshot:
         cuBLAS workspaces, and other processes."""
         return self.total - self.free - self.reserved
 
+    @property
+    def available(self) -> int:
+        """Free on the device or cached by this process's allocator (reusable without the driver)."""
+        return self.free + self.reserved - self.allocated
+
     @classmethod
     def take(cls, device: torch.device) -> MemorySnapshot:
         free, total = torch.cuda.mem_get_info(device)
@@ -36,10 +41,11 @@ class MemorySnapshot:
 
 def check_startup_memory(start: MemorySnapshot, utilization: float) -> None:
     """vLLM's start-up check: the share asked for must be free when the engine starts."""
-    if start.free < utilization * start.total:
-        raise ValueError(f"free memory on the device ({start.free / GIB:.2f}/{start.total / GIB:.2f} GiB) at start-up "
-                         f"is less than gpu_memory_utilization ({utilization}, {utilization * start.total / GIB:.2f} "
-                         "GiB): lower gpu_memory_utilization or free memory used by other processes")  # fmt: skip
+    if start.available < utilization * start.total:
+        raise ValueError(f"free memory on the device ({start.available / GIB:.2f}/{start.total / GIB:.2f} GiB) "
+                         f"at start-up is less than gpu_memory_utilization ({utilization}, "
+                         f"{utilization * start.total / GIB:.2f} GiB): lower gpu_memory_utilization or free memory "
+                         "used by other processes")  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
