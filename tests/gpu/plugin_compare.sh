@@ -7,8 +7,9 @@
 # inference (there should be none). Logs and JSON in $OUT.
 #     bash tests/gpu/plugin_compare.sh qwen3-0.6b qwen3-8b
 # ORDER (default "1 0 0 1": native, plugin, plugin, native) lists the runs per model by their
-# ATOM_DISABLE_VLLM_PLUGIN value: in session 15 the second process of a machine session ran the
-# same Python ~1.3x slower (cProfile), which a native-then-plugin pair charges to the plugin. The
+# ATOM_DISABLE_VLLM_PLUGIN value: a run's position in the machine session moves its throughput
+# (session 16: two runs of one setting 5-8% apart, more than plugin vs native), so a pair in one
+# order charges that to one side; the last table gives each setting's mean and their ratio. The
 # busiest processes are listed before each run (a leftover of the previous run would show there).
 set -uo pipefail
 test -d /tmp/site/vllm || { echo "vLLM is not installed in /tmp/site"; exit 3; }
@@ -33,7 +34,18 @@ for model in "${@:-qwen3-0.6b}"; do
 done
 echo "| model | run | ATOM_DISABLE_VLLM_PLUGIN | output tok/s |"
 echo "|---|---|---|---|"
-for j in $out/tput_*_plugin_off*.json; do
-  $py -c "import json, re, sys; r = json.load(open(sys.argv[1])); m = re.match(r'.*/tput_(.+)_(\d+)_plugin_off(\d)', sys.argv[1])
-print(f'| {m[1]} | {m[2]} | {m[3]} | {r[\"output_tokens_per_s\"]} |')" $j
-done
+$py - $out/tput_*_plugin_off*.json <<'PY'
+import json, re, sys
+from collections import defaultdict
+means = defaultdict(lambda: defaultdict(list))
+for path in sys.argv[1:]:
+    m = re.match(r".*/tput_(.+)_(\d+)_plugin_off(\d)", path)
+    tps = json.load(open(path))["output_tokens_per_s"]
+    means[m[1]][m[3]].append(tps)
+    print(f"| {m[1]} | {m[2]} | {m[3]} | {tps} |")
+for model, runs in means.items():
+    if runs["0"] and runs["1"]:
+        plugin, native = (sum(v) / len(v) for v in (runs["0"], runs["1"]))
+        print(f"{model}: plugin {plugin:.1f} tok/s (mean of {len(runs['0'])}), native {native:.1f} "
+              f"(mean of {len(runs['1'])}): plugin / native {plugin / native:.3f}")
+PY
