@@ -149,16 +149,3 @@ class BlockManager:
                 self.free_blocks[block_id] = None
         seq.block_table.clear()
         seq.block_hashes.clear()
-
-    def fork(self, parent: Sequence, child: Sequence) -> int:
-        """Share ``parent``'s full computed blocks with ``child`` (e.g. parallel sampling of
-        one prompt) and return how many tokens they hold (the child's computed tokens).
-        The partial last block is not shared: the child recomputes those few tokens into a
-        block of its own, so no copy-on-write is ever needed."""
-        assert not child.block_table, "fork into an empty sequence"
-        num_full = min(parent.num_computed_tokens, child.num_tokens - 1) // self.block_size
-        for block_id in parent.block_table[:num_full]:
-            self.blocks[block_id].ref_count += 1
-            child.block_table.append(block_id)
-        child.block_hashes = list(parent.block_hashes[:num_full])
-        return num_full * self.block_size

@@ -1,4 +1,4 @@
-"""Property tests: random allocate/append/free/fork sequences never leak or double-free a
+"""Property tests: random allocate/append/free sequences never leak or double-free a
 block, and reference counts always equal the number of block tables holding a block."""
 
 from collections import Counter
@@ -17,7 +17,6 @@ op = st.one_of(
     st.tuples(st.just("add"), st.integers(1, 30), st.integers(0, 2)),  # prompt length, prefix family
     st.tuples(st.just("append"), st.integers(0, 50), st.integers(1, 6)),
     st.tuples(st.just("free"), st.integers(0, 50), st.just(0)),
-    st.tuples(st.just("fork"), st.integers(0, 50), st.just(0)),
 )
 
 
@@ -61,19 +60,6 @@ def test_random_operations_keep_refcounts_exact(ops, prefix_caching):
                 del seq.token_ids[-b:]
         elif kind == "free" and live:
             bm.free(live.pop(a % len(live)))
-        elif kind == "fork" and live:
-            parent = live[a % len(live)]
-            counter += 1
-            child = Sequence(str(counter), list(parent.token_ids), SamplingParams())
-            child.num_computed_tokens = bm.fork(parent, child)
-            n = child.num_tokens - child.num_computed_tokens
-            if bm.can_allocate(child, n):
-                bm.allocate(child, n)
-                child.num_computed_tokens = child.num_tokens
-                bm.cache_full_blocks(child, child.num_computed_tokens)
-                live.append(child)
-            else:
-                bm.free(child)
         check(bm, live)
     for seq in live:
         bm.free(seq)
