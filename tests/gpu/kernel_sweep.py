@@ -1,8 +1,8 @@
-"""Alternative tile configs of atom's MoE GEMM, prefill attention and MLA decode kernels, timed as
-``tests/gpu/kernel_bench.py`` times its cases (how the defaults in ``atom.ops.triton``
-were picked). GPU only:
+"""Alternative tile configs of atom's MoE GEMM, prefill attention and MLA decode kernels, and the decode
+attention's split-K factor, timed as ``tests/gpu/kernel_bench.py`` times its cases (how the defaults in
+``atom.ops.triton`` were picked). GPU only:
 
-    python tests/gpu/kernel_sweep.py [moe] [prefill] [mla] [--output-json sweep.json]
+    python tests/gpu/kernel_sweep.py [moe] [prefill] [mla] [decode] [--output-json sweep.json]
 
 Prints the best two configs per case and the default; ``--output-json`` writes every row
 (case, config, ms, GB/s, TFLOP/s; prefill rows also the compiler's resource report and the max abs
@@ -185,14 +185,33 @@ def mla_sweep() -> list[dict]:
     return [r for r in rows if r]
 
 
+def decode_sweep() -> list[dict]:
+    """Split-K factors of the decode attention (kernel + merge), Qwen3-8B heads. The decode CUDA graphs
+    are captured with max_seqlen_k = max_model_len, so at batch 1 the heuristic's 64 splits run at every
+    context; short contexts are where another factor could win."""
+    rows = []
+    for b, ctx in itertools.product([1, 8], [128, 384, 1024, 4096, 16384]):
+        case = f"decode b={b} ctx={ctx}"
+        for splits in [None, 1, 2, 4, 8, 16, 32, 64]:  # None: the heuristic at max_seqlen_k 32768
+
+            def builder(splits=splits, b=b, ctx=ctx):
+                q, k_cache, *_ = inputs = attention_inputs([1] * b, [ctx - 1] * b)
+                attend = functools.partial(tk.paged_attention, *inputs, 128**-0.5, 1, 32768, num_decode_tokens=b)
+                fn = functools.partial(attend, num_splits=splits)
+                return fn, None, *attention_cost(q, k_cache, [1] * b, [ctx - 1] * b)
+
+            rows.append(_timed(case, f"splits={splits}" if splits else "default", functools.partial(prepare, builder)))
+    return [r for r in rows if r]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # no argparse choices: Python 3.10 rejects an empty list against them
-    kernels = "moe, prefill and/or mla (default: moe and prefill)"
+    kernels = "moe, prefill, mla and/or decode (default: moe and prefill)"
     parser.add_argument("kernels", nargs="*", default=["moe", "prefill"], help=kernels)
     parser.add_argument("--output-json", help="write every row here")
     args = parser.parse_args()
-    sweeps = dict(moe=moe_sweep, prefill=prefill_sweep, mla=mla_sweep)
+    sweeps = dict(moe=moe_sweep, prefill=prefill_sweep, mla=mla_sweep, decode=decode_sweep)
     if unknown := set(args.kernels) - set(sweeps):
         parser.error(f"unknown kernels {sorted(unknown)}: choose from {', '.join(sweeps)}")
     sweep_rows = [r for name in dict.fromkeys(args.kernels) for r in sweeps[name]()]

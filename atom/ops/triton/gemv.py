@@ -71,13 +71,11 @@ def _skinny_gemm_kernel(
     # once; 2 one per row and BLOCK_K-wide key group (xs[m, g], ws[n, g]), applied every step.
     # QUANT_X (with SCALES 2): x is 16-bit and each step quantises its group to e4m3 here, as
     # fp8_gemm's _group_quant_kernel does (the same codes and scales; xs_ptr is unused)
-    # atom.ops.triton.pdl: the next kernel may launch now; nothing an earlier kernel writes is
-    # read before the wait (the activation scales below are such), except in the prefetch below
+    # atom.ops.triton.pdl: nothing an earlier kernel writes is read before the wait (the
+    # activation scales below are such), except in the prefetch below
     PREFETCH: tl.constexpr = USE_PDL and MODE == 0 and SCALES == 0
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        if not PREFETCH:
-            tl.extra.cuda.gdc_wait()
+    if USE_PDL and not PREFETCH:
+        tl.extra.cuda.gdc_wait()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
@@ -160,6 +158,11 @@ def _skinny_gemm_kernel(
             acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
         else:
             acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    if USE_PDL:
+        # the next kernel launches once every program has streamed its weight tiles, not at
+        # the start: launched earlier, its waiting programs took the SM slots of this kernel's
+        # later waves (2.3% slower at batch 1, docs/performance.md session 16)
+        tl.extra.cuda.gdc_launch_dependents()
     if MODE == 1:
         acc = tl.sum(acc3, axis=2)
     elif MODE == 3:

@@ -1,11 +1,13 @@
 """Programmatic dependent launch (Hopper and later), opt-in with ``ATOM_TRITON_PDL=1``.
 
 A kernel launched with ``launch_pdl`` may start its programs while the previous kernel in the
-stream is still finishing: each program first lets the *next* kernel launch
-(``gdc_launch_dependents``), loads what no earlier kernel writes (a weight tile), then waits
-for the previous kernel's memory (``gdc_wait``) before touching anything else. In a decode
-step at batch 1 (one small kernel after another, inside a CUDA graph) this hides launch
-latency and overlaps each GEMV's first weight tile with the kernel before it.
+stream is still finishing: it loads what no earlier kernel writes (a weight tile), then waits
+for the previous kernel's memory (``gdc_wait``) before touching anything else. A kernel lets
+the *next* one launch (``gdc_launch_dependents``) at its start when it is one small wave (norms,
+attention, merges), and a GEMV only once its weight is streamed, so that waiting programs never
+hold the SM slots of its later waves. In a decode step at batch 1 (one small kernel after
+another, inside a CUDA graph) this hides launch latency and overlaps each GEMV's first weight
+tile with the kernel before it.
 
 Every kernel that takes ``USE_PDL`` waits before its first dependent access, so the chain is
 safe whatever runs between: a kernel launched without the attribute (cuBLAS, a torch op) waits
