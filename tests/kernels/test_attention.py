@@ -64,6 +64,24 @@ def test_paged_attention_split_k(case, num_splits, assert_close):
     assert_close(out, ref, dtype)
 
 
+def test_merge_reads_no_output_row_of_an_empty_split():
+    # A split that saw no key stores only its -inf max and zero sum; its output rows stay as
+    # they were (NaN here) and must not reach the result.
+    from atom.ops.triton.attention_merge import merge_splits
+
+    tokens, heads, splits, head_dim = 2, 3, 5, 64
+    part_out = torch.randn(tokens, heads, splits, head_dim)
+    part_max, part_sum = torch.randn(tokens, heads, splits), torch.rand(tokens, heads, splits) + 0.5
+    empty = torch.rand(tokens, heads, splits) < 0.5
+    empty[..., 0] = False  # every row saw some key
+    part_out[empty], part_max[empty], part_sum[empty] = float("nan"), float("-inf"), 0.0
+    out = torch.empty(tokens, heads, head_dim)
+    merge_splits(out, part_out, part_max, part_sum)
+    w = torch.exp2(part_max - part_max.amax(-1, keepdim=True))
+    expect = (part_out.nan_to_num() * w[..., None]).sum(2) / (part_sum * w).sum(-1, keepdim=True)
+    torch.testing.assert_close(out, expect)
+
+
 @pytest.mark.parametrize(
     "q_lens, context_lens",
     [([1, 1, 40], [20, 70, 9]), ([1, 33, 1, 50], [5, 0, 0, 30]), ([1, 1, 1, 2], [16, 31, 2, 60])],

@@ -33,7 +33,6 @@ import triton
 import triton.language as tl
 
 from atom.ops.triton.attention_merge import merge_splits, split_partials, with_columns
-from atom.ops.triton.pdl import pdl_args, wait_for_previous
 from atom.ops.triton.prefill_attention import _find_seq, _num_sms, descriptor_ready, prefill_attention
 
 
@@ -77,9 +76,7 @@ def _paged_attention_kernel(
     SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     HAS_SCALE: tl.constexpr,
-    USE_PDL: tl.constexpr,
 ):
-    wait_for_previous(USE_PDL)
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -149,11 +146,14 @@ def _paged_attention_kernel(
         m_i = m_new
 
     if SPLIT:
-        # Partial results [token, head, split, ...]; the merge kernel normalises.
+        # Partial results [token, head, split, ...]; the merge kernel normalises. A split past
+        # the keys (decode graphs are captured for the longest context, so most splits are at
+        # short ones) stores only its -inf max: the merge reads no output row for it.
         row = (tok * tl.num_programs(1) * GROUP + head) * num_splits + split
         tl.store(part_max_ptr + row, m_i, mask=row_ok)
         tl.store(part_sum_ptr + row, l_i, mask=row_ok)
-        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc * v_scale, mask=row_mask)
+        if tile_lo < tile_hi:
+            tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc * v_scale, mask=row_mask)
     else:
         out = acc * v_scale / l_i[:, None]
         tl.store(
@@ -260,7 +260,6 @@ def _attend(
         HAS_SCALE=kv_scales[0] is not None,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
-        **pdl_args(q.device),
     )
     if split:
         merge_splits(out, part_out, part_max, part_sum)

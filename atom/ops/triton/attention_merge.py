@@ -8,8 +8,6 @@ import torch
 import triton
 import triton.language as tl
 
-from atom.ops.triton.pdl import pdl_args, wait_for_previous
-
 
 @triton.jit
 def with_columns(mask, offs_d, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
@@ -36,9 +34,7 @@ def _merge_splits_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_S: tl.constexpr,
-    USE_PDL: tl.constexpr,
 ):
-    wait_for_previous(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -47,10 +43,12 @@ def _merge_splits_kernel(
     row = (tok * num_heads + head) * num_splits + offs_s
     m = tl.load(part_max_ptr + row, mask=s_ok, other=float("-inf"))
     l = tl.load(part_sum_ptr + row, mask=s_ok, other=0.0)
+    # Splits that saw no key have m = -inf and l = 0: weight 0, and their output rows (never
+    # stored) are not read.
+    saw = s_ok & (m > float("-inf"))
     acc = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
-                  mask=with_columns(s_ok[:, None], offs_d[None, :], HEAD_DIM, HEAD_DIM_PAD), other=0.0)
+                  mask=with_columns(saw[:, None], offs_d[None, :], HEAD_DIM, HEAD_DIM_PAD), other=0.0)
     m_max = tl.max(m, axis=0)
-    # Splits that saw no key have m = -inf and l = 0, so they get weight 0.
     w = tl.exp2(m - m_max)
     out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
     if HEAD_DIM_PAD == HEAD_DIM:
@@ -73,5 +71,5 @@ def merge_splits(out: torch.Tensor, part_out: torch.Tensor, part_max: torch.Tens
     _merge_splits_kernel[(num_tokens, num_heads)](
         out, part_out, part_max, part_sum, num_heads, num_splits, out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_S=triton.next_power_of_2(num_splits),
-        num_warps=4, **pdl_args(out.device),
+        num_warps=4,
     )  # fmt: skip
