@@ -8,8 +8,7 @@ A run is ``TREE:MODEL[:FLAG,...]`` with TREE a ``--tree`` name or ``vllm`` (vLLM
 first tree's PYTHONPATH with the plugin disabled); flags: ``async`` (--async-scheduling),
 ``sync`` (--no-async-scheduling), ``eager`` (--enforce-eager), ``latency`` (benchmark_latency
 instead of benchmark_throughput), ``tpN`` (-tp N), ``ep`` (--enable-expert-parallel), ``levelN`` (atom's --level N),
-``nocar`` (--disable-custom-all-reduce: NCCL for every all-reduce), ``pdl`` (ATOM_TRITON_PDL=1: programmatic
-dependent launch of atom's decode kernels), ``fp8`` (--quantization fp8: weights
+``nocar`` (--disable-custom-all-reduce: NCCL for every all-reduce), ``fp8`` (--quantization fp8: weights
 quantised on load), ``fp8kv`` (--kv-cache-dtype fp8). FP8 checkpoints: the models ``qwen3-8b-fp8`` and
 ``qwen3-30b-a3b-fp8`` (block-128 e4m3 weights, as Qwen's FP8 releases).
 A run may be listed more than once: list a pair as A B B A, since the order of the processes
@@ -52,8 +51,6 @@ def run_one(spec: str, trees: dict[str, str], out: str, timeout: int, index: int
     cmd += [a for f in flags if f.startswith("level") for a in ("--level", f[5:])]
     env = dict(os.environ, PYTHONPATH=":".join(p for p in ("/tmp/site", path) if os.path.isdir(p)),
                ATOM_DISABLE_VLLM_PLUGIN="1", PYTHONUNBUFFERED="1")
-    if "pdl" in flags:
-        env["ATOM_TRITON_PDL"] = "1"
     start = time.time()
     with open(f"{out}/{name}.log", "w") as log:
         log.write(busiest_processes())

@@ -32,8 +32,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from atom.ops.triton.pdl import pdl_args, wait_for_previous
-
 _MODES = {"sum": 0, "defer": 1, "dot": 2, "dot_t": 3}
 # Where the skinny kernel beats cuBLAS (H100 sweep, tests/gpu/gemv_bench.py, CUDA-graph replay
 # over weight copies that do not fit L2): at one row on every Qwen3 projection (8B: 80-97% of
@@ -65,17 +63,12 @@ def _skinny_gemm_kernel(
     stride_xm, stride_wn, stride_om, stride_os, stride_xsm, stride_xsk, stride_wsn, stride_wsk,
     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr, MODE: tl.constexpr,
     SCALES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    QUANT_X: tl.constexpr, USE_PDL: tl.constexpr,
+    QUANT_X: tl.constexpr,
 ):  # fmt: skip
     # SCALES: 0 none; 1 one scale per input row (xs[m, 0]) and weight row (ws[n, 0]), applied
     # once; 2 one per row and BLOCK_K-wide key group (xs[m, g], ws[n, g]), applied every step.
     # QUANT_X (with SCALES 2): x is 16-bit and each step quantises its group to e4m3 here, as
     # fp8_gemm's _group_quant_kernel does (the same codes and scales; xs_ptr is unused)
-    # atom.ops.triton.pdl: nothing an earlier kernel writes is read before the wait (the
-    # activation scales below are such), except in the prefetch below
-    PREFETCH: tl.constexpr = USE_PDL and MODE == 0 and SCALES == 0
-    if USE_PDL and not PREFETCH:
-        tl.extra.cuda.gdc_wait()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
@@ -106,20 +99,7 @@ def _skinny_gemm_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # transposed until the end
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_first = 0
-    if PREFETCH:
-        # the first key step's weight tile (no kernel writes weights) loads while the previous
-        # kernel finishes; its activations only after the wait
-        k = k_start + rk
-        if EVEN_K:
-            w = tl.load(w_rows + k[None, :], eviction_policy="evict_first")
-        else:
-            w = tl.load(w_rows + k[None, :], mask=k[None, :] < K, other=0.0, eviction_policy="evict_first")
-        tl.extra.cuda.gdc_wait()
-        x = tl.load(x_rows + k[None, :], mask=k[None, :] < K, other=0.0)
-        acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-        k_first = BLOCK_K
-    for k0 in range(k_first, k_per_split, BLOCK_K):
+    for k0 in range(0, k_per_split, BLOCK_K):
         k = k_start + k0 + rk
         if EVEN_K:
             x = tl.load(x_rows + k[None, :])
@@ -158,11 +138,6 @@ def _skinny_gemm_kernel(
             acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
         else:
             acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-    if USE_PDL:
-        # the next kernel launches once every program has streamed its weight tiles, not at
-        # the start: launched earlier, its waiting programs took the SM slots of this kernel's
-        # later waves (2.3% slower at batch 1, docs/performance.md session 16)
-        tl.extra.cuda.gdc_launch_dependents()
     if MODE == 1:
         acc = tl.sum(acc3, axis=2)
     elif MODE == 3:
@@ -182,9 +157,8 @@ def _skinny_gemm_kernel(
 @triton.jit
 def _split_k_reduce_kernel(
     part_ptr, b_ptr, out_ptr, N, stride_pm, stride_ps, stride_om,
-    SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+    SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    wait_for_previous(USE_PDL)
     m = tl.program_id(0).to(tl.int64)
     rn = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = rn < N
@@ -239,13 +213,13 @@ def skinny_gemm(
         HAS_BIAS=bias is not None, PARTIAL=partial, EVEN_K=even_k, MODE=mode,
         SCALES=0 if scales is None else 2 if group_k else 1,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, QUANT_X=quant_x,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if partial:
         block = min(triton.next_power_of_2(n), 1024)
         _split_k_reduce_kernel[(m, triton.cdiv(n, block))](
             target, b, out, n, target.stride(1), target.stride(0), out.stride(0),
-            SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4, **pdl_args(x.device),
+            SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
         )  # fmt: skip
     return out
 

@@ -6,8 +6,6 @@ import torch
 import triton
 import triton.language as tl
 
-from atom.ops.triton.pdl import pdl_args, wait_for_previous
-
 
 @triton.jit
 def _rms_norm_kernel(
@@ -24,9 +22,7 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
-    USE_PDL: tl.constexpr,
 ):
-    wait_for_previous(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -91,6 +87,5 @@ def rms_norm(
         HAS_RESIDUAL=residual is not None,
         BLOCK=block,
         num_warps=num_warps,
-        **pdl_args(x.device),
     )
     return out if residual is None else (out, res_out)

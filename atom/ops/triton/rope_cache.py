@@ -13,8 +13,6 @@ import torch
 import triton
 import triton.language as tl
 
-from atom.ops.triton.pdl import pdl_args, wait_for_previous
-
 
 @triton.jit
 def to_cache(val, cache_ptr, scale):
@@ -132,9 +130,7 @@ def _qk_norm_rope_store_kernel(
     BLOCK_HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
-    USE_PDL: tl.constexpr,
 ):
-    wait_for_previous(USE_PDL)
     # Program (token, head block): the first head blocks cover q, the rest cover k and v.
     tok = tl.program_id(0).to(tl.int64)
     head_block = tl.program_id(1)
@@ -261,7 +257,6 @@ def qk_norm_rope_store(
         BLOCK_H=block_h,
         BLOCK_SIZE=k_cache.shape[2] if has_cache else 1,
         num_warps=4 if block_h * head_dim >= 1024 else 1,
-        **pdl_args(q.device),
     )
     return q_out, k_out
 
@@ -294,9 +289,7 @@ def _store_kv_cache_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HAS_SCALE: tl.constexpr,
-    USE_PDL: tl.constexpr,
 ):
-    wait_for_previous(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -343,5 +336,4 @@ def store_kv_cache(
         BLOCK_SIZE=k_cache.shape[2],
         HAS_SCALE=k_scale is not None,
         num_warps=4 if block_h * head_dim >= 1024 else 1,
-        **pdl_args(k.device),
     )
