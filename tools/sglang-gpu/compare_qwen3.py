@@ -1,6 +1,9 @@
 """Serve one random Qwen3-0.6B-shaped checkpoint with `python -m sglang.launch_server` twice, SGLang's own Qwen3 and
 atom's (SGLANG_EXTERNAL_MODEL_PACKAGE=atom.plugin.sglang.models), send the same greedy /v1/completions to both and
-compare the token ids. Runs on the GPU machine after install.sh (stdlib, torch, safetensors, tokenizers, transformers):
+compare the token ids, then score the same sequences (each prompt followed by native's output) on both, teacher-forced
+(SGLang's /generate with input logprobs), for the top-1 agreement on clear positions that docs/performance.md uses
+(native's top-2 logprob gap > 0.1). Runs on the GPU machine after install.sh (stdlib, torch, safetensors, tokenizers,
+transformers):
 
     PYTHONPATH=/tmp/sglsite:$PWD python3 tools/sglang-gpu/compare_qwen3.py --out $OUT
 
@@ -176,6 +179,32 @@ def complete(port: int, prompt: list[int], max_tokens: int) -> list[int]:
         return json.load(r)["choices"][0]["token_ids"]
 
 
+def score(port: int, ids: list[int]) -> list[tuple[int, float] | None]:
+    """Teacher-forced: per position of ``ids``, the server's top-1 token and its logprob gap to the top-2 (None where
+    SGLang gives no distribution, e.g. the first token)."""
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}, "return_logprob": True,
+            "logprob_start_len": 0, "top_logprobs_num": 2}  # fmt: skip
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/generate", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=120) as r:
+        tops = json.load(r)["meta_info"]["input_top_logprobs"]
+    out = []
+    for top in tops:  # each entry: [[logprob, token id, text], ...] or None
+        if not top or len(top) < 2:
+            out.append(None)
+            continue
+        first, second = sorted(top, key=lambda t: -t[0])[:2]
+        out.append((int(first[1]), float(first[0]) - float(second[0])))
+    return out
+
+
+def agreement(native: list, atom: list, min_gap: float) -> tuple[int, int]:
+    """(positions where atom's top-1 equals native's, positions) over native's positions with a top-2 gap > min_gap."""
+    pairs = [(n, a) for ns, as_ in zip(native, atom) for n, a in zip(ns, as_) if n and a and n[1] > min_gap]
+    return sum(n[0] == a[0] for n, a in pairs), len(pairs)
+
+
 def stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         os.killpg(proc.pid, 15)
@@ -197,7 +226,9 @@ def wait_gpu_free(timeout: float = 60) -> None:
         time.sleep(1)
 
 
-def serve_and_generate(name: str, atom: bool, args, batch: list[list[int]], extra: list[str]) -> list | None:
+def serve_and_generate(name: str, atom: bool, args, batch: list[list[int]], extra: list[str], to_score=None):
+    """The server's greedy outputs for ``batch`` and its teacher-forced scores of ``to_score(outputs)`` (None if the
+    server did not come up; scores None if scoring failed)."""
     log_path = os.path.join(args.out, f"{name}.log")
     t0 = time.monotonic()
     proc = start_server(args.model_dir, args.port, atom, extra, log_path)
@@ -205,10 +236,16 @@ def serve_and_generate(name: str, atom: bool, args, batch: list[list[int]], extr
         if not wait_ready(proc, args.port, args.start_timeout):
             print(f"{name}: server did not come up (exit {proc.poll()}); last lines of {log_path}:", flush=True)
             print("".join(open(log_path).readlines()[-25:]), flush=True)
-            return None
+            return None, None
         print(f"{name}: ready in {time.monotonic() - t0:.0f} s", flush=True)
         with ThreadPoolExecutor(len(batch)) as pool:  # one batch, as SGLang would get it from concurrent clients
-            return list(pool.map(lambda p: complete(args.port, p, args.max_tokens), batch))
+            outputs = list(pool.map(lambda p: complete(args.port, p, args.max_tokens), batch))
+        try:
+            scores = [score(args.port, ids) for ids in to_score(outputs)]
+        except (urllib.error.URLError, KeyError, TypeError, ValueError, IndexError) as e:
+            print(f"{name}: teacher-forced scoring failed: {type(e).__name__}: {e}", flush=True)
+            scores = None
+        return outputs, scores
     finally:
         stop(proc)
         wait_gpu_free()
@@ -236,16 +273,22 @@ def main() -> None:
     write_checkpoint(args.model_dir, args.seed)
     print(f"checkpoint written in {time.monotonic() - t0:.0f} s", flush=True)
     batch = prompts(args.prompts, args.seed)
-    native = serve_and_generate("native", False, args, batch, [])
+    native, native_scores = serve_and_generate(
+        "native", False, args, batch, [], lambda outs: [p + o for p, o in zip(batch, outs)]
+    )
+    forced = [p + o for p, o in zip(batch, native or [])]  # atom scores native's sequences
     atom_graph = "decode CUDA graphs"
-    atom = serve_and_generate("atom", True, args, batch, [])
+    atom, atom_scores = serve_and_generate("atom", True, args, batch, [], lambda _: forced)
     if atom is None:  # say what failed above, then try once more without CUDA graphs
         atom_graph = "no decode CUDA graphs"
-        atom = serve_and_generate("atom_eager", True, args, batch, ["--cuda-graph-backend-decode", "disabled"])
+        atom, atom_scores = serve_and_generate(
+            "atom_eager", True, args, batch, ["--cuda-graph-backend-decode", "disabled"], lambda _: forced
+        )
     logs = [os.path.join(args.out, f"{n}.log") for n in ("atom", "atom_eager")]
     proof = [ln.strip() for p in logs if os.path.exists(p) for ln in open(p) if "built for SGLang" in ln]
     print("atom's model in the atom server:", proof[-1] if proof else "NOT SEEN", flush=True)
-    result = {"native": native, "atom": atom, "atom_mode": atom_graph, "prompts": batch, "atom_log": proof}
+    result = {"native": native, "atom": atom, "atom_mode": atom_graph, "prompts": batch, "atom_log": proof,
+              "native_scores": native_scores, "atom_scores": atom_scores}  # fmt: skip
     with open(os.path.join(args.out, "compare.json"), "w") as f:
         json.dump(result, f)
     if native is None or atom is None:
@@ -263,6 +306,11 @@ def main() -> None:
         same += d is None
         print(f"| {k} | {len(p)} | {'yes' if d is None else 'no'} | {'-' if d is None else d} |")
     print(f"distinct tokens per native sequence: {[len(set(a)) for a in native]}; first native: {native[0][:12]}")
+    if native_scores and atom_scores:
+        for gap in (0.1, 0.5):
+            agree, n = agreement(native_scores, atom_scores, gap)
+            share = f"{agree}/{n} = {agree / max(n, 1):.2%}"
+            print(f"teacher-forced top-1 agreement where native's top-2 gap > {gap}: {share}")
     print(f"RESULT: {same}/{len(batch)} sequences identical")
 
 
