@@ -9,11 +9,16 @@ step of each batch kind atom's own engine warms up with (``atom.worker.warmup.wa
 two long prompts, a mid-size one, a chunk after a cached prefix, decode rows beside a chunk,
 decode rows at every split-K factor, a prompt of every power-of-two length) through vLLM's own
 ``execute_model``/``sample_tokens`` with hand-made scheduler outputs, as vLLM's
-``run_mixed_prefill_decode_warmup`` does; then the LM head at every row bucket.
+``run_mixed_prefill_decode_warmup`` does; then the LM head at every row bucket. The steps run
+eager (the CUDA-graph dispatcher held at NONE): no graph is captured yet, and where vLLM has
+already set up its graph keys (after profiling the graphs' memory, as on an H200 with
+Qwen3-30B-A3B) a step of a captured size would otherwise try to capture outside the capture phase
+and stop the warm-up.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -41,8 +46,9 @@ def warm_up_atom_kernels(worker) -> bool:
         sched = worker.scheduler_config
         # one token short of the model length: each step samples a token after its prompt
         batches = warmup_batches(sched.max_num_batched_tokens, worker.model_config.max_model_len - 1)
-        steps = sum(run_step(worker, q_lens, seq_lens, f"_atom_warmup_{i}")
-                    for i, (q_lens, seq_lens) in enumerate(batches) if len(q_lens) <= sched.max_num_seqs)  # fmt: skip
+        runnable = [(i, q, s) for i, (q, s) in enumerate(batches) if len(q) <= sched.max_num_seqs]
+        with eager_steps(worker.model_runner):
+            steps = sum(run_step(worker, q_lens, seq_lens, f"_atom_warmup_{i}") for i, q_lens, seq_lens in runnable)
         with torch.inference_mode():
             model = worker.model_runner.get_model()
             hidden = torch.zeros(SKINNY_ROWS, worker.model_config.get_hidden_size(), dtype=worker.model_config.dtype,
@@ -57,6 +63,24 @@ def warm_up_atom_kernels(worker) -> bool:
     logger.info("atom kernel warm-up: %d steps of %d batch kinds and the LM head up to %d rows took %.1f s", steps,
                 len(batches), SKINNY_ROWS, time.perf_counter() - start)  # fmt: skip
     return True
+
+
+@contextlib.contextmanager
+def eager_steps(model_runner):
+    """The model runner's steps dispatched to no CUDA graph while inside (vLLM's V1 runner:
+    ``CudagraphDispatcher.dispatch`` answers NONE while its mode is NONE); a runner without that
+    dispatcher is left as it is."""
+    dispatcher = getattr(model_runner, "cudagraph_dispatcher", None)
+    if dispatcher is None or not hasattr(dispatcher, "cudagraph_mode"):
+        yield
+        return
+    from vllm.config import CUDAGraphMode
+
+    mode, dispatcher.cudagraph_mode = dispatcher.cudagraph_mode, CUDAGraphMode.NONE
+    try:
+        yield
+    finally:
+        dispatcher.cudagraph_mode = mode
 
 
 def run_step(worker, q_lens: list[int], seq_lens: list[int], tag: str) -> bool:
