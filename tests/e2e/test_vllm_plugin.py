@@ -353,7 +353,16 @@ def test_platform_resolution_and_backend_selection(ckpts):
         mod, _, name = p.ATOM_GPU_WORKER.rpartition(".")
         atom_worker = getattr(__import__(mod, fromlist=[name]), name)
         skipped = worker.warm_up_atom_kernels(object()) is False
-        print("RESULT" + json.dumps(dict(
+        # its steps run with vLLM's own dispatcher answering "no CUDA graph", restored after
+        from types import SimpleNamespace
+        from vllm.config import CUDAGraphMode, VllmConfig
+        from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
+        dispatcher = CudagraphDispatcher(VllmConfig())
+        dispatcher.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
+        with worker.eager_steps(SimpleNamespace(cudagraph_dispatcher=dispatcher)):
+            inside = dispatcher.cudagraph_mode.name
+        eager = [inside, dispatcher.cudagraph_mode.name]
+        print("RESULT" + json.dumps(dict(eager=eager,
             vllm_worker=f"{Worker.__module__}.{Worker.__qualname__}" == p.VLLM_GPU_WORKER,
             atom_worker=issubclass(atom_worker, Worker) and atom_worker is worker.ATOMWorker, skipped=skipped,
             off=off, untested=untested, qualname=qualname, untouched=untouched, cls=type(current_platform).__qualname__,
@@ -383,6 +392,7 @@ def test_platform_resolution_and_backend_selection(ckpts):
                                       "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")}
     assert r["text_generation"]
     assert r["vllm_worker"] and r["atom_worker"] and r["skipped"], r
+    assert r["eager"] == ["NONE", "FULL_AND_PIECEWISE"], r["eager"]
     assert "atom kernel warm-up skipped" in log
 
 
