@@ -10,10 +10,9 @@ two long prompts, a mid-size one, a chunk after a cached prefix, decode rows bes
 decode rows at every split-K factor, a prompt of every power-of-two length) through vLLM's own
 ``execute_model``/``sample_tokens`` with hand-made scheduler outputs, as vLLM's
 ``run_mixed_prefill_decode_warmup`` does; then the LM head at every row bucket. The steps run
-eager (the CUDA-graph dispatcher held at NONE): no graph is captured yet, and where vLLM has
-already set up its graph keys (after profiling the graphs' memory, as on an H200 with
-Qwen3-30B-A3B) a step of a captured size would otherwise try to capture outside the capture phase
-and stop the warm-up.
+eager (the CUDA-graph dispatcher held at NONE): no graph is captured yet, and a step the
+dispatcher sends to one tries to capture outside vLLM's capture phase and stops the warm-up (seen
+with Qwen3-30B-A3B on an H200, where vLLM profiles its graphs' memory first).
 """
 
 from __future__ import annotations
