@@ -147,8 +147,8 @@ def _paged_attention_kernel(
 
     if SPLIT:
         # Partial results [token, head, split, ...]; the merge kernel normalises. A split past
-        # the keys (decode graphs are captured for the longest context, so most splits are at
-        # short ones) stores only its -inf max: the merge reads no output row for it.
+        # the keys stores only its -inf max, and the merge reads no output row for it (decode
+        # graphs are captured for the longest context: at short ones most splits are empty).
         row = (tok * tl.num_programs(1) * GROUP + head) * num_splits + split
         tl.store(part_max_ptr + row, m_i, mask=row_ok)
         tl.store(part_sum_ptr + row, l_i, mask=row_ok)
