@@ -46,6 +46,37 @@ def test_mla_decode_v3_shapes(lens, num_heads, dtype):
     assert_close(out, ref, dtype)
 
 
+@pytest.mark.parametrize(
+    "num_heads, lens, page, splits",
+    [(128, [1], 16, None), (128, [63, 64, 65], 16, None), (128, [17, 300, 2048, 5, 999, 64, 1, 128], 16, None),
+     (64, [70, 5, 200], 64, None), (128, [333, 9], 32, None), (128, [77, 130], 8, None), (128, [700], 128, None),
+     (128, [1000, 3], 16, 1), (128, [1000, 3], 16, 4), (128, [1000, 3], 16, 32), (256, [129], 16, 2),
+     (128, [2048] * 80, 16, None)],
+)  # fmt: skip
+def test_mla_decode_gluon(num_heads, lens, page, splits):
+    """The Gluon Hopper decode kernel (what ``mla_decode`` runs for 16-bit caches of 64+ head models on
+    sm_90) against the float32 reference: tile and page boundaries, pages of 8-128 rows, forced split
+    counts (a split past a short sequence sees no key), a batch past the SMs (no split)."""
+    from atom.ops.triton import mla_gluon
+
+    if not mla_gluon.available(torch.device(DEV)):
+        pytest.skip("needs Hopper (sm_90) and Triton's Gluon")
+    blocks = [-(-n // page) for n in lens]
+    tables = torch.zeros(len(lens), max(blocks) + 2, dtype=torch.int32, device=DEV)  # zero-padded, as vLLM's
+    ids = torch.randperm(sum(blocks) + 5, device=DEV).int()
+    for i, (start, n) in enumerate(zip([0, *torch.tensor(blocks).cumsum(0).tolist()], blocks)):
+        tables[i, :n] = ids[start : start + n]
+    cache = torch.randn(sum(blocks) + 5, page, 576, dtype=torch.bfloat16, device=DEV)
+    q = torch.randn(len(lens), num_heads, 576, dtype=torch.bfloat16, device=DEV)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    assert mla_gluon.supported(q, cache, 512)
+    out = mla_gluon.mla_decode_gluon(q, cache, seq_lens, tables, 192**-0.5, splits)
+    ref = reference.mla_decode(q.float(), cache.float(), seq_lens, tables, 192**-0.5, 512)
+    assert_close(out, ref, torch.bfloat16)
+    if splits is None:  # what mla_decode dispatches to
+        assert torch.equal(tk.mla_decode(q, cache, seq_lens, tables, 192**-0.5, 512), out)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("num_heads", [16, 128])
 def test_mla_prefill_attention_v3_shapes(num_heads, dtype):

@@ -10,12 +10,18 @@ widens them to the query's dtype, and folds the scale into the softmax scale and
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
 import triton.language as tl
 
+from atom.ops.triton import mla_gluon
 from atom.ops.triton.rope_cache import to_cache
+
+# 16-bit caches of 64+ head models decode through the Gluon kernel on Hopper (mla_gluon.py: 2.2-2.9x this
+# file's kernel at DeepSeek-V3's 128 heads, docs/kernels.md); ATOM_MLA_GLUON_DECODE=0 keeps them here
+GLUON_DECODE = os.environ.get("ATOM_MLA_GLUON_DECODE", "1") == "1"
 
 
 def _pow2(n: int, least: int = 16) -> int:
@@ -288,6 +294,8 @@ def mla_decode(
     """``num_splits``: context segments handled by separate programs and merged (chosen from
     the device's SM count when None; one on the CPU). ``k_scale``: an fp8 cache's scale."""
     num_seqs, num_heads, dim = q.shape
+    if GLUON_DECODE and num_seqs and mla_gluon.available(q.device) and mla_gluon.supported(q, kv_cache, kv_lora_rank):
+        return mla_gluon.mla_decode_gluon(q, kv_cache, seq_lens, block_tables, scale, num_splits)
     out = torch.empty(num_seqs, num_heads, kv_lora_rank, dtype=q.dtype, device=q.device)
     if num_seqs == 0:
         return out

@@ -1,0 +1,36 @@
+"""Which MLA decode calls the Gluon Hopper kernel takes (``atom.ops.triton.mla_gluon.supported``); the
+kernel itself runs only on sm_90 (tests/gpu/test_mla_gpu.py, tests/gpu/gluon_mla_check.py)."""
+
+import torch
+
+from atom.ops.triton import mla_gluon
+
+
+def _inputs(heads=128, page=16, dtype=torch.bfloat16, cache_dtype=None, rank=512, rope=64):
+    q = torch.zeros(3, heads, rank + rope, dtype=dtype)
+    cache = torch.zeros(10, page, rank + rope, dtype=cache_dtype or dtype)
+    return q, cache
+
+
+def test_supported_deepseek_v3_shapes():
+    for heads in (64, 128, 256):  # V3 at -tp 2 / 1, and more heads than V3
+        for page in (8, 16, 64, 256):
+            assert mla_gluon.supported(*_inputs(heads, page), 512)
+    assert mla_gluon.supported(*_inputs(dtype=torch.float16), 512)
+
+
+def test_unsupported_inputs_stay_on_triton():
+    assert not mla_gluon.supported(*_inputs(heads=16), 512)  # V2-Lite / Moonlight / V3 at -tp 8
+    assert not mla_gluon.supported(*_inputs(heads=96), 512)  # not whole 64-head blocks
+    assert not mla_gluon.supported(*_inputs(page=4), 512)  # pages below the 8-row swizzle atom
+    assert not mla_gluon.supported(*_inputs(dtype=torch.float32), 512)
+    assert not mla_gluon.supported(*_inputs(cache_dtype=torch.float8_e4m3fn), 512)  # fp8 latent cache
+    assert not mla_gluon.supported(*_inputs(rank=256, rope=64), 256)  # other latent dims
+    q, cache = _inputs()
+    wide = torch.zeros(10, 16, 640, dtype=torch.bfloat16)[..., :576]  # rows not packed
+    assert not mla_gluon.supported(q, wide, 512)
+    assert not mla_gluon.supported(q, cache.transpose(0, 1), 512)
+
+
+def test_not_available_off_hopper():
+    assert not mla_gluon.available(torch.device("cpu"))
