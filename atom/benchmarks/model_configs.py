@@ -43,6 +43,17 @@ _MOONLIGHT = dict(_MLA, model_type="deepseek_v3", architectures=["DeepseekV3ForC
 _MOONLIGHT.update(topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.446)
 _MOONLIGHT.update(vocab_size=163840, rope_theta=50000.0, rope_scaling=None, max_position_embeddings=8192)
 _MOONLIGHT.update(rms_norm_eps=1e-5, bos_token_id=163584, eos_token_id=163585, num_nextn_predict_layers=0)
+# DeepSeek-V3's attention (128 heads, q_lora 1536) and dense MLP in 8 layers: the whole model does not fit
+# one GPU; these layers show its MLA decode on one (benchmark shape only, no such checkpoint)
+_DEEPSEEK_V3_8L = dict(_MLA, model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], hidden_size=7168)
+_DEEPSEEK_V3_8L.update(num_hidden_layers=8, num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536)
+_DEEPSEEK_V3_8L.update(intermediate_size=18432, moe_intermediate_size=2048, n_routed_experts=256, n_shared_experts=1)
+_DEEPSEEK_V3_8L.update(num_experts_per_tok=8, first_k_dense_replace=8, n_group=8, topk_group=4, topk_method="noaux_tc")
+_DEEPSEEK_V3_8L.update(scoring_func="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.5, vocab_size=129280)
+_DEEPSEEK_V3_8L.update(rope_theta=10000.0, max_position_embeddings=163840, rms_norm_eps=1e-6, bos_token_id=0)
+_DEEPSEEK_V3_8L.update(eos_token_id=1, num_nextn_predict_layers=0)
+_DEEPSEEK_V3_8L["rope_scaling"] = dict(type="yarn", factor=40, original_max_position_embeddings=4096, mscale=1.0,
+                                      mscale_all_dim=1.0, beta_fast=32, beta_slow=1)
 CONFIGS = {
     "qwen3-0.6b": {**_QWEN3, **dict(zip(_SHAPE, (1024, 3072, 28, 16, 8))), "tie_word_embeddings": True},
     "qwen3-8b": {**_QWEN3, **dict(zip(_SHAPE, (4096, 12288, 36, 32, 8)))},
@@ -51,6 +62,7 @@ CONFIGS = {
     "llama-3-8b": {**_LLAMA3, **dict(zip(_SHAPE, (4096, 14336, 32, 32, 8)))},
     "deepseek-v2-lite": _DEEPSEEK_V2_LITE,  # deepseek-ai/DeepSeek-V2-Lite
     "moonlight-16b-a3b": _MOONLIGHT,  # moonshotai/Moonlight-16B-A3B
+    "deepseek-v3-8l": _DEEPSEEK_V3_8L,  # deepseek-ai/DeepSeek-V3's layers, 8 of them, all dense
 }
 
 
