@@ -1,7 +1,11 @@
-"""Compile the Gluon prefill kernel for sm_90 without a GPU and print its resource use.
+"""Compile the Gluon kernels (prefill attention, MLA decode) for sm_90 without a GPU and print their
+resource use.
 
     PYTHONPATH=$PWD /path/to/triton-3.6-venv/bin/python tests/gpu/gluon_compile_check.py \
         [--extra-site DIR]   # a site-packages that provides torch, appended after Triton's
+
+Triton 3.6 (the GPU machine's) without a venv: unzip its cp311 wheel (``pip download --no-deps
+triton==3.6.0``) into DIR and put DIR first on ``PYTHONPATH``; this repo's venv provides torch.
 
 Triton bundles ptxas, so ``triton.compile`` of a ``GluonASTSource`` for ``GPUTarget("cuda",
 90, 32)`` runs on the CPU; the compiled kernel's metadata gives registers, spills and shared
@@ -49,6 +53,28 @@ def compile_config(mod, cfg: dict):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
 
 
+MLA_CONFIGS = [dict(page=16, split=False), dict(page=16, split=True), dict(page=64, split=False)]
+
+
+def compile_mla(mod, cfg: dict):
+    """``mla_gluon``'s decode kernel at DeepSeek's dims over a bf16 cache of ``page``-row pages."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    rows = min(cfg["page"], mod.BLOCK_N)
+    desc = "tensordesc<bf16[{}, {}],{!r}>"
+    signature = {
+        "q_desc": desc.format(mod.HEADS, mod.COLS, mod._layout()), "c_desc": desc.format(rows, mod.COLS, mod._layout()),
+        "seq_lens_ptr": "*i32", "tables_ptr": "*i32", "out_ptr": "*bf16", "part_out_ptr": "*fp32",
+        "part_ml_ptr": "*fp32", "qk_scale": "fp32", "num_heads": "i32", "num_splits": "i32", "stride_tb": "i32",
+        "stride_ob": "i32", "stride_oh": "i32",
+    }  # fmt: skip
+    constexprs = dict(PAGE=cfg["page"], ROWS=rows, SPLIT=cfg["split"], VALUE_REGS=232, LOADER_REGS=24)
+    signature.update({k: "constexpr" for k in constexprs})
+    src = GluonASTSource(mod._mla_decode_gluon_kernel, signature, constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+
+
 def resources(kernel) -> tuple[int, int]:
     """Registers per thread and spill stores (bytes) of the compiled cubin, read with the
     cuobjdump that Triton bundles (the driver, which would report them, is absent here)."""
@@ -75,15 +101,18 @@ def main() -> int:
     args = ap.parse_args()
     if args.extra_site:
         sys.path.append(args.extra_site)
+    from atom.ops.triton import mla_gluon
     from atom.ops.triton import prefill_attention_gluon as mod
 
     print(f"triton {triton.__version__}; gluon available: {mod._HAVE_GLUON}")
     bad = 0
-    for cfg in CONFIGS:
+    jobs = [(f"prefill {c}", compile_config, mod, c) for c in CONFIGS]
+    jobs += [(f"mla decode {c}", compile_mla, mla_gluon, c) for c in MLA_CONFIGS]
+    for name, compile_fn, module, cfg in jobs:
         try:
-            k = compile_config(mod, cfg)
+            k = compile_fn(module, cfg)
         except Exception as e:  # report and go on to the next config
-            print(f"{cfg}: FAILED {type(e).__name__}: {str(e)[-1500:]}")
+            print(f"{name}: FAILED {type(e).__name__}: {str(e)[-1500:]}")
             if args.traceback:
                 import traceback
 
@@ -93,7 +122,7 @@ def main() -> int:
         regs, spills = resources(k)
         # the kernel-wide register cap; warp_specialize moves each partition to its own count
         setmax = sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", k.asm["ptx"])})
-        print(f"{cfg}: regs={regs} (setmaxnreg {setmax}) spill_bytes={spills} smem={k.metadata.shared} "
+        print(f"{name}: regs={regs} (setmaxnreg {setmax}) spill_bytes={spills} smem={k.metadata.shared} "
               f"warps={k.metadata.num_warps}")  # fmt: skip
         bad += spills > 0
         if args.dump and cfg is CONFIGS[0]:
