@@ -322,8 +322,15 @@ def mla_decode(
         SPLIT=splits > 1, HAS_SCALE=has_scale, **config,
     )  # fmt: skip
     if splits > 1:
-        _mla_merge_kernel[(num_seqs, num_heads)](
-            out, part_out, part_ml, num_heads, splits, out.stride(0), out.stride(1),
-            RANK=kv_lora_rank, BLOCK_RANK=block_rank, BLOCK_S=triton.next_power_of_2(splits),
-        )  # fmt: skip
+        merge_splits(out, part_out, part_ml)
     return out
+
+
+def merge_splits(out: torch.Tensor, part_out: torch.Tensor, part_ml: torch.Tensor) -> None:
+    """``out`` [B, H, rank] from the splits' partial sums ``part_out`` [B, H, splits, block_rank] and
+    running max / denominator ``part_ml`` [B, H, splits, 2] (also the Gluon kernel's, mla_gluon.py)."""
+    num_seqs, num_heads, splits, block_rank = part_out.shape
+    _mla_merge_kernel[(num_seqs, num_heads)](
+        out, part_out, part_ml, num_heads, splits, out.stride(0), out.stride(1),
+        RANK=out.shape[2], BLOCK_RANK=block_rank, BLOCK_S=triton.next_power_of_2(splits),
+    )  # fmt: skip

@@ -28,10 +28,10 @@ values (atom and vLLM allocate it zeroed).
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
-import triton
+
+from atom.ops.triton import prefill_attention_gluon
 
 try:  # Gluon and its Hopper module exist from Triton 3.5; the API used here is 3.6's
     from triton.experimental import gluon
@@ -49,6 +49,9 @@ try:  # Gluon and its Hopper module exist from Triton 3.5; the API used here is 
 except ImportError:  # pragma: no cover - depends on the installed Triton
     _HAVE_GLUON = False
 
+# the same conditions as the Gluon prefill kernel's (Hopper, Gluon, not the interpreter)
+available = prefill_attention_gluon.available
+
 RANK, ROPE = 512, 64
 HEADS = 64  # heads per program (one warpgroup's MMA rows)
 BLOCK_N = 64  # keys per tile
@@ -56,26 +59,6 @@ COLS = 64  # columns per shared-memory chunk (128-byte swizzle rows)
 CHUNKS = (RANK + ROPE) // COLS
 STAGES = 2
 LOG2E = 1.4426950408889634
-
-
-def available(device: torch.device | None = None) -> bool:
-    """Triton with Gluon's Hopper module, a CUDA device of compute capability 9.x, not the interpreter."""
-    if not _HAVE_GLUON or os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
-        return False
-    if device is not None and device.type != "cuda":
-        return False
-    index = device.index if device is not None and device.index is not None else torch.cuda.current_device()
-    return _capability(index)[0] == 9
-
-
-@functools.cache
-def _capability(device_index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device_index)
-
-
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def supported(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int) -> bool:
@@ -309,7 +292,7 @@ def _layout():
 def num_splits(device: torch.device, num_seqs: int, num_heads: int) -> int:
     """Context splits: the largest power of two keeping the programs (one per SM: their shared
     memory) within the SMs, at most 32."""
-    fill = min(_num_sms(device.index or 0) // (num_seqs * (num_heads // HEADS)), 32)
+    fill = min(prefill_attention_gluon._num_sms(device.index or 0) // (num_seqs * (num_heads // HEADS)), 32)
     return 1 if fill < 2 else 1 << (fill.bit_length() - 1)
 
 
@@ -318,7 +301,7 @@ def mla_decode_gluon(q, kv_cache, seq_lens, block_tables, scale, splits=None, co
     returns [B, H, 512]. ``splits``: context splits (from the SM count when None). Split partial
     results merge through ``atom.ops.triton.mla``'s merge kernel. ``config``: register counts of the
     value and loader partitions (``value_regs``, ``loader_regs``)."""
-    from atom.ops.triton.mla import _mla_merge_kernel  # mla imports this module
+    from atom.ops.triton.mla import merge_splits  # mla imports this module
 
     cfg = {"value_regs": 232, "loader_regs": 24, **(config or {})}
     num_seqs, num_heads, dim = q.shape
@@ -341,8 +324,5 @@ def mla_decode_gluon(q, kv_cache, seq_lens, block_tables, scale, splits=None, co
         VALUE_REGS=cfg["value_regs"], LOADER_REGS=cfg["loader_regs"], num_warps=4,
     )  # fmt: skip
     if splits > 1:
-        _mla_merge_kernel[(num_seqs, num_heads)](
-            out, part_out, part_ml, num_heads, splits, out.stride(0), out.stride(1),
-            RANK=RANK, BLOCK_RANK=RANK, BLOCK_S=triton.next_power_of_2(splits),
-        )  # fmt: skip
+        merge_splits(out, part_out, part_ml)
     return out
