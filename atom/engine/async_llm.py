@@ -71,6 +71,9 @@ class AsyncLLM:
         client_cls = AsyncEngineCoreClient if dp == 1 else DPAsyncEngineCoreClient
         self.client = client_cls(config, self._on_outputs, self._on_add_error, self._on_dead)
         self.requests: dict[str, _Request] = {}
+        # engine request ids admitted by check_capacity whose generate() has not registered
+        # them yet (it runs later, in a task, for n > 1, several prompts or --request-timeout)
+        self._admitted: set[str] = set()
         self._start_stats: EngineStats | None = None
         # called with every finished (or aborted) request's last output, e.g. for metrics
         self.finished_callbacks: list[Callable[[RequestOutput], None]] = []
@@ -128,18 +131,25 @@ class AsyncLLM:
     async def _in_pool(self, fn, *args, **kwargs):
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, lambda: fn(*args, **kwargs))
 
-    def check_capacity(self, num_requests: int) -> None:
+    def check_capacity(self, num_requests: int, request_ids: list[str] | None = None) -> None:
         """Refuse ``num_requests`` more engine requests if the queue is full (503: retry), or
-        if they could never fit (400: a retry would fail the same way)."""
+        if they could never fit (400: a retry would fail the same way). ``request_ids`` are
+        counted as in flight from now until ``generate`` registers them or ``release`` drops them."""
         if self.max_in_flight is None:
             return
         if num_requests > self.max_in_flight:
             raise InvalidInputError(f"this request needs {num_requests} sequences (prompts x n), more than the "
                                     f"server holds at once ({self.max_in_flight}); lower n or send fewer prompts",
                                     param="n")  # fmt: skip
-        if len(self.requests) + num_requests > self.max_in_flight:
-            raise EngineOverloadedError(f"the server is at capacity ({len(self.requests)} of {self.max_in_flight} "
+        in_flight = len(self.requests) + len(self._admitted)
+        if in_flight + num_requests > self.max_in_flight:
+            raise EngineOverloadedError(f"the server is at capacity ({in_flight} of {self.max_in_flight} "
                                         "requests in flight); retry later")
+        self._admitted.update(request_ids or ())
+
+    def release(self, request_ids: list[str]) -> None:
+        """Drop admitted ``request_ids`` that never reached ``generate`` (idempotent)."""
+        self._admitted.difference_update(request_ids)
 
     # requests
     async def generate(self, prompt: str | list[int] | ProcessedPrompt, params: SamplingParams, request_id: str,
@@ -158,6 +168,7 @@ class AsyncLLM:
         req = _Request(RequestState(request_id, prompt_text or processed.text, ids, params, self.tokenizer,
                                     arrival_time=arrival))
         self.requests[request_id] = req
+        self._admitted.discard(request_id)
         finished = False
         try:
             self.client.add_request(EngineCoreRequest(request_id, ids, params, self.eos_token_ids, arrival))

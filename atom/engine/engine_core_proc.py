@@ -39,6 +39,7 @@ from atom.engine.outputs import (
     UtilityCall,
     UtilityReply,
 )
+from atom.worker.executor import ignore_sigterm_while_parent_lives
 
 logger = logging.getLogger(__name__)
 
@@ -56,16 +57,12 @@ def _die_with_parent() -> None:
         pass
 
 
-def _raise_system_exit(signum, frame):
-    raise SystemExit(128 + signum)
-
-
 def run_engine_core(config: Config, in_addr: str, out_addr: str, ready_conn, parent_pid: int,
                     log_level: int) -> None:
     """Entry point of the core process (spawned)."""
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process coordinates shutdown
-    signal.signal(signal.SIGTERM, _raise_system_exit)
+    ignore_sigterm_while_parent_lives(parent_pid)  # a group SIGTERM too: it drains requests first
     pc = config.parallel_config
     name = f"engine-core {pc.data_parallel_rank}" if pc.data_parallel_size > 1 else "engine-core"
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s [{name}] %(name)s: %(message)s")

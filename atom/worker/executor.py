@@ -199,6 +199,7 @@ def _stop_ranks(procs: list, conns: list[Connection], rendezvous: str) -> None:
 # the rank process
 def _rank_main(spec: RankSpec, make_worker: Callable[[TPInfo], Any], conn: Connection) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent decides
+    ignore_sigterm_while_parent_lives(spec.parent_pid)  # so does a group SIGTERM
     logging.basicConfig(level=spec.log_level, format=f"%(levelname)s [rank {spec.rank}] %(name)s: %(message)s")
     threading.Thread(target=_watch_parent, args=(spec.parent_pid,), daemon=True, name="parent-watch").start()
     try:
@@ -236,6 +237,20 @@ def _reply(conn: Connection, reply: RpcReply) -> None:
         conn.send(reply)
     except OSError:
         os._exit(1)  # nobody to answer to
+
+
+def ignore_sigterm_while_parent_lives(parent_pid: int) -> None:
+    """SIGTERM to the whole process group (systemd's default KillMode, ``timeout``, ``kill -- -PGID``)
+    reaches this child as well as the process that owns it: while that parent lives, it drains and
+    then shuts its children down itself (killing them after a grace period), so the child leaves
+    SIGTERM to it; an orphan still exits on it."""
+
+    def on_sigterm(signum, frame):
+        if os.getppid() != parent_pid:
+            raise SystemExit(128 + signum)
+        logger.info("SIGTERM left to the parent process (pid %d), which shuts this one down", parent_pid)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
 
 
 def _watch_parent(parent_pid: int) -> None:

@@ -27,7 +27,7 @@ class ServerProcess:
     ``model=None`` starts it with no model (the embedded default)."""
 
     def __init__(self, model: str | None, workdir: Path, api_key: str | None = None, extra_args: tuple[str, ...] = (),
-                 env: dict[str, str] | None = None, via_cli: bool = False):
+                 env: dict[str, str] | None = None, via_cli: bool = False, own_group: bool = False):
         self.model = model
         self.api_key = api_key
         self.port = free_port()
@@ -45,7 +45,9 @@ class ServerProcess:
             "--shutdown-timeout", "20", *(["--api-key", api_key] if api_key else []), *extra_args,
         ]
         with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+            # own_group: a process group of its own (as a service manager starts it), for tests that signal it
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=own_group)
         self._wait_ready()
 
     @property

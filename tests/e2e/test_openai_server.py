@@ -502,8 +502,12 @@ def test_profile_offline(tiny_model, tmp_path):
 # process lifecycle (servers of their own: these tests end them)
 
 
-def test_sigterm_finishes_in_flight_and_leaves_no_orphans(make_server):
-    srv = make_server()
+@pytest.mark.parametrize("to_group", [False, True], ids=["process", "group"])
+def test_sigterm_finishes_in_flight_and_leaves_no_orphans(make_server, to_group):
+    """SIGTERM to the API process, or to its whole process group (systemd's default KillMode,
+    ``timeout``, ``kill -- -PGID``: the engine core gets it too and leaves the shutdown to the API
+    process, which drains first)."""
+    srv = make_server(own_group=to_group)
     children = srv.descendants()
     assert any("spawn_main" in " ".join(p.cmdline()) for p in children)
     result = {}
@@ -523,7 +527,10 @@ def test_sigterm_finishes_in_flight_and_leaves_no_orphans(make_server):
     t = threading.Thread(target=stream)
     t.start()
     assert started.wait(30)
-    srv.proc.send_signal(signal.SIGTERM)
+    if to_group:
+        os.killpg(srv.proc.pid, signal.SIGTERM)
+    else:
+        srv.proc.send_signal(signal.SIGTERM)
     t.join(60)
     events = result["events"]
     assert events[-1] == "[DONE]"

@@ -261,6 +261,39 @@ def test_full_queue_gets_503_with_retry_after(faulty_server):
     assert_serving(srv)
 
 
+@pytest.mark.parametrize("mode", ["n=2", "--request-timeout"])
+def test_queue_bound_holds_for_a_burst(make_server, mode):
+    """--max-num-seqs 2 --max-queued-requests 2: four engine requests at once, also for a burst of
+    requests whose engine requests start later, each in a task of its own (n > 1, or a request
+    timeout): they count from the admission check on, so the first ones are admitted and the rest
+    get 503 (before, every request of such a burst passed the check)."""
+    n = 2 if mode == "n=2" else 1
+    timeout = ("--request-timeout", "600") if mode == "--request-timeout" else ()
+    srv = make_server(extra_args=("--max-num-seqs", "2", "--max-queued-requests", "2", *timeout))
+    body = {"prompt": "Hello", "n": n, "max_tokens": MAX_MODEL_LEN - 16, "ignore_eos": True, "stream": True}
+    burst = 8
+    start = threading.Barrier(burst)
+    responses = []
+
+    def send():
+        start.wait()
+        responses.append(srv.post("/v1/completions", body, stream=True))  # returns at the status line
+
+    threads = [threading.Thread(target=send) for _ in range(burst)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    try:
+        statuses = sorted(r.status_code for r in responses)
+        assert statuses == [200] * (4 // n) + [503] * (burst - 4 // n), statuses
+    finally:
+        for r in responses:
+            r.close()
+    assert_all_blocks_free(srv)
+    assert_serving(srv)
+
+
 def test_request_timeout(make_server):
     srv = make_server(extra_args=("--request-timeout", "0.05"))
     # 496 engine steps cannot take less than 50 ms

@@ -8,7 +8,7 @@ import dataclasses
 import functools
 import logging
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
 from fastapi.responses import JSONResponse
@@ -161,13 +161,17 @@ class OpenAIServing:
         """All choices of a request as (choice index, output); choice ``p * n + i`` is the
         ``i``-th sample of prompt ``p``. Each is its own engine request; a seeded request
         gives each sample its own seed, so that the samples differ."""
-        self.engine.check_capacity(len(prompts) * n)
+        ids = [f"{request_id}-{p}-{i}" for p in range(len(prompts)) for i in range(n)]
+        # counted as in flight from here: their generate() runs later, in a task of its own with n > 1,
+        # several prompts or --request-timeout, so a burst would otherwise pass the check all at once
+        self.engine.check_capacity(len(ids), ids)
         streams = []
         for p, (prompt, sp) in enumerate(zip(prompts, params)):
             for i in range(n):
                 sub = sp if sp.seed is None or i == 0 else dataclasses.replace(sp, seed=sp.seed + i)
-                streams.append(self.engine.generate(prompt, sub, f"{request_id}-{p}-{i}"))
-        return with_timeout(merge_async_iterators(*streams), self.request_timeout)
+                streams.append(self.engine.generate(prompt, sub, ids[p * n + i]))
+        return _release_after(with_timeout(merge_async_iterators(*streams), self.request_timeout),
+                              functools.partial(self.engine.release, ids))
 
     async def first_output(self, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> tuple[int, RequestOutput]:
         """Wait for the first output, so that a request the engine refuses gets an HTTP error
@@ -236,6 +240,17 @@ async def with_timeout(outputs: AsyncIterator[T], timeout: float | None) -> Asyn
                 raise RequestTimeoutError(f"it ran longer than --request-timeout ({timeout:g} s)") from None
             yield item
     finally:
+        await outputs.aclose()
+
+
+async def _release_after(outputs: AsyncIterator[T], release: Callable[[], None]) -> AsyncIterator[T]:
+    """``outputs``; then, or when closed early, ``release()`` (the request's engine requests that
+    never started stop counting against the queue bound)."""
+    try:
+        async for item in outputs:
+            yield item
+    finally:
+        release()
         await outputs.aclose()
 
 
