@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from atom.ops.triton import mla_gluon
+from atom.ops.triton.mla_merge import merge_splits
 from atom.ops.triton.rope_cache import to_cache
 
 # 16-bit caches of 64+ head models decode through the Gluon kernel on Hopper (mla_gluon.py: 2.2-2.9x this
@@ -144,7 +145,7 @@ def _mla_decode_kernel(
     # loaded once for all the block's heads (the point of absorption). Head blocks vary
     # fastest, so the programs reading the same rows run side by side and share them in L2
     # (sequence first, the head blocks of a large batch ran in separate waves, each reading the
-    # rows from memory again). With SPLIT the partial results go to part_* for _mla_merge_kernel.
+    # rows from memory again). With SPLIT the partial results go to part_* for mla_merge.
     # HALVES: the latent columns as two halves (two tiles, two accumulators, two dots sharing P)
     # rather than one of each: at 64 heads the compiler then fits the loop in the registers.
     COLS: tl.constexpr = BLOCK_RANK // 2 if HALVES else BLOCK_RANK
@@ -227,27 +228,6 @@ def _mla_decode_store(
         tl.store(o_ptrs, (acc / denom[:, None]).to(out_ptr.dtype.element_ty), mask=omask)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
-def _mla_merge_kernel(
-    out_ptr, part_out_ptr, part_ml_ptr, num_heads, num_splits, stride_ob, stride_oh,
-    RANK: tl.constexpr, BLOCK_RANK: tl.constexpr, BLOCK_S: tl.constexpr,
-):  # fmt: skip
-    seq = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_r = tl.arange(0, BLOCK_RANK)
-    s_ok = offs_s < num_splits
-    row = (seq * num_heads + head) * num_splits + offs_s
-    m = tl.load(part_ml_ptr + 2 * row, mask=s_ok, other=float("-inf"))
-    denom = tl.load(part_ml_ptr + 2 * row + 1, mask=s_ok, other=0.0)
-    acc = tl.load(part_out_ptr + row[:, None] * BLOCK_RANK + offs_r[None, :], mask=s_ok[:, None], other=0.0)
-    # splits that saw no row have m = -inf and denom = 0: weight 0 (split 0 always has one)
-    w = tl.exp(m - tl.max(m, axis=0))
-    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(denom * w, axis=0)
-    o_ptrs = out_ptr + seq * stride_ob + head * stride_oh + offs_r
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=offs_r < RANK)
-
-
 def _num_splits(device: torch.device, num_programs: int) -> int:
     """Context splits when the (sequence, head block) programs would not fill the GPU: the
     largest power of two keeping them within four per SM, at most 32 (batch-1 decode of a
@@ -324,13 +304,3 @@ def mla_decode(
     if splits > 1:
         merge_splits(out, part_out, part_ml)
     return out
-
-
-def merge_splits(out: torch.Tensor, part_out: torch.Tensor, part_ml: torch.Tensor) -> None:
-    """``out`` [B, H, rank] from the splits' partial sums ``part_out`` [B, H, splits, block_rank] and
-    running max / denominator ``part_ml`` [B, H, splits, 2] (also the Gluon kernel's, mla_gluon.py)."""
-    num_seqs, num_heads, splits, block_rank = part_out.shape
-    _mla_merge_kernel[(num_seqs, num_heads)](
-        out, part_out, part_ml, num_heads, splits, out.stride(0), out.stride(1),
-        RANK=out.shape[2], BLOCK_RANK=block_rank, BLOCK_S=triton.next_power_of_2(splits),
-    )  # fmt: skip

@@ -32,6 +32,7 @@ import functools
 import torch
 
 from atom.ops.triton import prefill_attention_gluon
+from atom.ops.triton.mla_merge import merge_splits
 
 try:  # Gluon and its Hopper module exist from Triton 3.5; the API used here is 3.6's
     from triton.experimental import gluon
@@ -299,9 +300,8 @@ def num_splits(device: torch.device, num_seqs: int, num_heads: int) -> int:
 def mla_decode_gluon(q, kv_cache, seq_lens, block_tables, scale, splits=None, config=None):
     """``atom.ops.triton.mla_decode`` for the inputs ``supported`` accepts (no fp8 cache): q [B, H, 576],
     returns [B, H, 512]. ``splits``: context splits (from the SM count when None). Split partial
-    results merge through ``atom.ops.triton.mla``'s merge kernel. ``config``: register counts of the
+    results merge in ``mla_merge``. ``config``: register counts of the
     value and loader partitions (``value_regs``, ``loader_regs``)."""
-    from atom.ops.triton.mla import merge_splits  # mla imports this module
 
     cfg = {"value_regs": 232, "loader_regs": 24, **(config or {})}
     num_seqs, num_heads, dim = q.shape
