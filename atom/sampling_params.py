@@ -59,7 +59,9 @@ class SamplingParams:
     seed: int | None = None  # a signed 64-bit integer
     stop: list[str] | str | None = None  # stop strings, not included in the text
     stop_strings: list[str] | None = None  # the serving guide's name for `stop`
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)  # the stop token's text is not in the output either
+    include_stop_str_in_output: bool = False  # vLLM's: keep the stop string (or stop token's text) in the text
+    skip_special_tokens: bool = True  # vLLM's: leave special tokens out of the text
     logprobs: int | None = None  # top-N logprobs of each sampled position
     prompt_logprobs: int | None = None  # top-N logprobs of each prompt position
     # logits processing (vLLM's names and semantics, applied before temperature)

@@ -170,6 +170,9 @@ class EngineArgs:
         hf_config = load_hf_config(model, self.trust_remote_code)
         device = torch.device("cuda" if self.device == "auto" and torch.cuda.is_available() else
                               ("cpu" if self.device == "auto" else self.device))
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be at least 1 (leave it out for the model's own), "
+                             f"got {self.max_model_len}")
         max_len = self.max_model_len or default_max_model_len(hf_config)
         model_config = ModelConfig(
             model=model,

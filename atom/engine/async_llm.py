@@ -116,11 +116,12 @@ class AsyncLLM:
         return reason[0] if len(reason) == 1 else f"{reason[0].rstrip(':')}: {reason[-1].strip()}"
 
     # input processing, off the event loop
-    async def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True,
-                       param: str = "prompt", check_length: bool = True) -> ProcessedPrompt:
-        """A text or token-id prompt as checked token ids; ``InvalidInputError`` (a
-        ValueError naming ``param``) if it is unusable."""
-        return await self._in_pool(self.input_processor.tokenize, prompt, add_special_tokens, param, check_length)
+    async def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True, param: str = "prompt",
+                       check_length: bool = True, truncate: int | None = None) -> ProcessedPrompt:
+        """A text or token-id prompt as checked token ids (``truncate``: its last tokens only);
+        ``InvalidInputError`` (a ValueError naming ``param``) if it is unusable."""
+        return await self._in_pool(self.input_processor.tokenize, prompt, add_special_tokens, param, check_length,
+                                   truncate)  # fmt: skip
 
     async def apply_chat_template(self, messages: list[dict], **kwargs) -> ProcessedPrompt:
         return await self._in_pool(self.input_processor.apply_chat_template, messages, **kwargs)

@@ -43,10 +43,15 @@ class InputProcessor:
         self.max_token_chars = _max_token_chars(tokenizer)
 
     def tokenize(
-        self, prompt: str | list[int], add_special_tokens: bool = True, param: str = "prompt", check_length: bool = True
-    ) -> ProcessedPrompt:
+        self, prompt: str | list[int], add_special_tokens: bool = True, param: str = "prompt",
+        check_length: bool = True, truncate: int | None = None,
+    ) -> ProcessedPrompt:  # fmt: skip
         """A text or token-id prompt as token ids, checked (its length only if
-        ``check_length``: ``/tokenize`` counts the tokens of any text)."""
+        ``check_length``: ``/tokenize`` counts the tokens of any text). ``truncate``: keep the
+        last tokens only (vLLM's ``truncate_prompt_tokens``; -1: the context length)."""
+        if truncate is not None:
+            whole = self.tokenize(prompt, add_special_tokens, param, check_length=False)
+            return self._truncated(whole, truncate, param)
         if isinstance(prompt, str):
             return ProcessedPrompt(prompt, self._encode(prompt, add_special_tokens, param, check_length))
         ids = list(prompt)
@@ -66,24 +71,56 @@ class InputProcessor:
         chat_template_kwargs: dict[str, Any] | None = None,
         add_special_tokens: bool = False,
         check_length: bool = True,
+        chat_template: str | None = None,
+        truncate: int | None = None,
     ) -> ProcessedPrompt:
-        """The messages through the tokenizer's chat template, tokenised."""
+        """The messages through the tokenizer's chat template (or ``chat_template``, a Jinja
+        template of the request's own), tokenised; ``truncate`` as in ``tokenize``.
+        ``chat_template_kwargs`` may set ``add_generation_prompt`` / ``continue_final_message``
+        too (they win, as in vLLM)."""
         if not messages:
             raise InvalidInputError("messages must be a non-empty list", "messages")
         if self.tokenizer is None:
             raise InvalidInputError("chat messages need a tokenizer", "messages")
+        kwargs = dict(chat_template_kwargs or {})
+        add_generation_prompt = kwargs.pop("add_generation_prompt", add_generation_prompt)
+        continue_final_message = kwargs.pop("continue_final_message", continue_final_message)
+        reserved = [k for k in ("conversation", "messages", "tokenize", "return_dict", "return_tensors") if k in kwargs]
+        if reserved:
+            raise InvalidInputError(f"chat_template_kwargs: {', '.join(reserved)} cannot be set here",
+                                    "chat_template_kwargs")  # fmt: skip
+        if chat_template is not None:
+            kwargs["chat_template"] = chat_template
         try:
             text = self.tokenizer.apply_chat_template(
                 messages,
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt and not continue_final_message,
                 continue_final_message=continue_final_message,
-                **(chat_template_kwargs or {}),
+                **kwargs,
             )
         except Exception as e:  # no template, or the template refused the messages
             raise InvalidInputError(f"cannot apply the chat template: {_printable(e)}", "messages") from e
         # the template already holds the special tokens (BOS, role markers)
+        if truncate is not None:
+            return self._truncated(ProcessedPrompt(text, self._encode(text, add_special_tokens, "messages", False)),
+                                   truncate, "messages")  # fmt: skip
         return ProcessedPrompt(text, self._encode(text, add_special_tokens, "messages", check_length))
+
+    def _truncated(self, prompt: ProcessedPrompt, keep: int, param: str) -> ProcessedPrompt:
+        """The prompt's last ``keep`` tokens (-1: as many as the context holds); the text goes
+        with a cut (it no longer matches)."""
+        limit = self.max_seq_len
+        if keep == -1:
+            keep = limit
+        if not 1 <= keep <= limit:
+            raise InvalidInputError(f"truncate_prompt_tokens must be -1 or in [1, {limit}] (the context length), "
+                                    f"got {keep}", "truncate_prompt_tokens")  # fmt: skip
+        if not prompt.token_ids:
+            raise InvalidInputError("prompt is empty: it has no tokens", param)
+        if len(prompt.token_ids) <= keep:
+            return prompt
+        return ProcessedPrompt(None, prompt.token_ids[-keep:])
 
     def process_params(self, params: SamplingParams) -> None:
         """Check the token-id fields against the vocabulary and the structured-output grammar,

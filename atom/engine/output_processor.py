@@ -115,7 +115,8 @@ class RequestState:
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params
-        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids) if tokenizer else None
+        self.detokenizer = (IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
+                            if tokenizer else None)  # fmt: skip
         self.stream_callback = stream_callback
         self.token_ids: list[int] = []
         self.text = ""  # full decoded text, before stop-string truncation
@@ -167,17 +168,21 @@ class RequestState:
         if self.prompt_logprobs is not None:
             self.prompt_logprobs.extend(out.prompt_logprobs)
         finish_reason = out.finish_reason
-        if out.finish_reason == "stop" and out.new_token_ids and out.new_token_ids[-1] in self.params.stop_token_ids:
-            self.stop_reason = out.new_token_ids[-1]
+        new_ids = out.new_token_ids
+        if out.finish_reason == "stop" and new_ids and new_ids[-1] in self.params.stop_token_ids:
+            self.stop_reason = new_ids[-1]
+            if not self.params.include_stop_str_in_output:  # as vLLM: the stop token's text is left out
+                new_ids = new_ids[:-1]
         stopped = False
-        if self.detokenizer is not None and out.new_token_ids:
+        if self.detokenizer is not None and new_ids:
             old_len = len(self.text)
-            self.text += self.detokenizer.add(out.new_token_ids)
+            self.text += self.detokenizer.add(new_ids)
             # as vLLM: no stop string ends within the first min_tokens tokens' text
             if self.params.stop and len(self.token_ids) > self.params.min_tokens:
                 cut = self._find_stop(old_len)
                 if cut is not None:
-                    self.text = self.text[:cut]
+                    keep = len(self.stop_reason) if self.params.include_stop_str_in_output else 0
+                    self.text = self.text[: cut + keep]
                     finish_reason, stopped = "stop", True
         finished = finish_reason is not None
         # hold back text that might be the start of a stop string, until it is decided

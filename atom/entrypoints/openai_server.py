@@ -216,7 +216,8 @@ def make_arg_parser() -> argparse.ArgumentParser:
                         help="HF model directory or .gguf file (or --model; default: the embedded model)")
     EngineArgs.add_cli_args(parser)
     parser.add_argument("--host", type=str, default="0.0.0.0", help="bind address")
-    parser.add_argument("--port", dest="http_port", type=int, default=8000, help="HTTP port")
+    parser.add_argument("--port", "--server-port", dest="http_port", type=int, default=8000,
+                        help="HTTP port (--server-port: the seed guide's name)")
     parser.add_argument("--engine-port", dest="port", type=int, default=EngineArgs.port,
                         help="internal engine communication port (not the HTTP port)")
     parser.add_argument("--api-key", type=str, default=os.environ.get("ATOM_API_KEY"),

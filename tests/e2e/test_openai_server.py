@@ -181,6 +181,90 @@ def test_stop_strings(client, reference, tiny_model):
             assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+def test_stop_token_text_and_include_stop_str_in_output(client, reference, tiny_model):
+    """As vLLM: a stop token id's text is not in the output (its id is), nor is a stop string;
+    ``include_stop_str_in_output`` keeps either."""
+    [plain] = greedy(reference, [PROMPTS[4]], max_tokens=16)
+    ids, tok = plain["token_ids"], reference.tokenizer
+    stop_id = next(t for t in ids[2:] if tok.decode([t]).strip())
+    k = ids.index(stop_id)
+    texts = {}
+    for include in (False, True):
+        for stream in (False, True):
+            out = client.completions.create(model=tiny_model, prompt=PROMPTS[4], max_tokens=16, temperature=0,
+                                            stream=stream, extra_body={"stop_token_ids": [stop_id],
+                                                                       "include_stop_str_in_output": include})
+            chunks = list(out) if stream else [out]
+            assert chunks[-1].choices[0].finish_reason == "stop"
+            texts[include, stream] = "".join(c.choices[0].text for c in chunks)
+            if not stream:
+                assert out.usage.completion_tokens == k + 1  # the stop token is generated (and counted)
+    assert texts[False, False] == texts[False, True] and texts[True, False] == texts[True, True]
+    assert plain["text"].startswith(texts[True, False])
+    assert texts[True, False] == texts[False, False] + texts[True, False][len(texts[False, False]):]
+    assert texts[True, False][len(texts[False, False]):].strip() == tok.decode([stop_id]).strip()
+    # stop strings
+    text = plain["text"]
+    stop = text[4:7]
+    for stream in (False, True):
+        out = client.completions.create(model=tiny_model, prompt=PROMPTS[4], max_tokens=16, temperature=0, stop=stop,
+                                        stream=stream, extra_body={"include_stop_str_in_output": True})
+        chunks = list(out) if stream else [out]
+        assert "".join(c.choices[0].text for c in chunks) == text[: text.index(stop) + len(stop)]
+
+
+def test_skip_special_tokens(client, reference, tiny_model):
+    eos = reference.tokenizer.eos_token_id
+    body = dict(model=tiny_model, prompt=PROMPTS[0], max_tokens=2, temperature=0)
+    shown = {}
+    for skip in (True, False):
+        out = client.completions.create(**body, extra_body={"allowed_token_ids": [eos], "ignore_eos": True,
+                                                            "skip_special_tokens": skip})
+        shown[skip] = out.choices[0].text
+    assert shown == {True: "", False: reference.tokenizer.decode([eos, eos], skip_special_tokens=False)}
+
+
+def test_truncate_prompt_tokens(server, client, reference, tiny_model):
+    """vLLM's truncate_prompt_tokens: the last N prompt tokens, also for a prompt longer than the
+    context; echo shows the truncated prompt."""
+    long = " ".join(["token"] * (MAX_MODEL_LEN + 100))
+    out = client.completions.create(model=tiny_model, prompt=long, max_tokens=2, temperature=0, echo=True,
+                                    extra_body={"truncate_prompt_tokens": 10})
+    ids = reference.tokenizer.encode(long)[-10:]
+    assert out.usage.prompt_tokens == 10
+    assert out.choices[0].text.startswith(reference.tokenizer.decode(ids))
+    chat = client.chat.completions.create(model=tiny_model, messages=MESSAGES, max_tokens=1,
+                                          extra_body={"truncate_prompt_tokens": 5})
+    assert chat.usage.prompt_tokens == 5
+    for bad in (0, MAX_MODEL_LEN + 1):
+        r = server.post("/v1/completions", {"prompt": "Hi", "max_tokens": 1, "truncate_prompt_tokens": bad})
+        assert r.status_code == 400 and "truncate_prompt_tokens" in r.json()["error"]["message"]
+
+
+def test_null_fields_and_vllm_request_options(server, reference, tiny_model):
+    """null for a field with a default is that default (OpenAI's clients send it); a request's own
+    chat_template, and chat_template_kwargs that set add_generation_prompt, are used; vLLM fields atom
+    does not implement are a 400 naming them, not ignored."""
+    r = server.post("/v1/completions", {"prompt": "Hi", "max_tokens": 1, "n": None, "stream": None, "echo": None})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 1
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    r = server.post("/tokenize", {"messages": MESSAGES, "chat_template": template})
+    assert r.json()["tokens"] == reference.tokenizer.encode("".join(m["content"] for m in MESSAGES),
+                                                             add_special_tokens=False)
+    r = server.post("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 1, "chat_template": template})
+    assert r.status_code == 200
+    r = server.post("/tokenize", {"messages": MESSAGES, "chat_template_kwargs": {"add_generation_prompt": False}})
+    assert r.status_code == 200
+    assert r.json()["tokens"] == chat_prompt_ids(reference, MESSAGES)[: r.json()["count"]]
+    assert r.json()["count"] < len(chat_prompt_ids(reference, MESSAGES))  # no assistant turn started
+    for path, body, name in [("/v1/completions", {"prompt": "Hi", "prompt_logprobs": 1}, "prompt_logprobs"),
+                             ("/v1/chat/completions", {"messages": MESSAGES, "echo": True}, "echo"),
+                             ("/v1/completions", {"prompt": "Hi", "spaces_between_special_tokens": False},
+                              "spaces_between_special_tokens")]:
+        r = server.post(path, {**body, "max_tokens": 1})
+        assert r.status_code == 400 and name in r.json()["error"]["message"], r.text
+
+
 def test_chat_logprobs(client, tiny_model):
     out = client.chat.completions.create(model=tiny_model, messages=MESSAGES, max_tokens=6, temperature=0,
                                          logprobs=True, top_logprobs=3)

@@ -35,6 +35,23 @@ def test_step_budget_by_device(tiny_model):
     assert config.scheduler_config.max_num_batched_tokens == 5000
 
 
+def test_max_model_len_below_one_is_refused(tiny_model):
+    import pytest
+
+    for bad in (0, -5):
+        with pytest.raises(ValueError, match="max_model_len must be at least 1"):
+            EngineArgs(model=tiny_model("qwen3"), device="cpu", max_model_len=bad).create_engine_config()
+
+
+def test_server_port_spellings():
+    """The HTTP port: vLLM's --port, and the seed guide's --server-port."""
+    from atom.entrypoints.openai_server import make_arg_parser
+
+    assert make_arg_parser().parse_args(["--server-port", "8123"]).http_port == 8123
+    assert make_arg_parser().parse_args(["--port", "8124"]).http_port == 8124
+    assert make_arg_parser().parse_args([]).http_port == 8000
+
+
 def test_cli_spellings():
     args = parse(["--model", "m", "-tp", "2", "-dp", "3", "--enforce-eager", "--enable_prefix_caching",
                   "--kv_cache_dtype", "fp8", "--block-size", "32", "--max-model-len", "99",

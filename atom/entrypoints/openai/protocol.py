@@ -84,6 +84,11 @@ class StructuredOutputsRequest(OpenAIBaseModel):
     disable_any_whitespace: bool = False
 
 
+# fields whose null means their default (not an error)
+_NULLABLE_DEFAULTS = frozenset({"n", "stream", "echo", "ignore_eos", "min_tokens", "include_stop_str_in_output",
+                                "skip_special_tokens", "spaces_between_special_tokens", "add_generation_prompt",
+                                "continue_final_message", "logprobs"})
+
 # OpenAI request fields atom does not implement: refused (400) rather than ignored
 UNSUPPORTED_FIELDS = ("functions", "function_call", "audio", "prediction", "web_search_options",
                       "guided_whitespace_pattern", "structural_tag")
@@ -123,6 +128,20 @@ class SamplingRequest(OpenAIRequest):
     guided_grammar: Text | None = None
     guided_decoding_backend: Text | None = None
     modalities: list[Text] | None = None
+    # vLLM's output and prompt controls
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT64_MAX)
+    prompt_logprobs: int | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data):
+        """``null`` for a field with a default means the default (OpenAI's spec lets clients send it)."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k not in _NULLABLE_DEFAULTS}
+        return data
 
     @field_validator("stop")
     @classmethod
@@ -143,6 +162,13 @@ class SamplingRequest(OpenAIRequest):
 
     @model_validator(mode="after")
     def _unsupported(self):
+        if self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported by atom (completions return the prompt's logprobs "
+                             "with echo=true and logprobs)")
+        if not self.spaces_between_special_tokens:
+            raise ValueError("spaces_between_special_tokens=false is not supported by atom")
+        if self.truncate_prompt_tokens == 0:
+            raise ValueError("truncate_prompt_tokens must be -1 (the context length) or at least 1")
         if self.best_of not in (None, 1, self.n):
             raise ValueError("best_of is not supported by atom (only best_of == n)")
         if self.guided_decoding_backend not in (None, "auto", "xgrammar"):
@@ -203,7 +229,9 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template: Text | None = None  # vLLM's: a Jinja template of the request's own
     chat_template_kwargs: dict[str, Any] | None = None
+    echo: bool = False
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -214,6 +242,8 @@ class ChatCompletionRequest(SamplingRequest):
             self.messages = self.prompt
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
+        if self.echo:
+            raise ValueError("echo is not supported by atom's chat completions")
         if self.continue_final_message and self.add_generation_prompt:  # vLLM's rule
             raise ValueError("continue_final_message=true needs add_generation_prompt=false (the final message "
                              "is continued, so no new assistant turn is started)")
@@ -399,6 +429,7 @@ class TokenizeChatRequest(OpenAIRequest):
     continue_final_message: bool = False
     add_special_tokens: bool = False
     return_token_strs: bool = False
+    chat_template: Text | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 

@@ -60,7 +60,9 @@ class OpenAIServingChat(OpenAIServing):
             [_template_message(m) for m in request.messages],
             add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message,
-            chat_template_kwargs=template_kwargs)
+            chat_template_kwargs=template_kwargs,
+            chat_template=request.chat_template,
+            truncate=request.truncate_prompt_tokens)
         max_tokens = self.max_tokens(request.requested_max_tokens, len(prompt.token_ids), "messages")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = self.sampling_params(request, max_tokens, logprobs=logprobs, structured=plan.constraint or structured)

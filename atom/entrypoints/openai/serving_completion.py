@@ -31,7 +31,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def _create(self, request: CompletionRequest, request_id: str):
         self.check_model(request.model)
         self.check_alive()
-        prompts = [await self.engine.tokenize(p) for p in request.prompts()]
+        prompts = [await self.engine.tokenize(p, truncate=request.truncate_prompt_tokens) for p in request.prompts()]
         # echo shows the prompt's text: decode token-id prompts once, off the event loop
         echoed = [p.text if p.text is not None or not request.echo else await self.engine.detokenize(p.token_ids)
                   for p in prompts]

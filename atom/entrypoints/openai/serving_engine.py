@@ -141,6 +141,8 @@ class OpenAIServing:
                 seed=request.seed,
                 stop=request.stop,
                 stop_token_ids=request.stop_token_ids or [],
+                include_stop_str_in_output=request.include_stop_str_in_output,
+                skip_special_tokens=request.skip_special_tokens,
                 ignore_eos=request.ignore_eos,
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,

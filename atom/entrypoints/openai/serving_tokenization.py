@@ -32,6 +32,7 @@ class OpenAIServingTokenization(OpenAIServing):
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
                 chat_template_kwargs=request.chat_template_kwargs,
+                chat_template=request.chat_template,
                 add_special_tokens=request.add_special_tokens,
                 check_length=False,
             )
