@@ -119,16 +119,17 @@ def _internal_error(request: Request, exc: Exception) -> JSONResponse:
 def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | None = None,
               max_request_body_size: int = DEFAULT_MAX_REQUEST_BODY_SIZE,
               request_timeout: float | None = None, enable_auto_tool_choice: bool = False,
-              tool_call_parser: str | None = None) -> FastAPI:
+              tool_call_parser: str | None = None, trust_request_chat_template: bool = False) -> FastAPI:
     """The FastAPI app; its lifespan shuts the engine down (``serve`` starts it before the
     port opens). The reasoning parser is the engine's (``--reasoning-parser``)."""
     metrics = ServerMetrics(served_model_names[0])
     engine.finished_callbacks.append(metrics.observe_finished)
-    chat = OpenAIServingChat(engine, served_model_names, request_timeout,
+    chat = OpenAIServingChat(engine, served_model_names, request_timeout, trust_request_chat_template,
                              enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
                              reasoning_parser=engine.config.reasoning_parser)
     completion = OpenAIServingCompletion(engine, served_model_names, request_timeout)
-    tokenization = OpenAIServingTokenization(engine, served_model_names)
+    tokenization = OpenAIServingTokenization(engine, served_model_names,
+                                             trust_request_chat_template=trust_request_chat_template)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -240,6 +241,9 @@ def make_arg_parser() -> argparse.ArgumentParser:
                              "with Retry-After")
     parser.add_argument("--request-timeout", type=float, default=None,
                         help="seconds a request may run before it is aborted (504); default: no limit")
+    parser.add_argument("--trust-request-chat-template", action="store_true",
+                        help="accept a request's own chat_template (vLLM's flag; refused by default: it runs on the "
+                             "server)")
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help='tool_choice "auto": parse tool calls out of the output (needs --tool-call-parser)')
     parser.add_argument("--tool-call-parser", type=str, default=None, choices=sorted(TOOL_PARSERS),
@@ -278,7 +282,7 @@ def serve(args: argparse.Namespace) -> None:
     engine = AsyncLLM(config, max_queued_requests=args.max_queued_requests)
     names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
     app = build_app(engine, names, args.api_key, args.max_request_body_size, args.request_timeout,
-                    args.enable_auto_tool_choice, args.tool_call_parser)
+                    args.enable_auto_tool_choice, args.tool_call_parser, args.trust_request_chat_template)
     uv_config = uvicorn.Config(app, host=args.host, port=args.http_port, log_level=args.uvicorn_log_level,
                                access_log=not args.disable_uvicorn_access_log,
                                timeout_graceful_shutdown=args.shutdown_timeout)

@@ -242,17 +242,11 @@ def test_truncate_prompt_tokens(server, client, reference, tiny_model):
 
 
 def test_null_fields_and_vllm_request_options(server, reference, tiny_model):
-    """null for a field with a default is that default (OpenAI's clients send it); a request's own
-    chat_template, and chat_template_kwargs that set add_generation_prompt, are used; vLLM fields atom
-    does not implement are a 400 naming them, not ignored."""
+    """null for a field with a default is that default (OpenAI's clients send it); chat_template_kwargs
+    that set add_generation_prompt are used; vLLM fields atom does not implement are a 400 naming
+    them, not ignored."""
     r = server.post("/v1/completions", {"prompt": "Hi", "max_tokens": 1, "n": None, "stream": None, "echo": None})
     assert r.status_code == 200 and len(r.json()["choices"]) == 1
-    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-    r = server.post("/tokenize", {"messages": MESSAGES, "chat_template": template})
-    assert r.json()["tokens"] == reference.tokenizer.encode("".join(m["content"] for m in MESSAGES),
-                                                             add_special_tokens=False)
-    r = server.post("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 1, "chat_template": template})
-    assert r.status_code == 200
     r = server.post("/tokenize", {"messages": MESSAGES, "chat_template_kwargs": {"add_generation_prompt": False}})
     assert r.status_code == 200
     assert r.json()["tokens"] == chat_prompt_ids(reference, MESSAGES)[: r.json()["count"]]
@@ -263,6 +257,25 @@ def test_null_fields_and_vllm_request_options(server, reference, tiny_model):
                               "spaces_between_special_tokens")]:
         r = server.post(path, {**body, "max_tokens": 1})
         assert r.status_code == 400 and name in r.json()["error"]["message"], r.text
+
+
+def test_request_chat_template_needs_trust(server, make_server, reference):
+    """A request's own chat_template (or one in chat_template_kwargs) is refused unless the server
+    runs with --trust-request-chat-template, as vLLM; then it is used."""
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    bodies = [("/tokenize", {"messages": MESSAGES, "chat_template": template}),
+              ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 1, "chat_template": template}),
+              ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 1,
+                                        "chat_template_kwargs": {"chat_template": template}})]  # fmt: skip
+    for path, body in bodies:
+        r = server.post(path, body)
+        assert r.status_code == 400 and "--trust-request-chat-template" in r.json()["error"]["message"], r.text
+    trusting = make_server(extra_args=("--trust-request-chat-template",))
+    for path, body in bodies:
+        assert trusting.post(path, body).status_code == 200
+    r = trusting.post("/tokenize", bodies[0][1])
+    assert r.json()["tokens"] == reference.tokenizer.encode("".join(m["content"] for m in MESSAGES),
+                                                             add_special_tokens=False)
 
 
 def test_chat_logprobs(client, tiny_model):

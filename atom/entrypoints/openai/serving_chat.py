@@ -53,6 +53,7 @@ class OpenAIServingChat(OpenAIServing):
         if plan.forced and structured is not None:
             raise OpenAIError(f"tool_choice {plan.choice!r} constrains the output already: drop the structured "
                               "output fields (response_format, structured_outputs, guided_*)", param="tool_choice")
+        self.check_chat_template(request.chat_template, request.chat_template_kwargs)
         template_kwargs = dict(request.chat_template_kwargs or {})
         if plan.tools and plan.choice != "none":
             template_kwargs["tools"] = plan.tools

@@ -84,11 +84,21 @@ def sse(data: BaseModel | str) -> str:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM, served_model_names: list[str], request_timeout: float | None = None):
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str], request_timeout: float | None = None,
+                 trust_request_chat_template: bool = False):
         self.engine = engine
         self.served_model_names = served_model_names
         self.tokenizer = engine.tokenizer
         self.request_timeout = request_timeout
+        self.trust_request_chat_template = trust_request_chat_template
+
+    def check_chat_template(self, chat_template: str | None, chat_template_kwargs: dict | None) -> None:
+        """A request's own chat template runs on the server (Jinja, sandboxed but unbounded in
+        time): refused unless the server trusts its clients' templates, as vLLM does."""
+        given = chat_template is not None or (chat_template_kwargs or {}).get("chat_template") is not None
+        if given and not self.trust_request_chat_template:
+            raise OpenAIError("Chat template is passed with request, but --trust-request-chat-template is not set. "
+                              "Refused request with untrusted chat template.", param="chat_template")
 
     @property
     def model_name(self) -> str:

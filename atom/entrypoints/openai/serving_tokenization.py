@@ -27,6 +27,7 @@ class OpenAIServingTokenization(OpenAIServing):
     async def _tokenize(self, request: TokenizeCompletionRequest | TokenizeChatRequest):
         self.check_model(request.model)
         if isinstance(request, TokenizeChatRequest):
+            self.check_chat_template(request.chat_template, request.chat_template_kwargs)
             prompt = await self.engine.apply_chat_template(
                 [{"role": m.role, "content": m.text()} for m in request.messages],
                 add_generation_prompt=request.add_generation_prompt,
