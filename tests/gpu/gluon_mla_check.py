@@ -122,13 +122,12 @@ def page_timing(cfg: dict) -> dict:
 
 
 def _repage(cache_tables, page):
+    """The same latent rows in a cache of ``page``-row pages: (cache, block tables)."""
+    import kernel_bench as kb
     import torch
 
     cache, tables = cache_tables
-    b, dim = tables.shape[0], cache.shape[-1]
-    rows = torch.stack([cache[tables[i].long()].reshape(-1, dim) for i in range(b)])
-    import kernel_bench as kb
-
+    rows = torch.stack([cache[t.long()].reshape(-1, cache.shape[-1]) for t in tables])
     return kb.paged(rows, page)
 
 

@@ -26,10 +26,12 @@ def test_unsupported_inputs_stay_on_triton():
     assert not mla_gluon.supported(*_inputs(dtype=torch.float32), 512)
     assert not mla_gluon.supported(*_inputs(cache_dtype=torch.float8_e4m3fn), 512)  # fp8 latent cache
     assert not mla_gluon.supported(*_inputs(rank=256, rope=64), 256)  # other latent dims
-    q, cache = _inputs()
+    q, _ = _inputs()
     wide = torch.zeros(10, 16, 640, dtype=torch.bfloat16)[..., :576]  # rows not packed
     assert not mla_gluon.supported(q, wide, 512)
-    assert not mla_gluon.supported(q, cache.transpose(0, 1), 512)
+    every_other = torch.zeros(20, 16, 576, dtype=torch.bfloat16)[::2]  # pages not packed
+    assert not mla_gluon.supported(q, every_other, 512)
+    assert mla_gluon.supported(q, every_other.contiguous(), 512)
 
 
 def test_not_available_off_hopper():

@@ -25,6 +25,12 @@ from atom.ops.triton.rope_cache import to_cache
 GLUON_DECODE = os.environ.get("ATOM_MLA_GLUON_DECODE", "1") == "1"
 
 
+@functools.cache
+def _gluon_decode(device: torch.device) -> bool:
+    """Whether decode on ``device`` may take the Gluon kernel (decided once: every layer asks every step)."""
+    return GLUON_DECODE and mla_gluon.available(device)
+
+
 def _pow2(n: int, least: int = 16) -> int:
     return max(least, triton.next_power_of_2(n))
 
@@ -274,7 +280,7 @@ def mla_decode(
     """``num_splits``: context segments handled by separate programs and merged (chosen from
     the device's SM count when None; one on the CPU). ``k_scale``: an fp8 cache's scale."""
     num_seqs, num_heads, dim = q.shape
-    if GLUON_DECODE and num_seqs and mla_gluon.available(q.device) and mla_gluon.supported(q, kv_cache, kv_lora_rank):
+    if num_seqs and _gluon_decode(q.device) and mla_gluon.supported(q, kv_cache, kv_lora_rank):
         return mla_gluon.mla_decode_gluon(q, kv_cache, seq_lens, block_tables, scale, num_splits)
     out = torch.empty(num_seqs, num_heads, kv_lora_rank, dtype=q.dtype, device=q.device)
     if num_seqs == 0:
