@@ -26,6 +26,9 @@ CONFIGS = [
     dict(block_n=128, stages=2, pingpong=False),
     dict(block_n=64, stages=3, pingpong=True),
     dict(block_n=128, stages=2, pingpong=True, head_dim=64),
+    dict(cache_page=16),  # chunks over a cached prefix, pages of 16 rows
+    dict(cache_page=128),
+    dict(cache_page=16, head_dim=64),
 ]
 
 
@@ -34,20 +37,25 @@ def compile_config(mod, cfg: dict):
     from triton.experimental.gluon._runtime import GluonASTSource
 
     head_dim = cfg.get("head_dim", 128)
-    full = {**mod.DEFAULT_CONFIG, **cfg}
+    full = {**mod.DEFAULT_CONFIG, **{k: v for k, v in cfg.items() if k != "cache_page"}}
+    page = cfg.get("cache_page", 16)
+    rows = min(page, full["block_n"])
     desc = "tensordesc<bf16[{}, {}],{!r}>"
     lay = lambda rows: mod._layout(rows, head_dim, 16)  # noqa: E731
     signature = {
         "q_desc": desc.format(mod.HALF, head_dim, lay(mod.HALF)),
         "k_desc": desc.format(full["block_n"], head_dim, lay(full["block_n"])),
         "v_desc": desc.format(full["block_n"], head_dim, lay(full["block_n"])),
-        "out_ptr": "*bf16", "cu_seqlens_ptr": "*i32", "qk_scale": "fp32", "num_seqs": "i32", "num_slots": "i32",
-        "num_items": "i32",
-        "stride_ot": "i32", "stride_oh": "i32",
+        "kc_desc": desc.format(rows, head_dim, lay(full["block_n"])),
+        "vc_desc": desc.format(rows, head_dim, lay(full["block_n"])),
+        "out_ptr": "*bf16", "cu_seqlens_ptr": "*i32", "seq_lens_ptr": "*i32", "tables_ptr": "*i32",
+        "stride_bt": "i32", "stride_cb": "i32", "stride_ch": "i32", "qk_scale": "fp32", "num_seqs": "i32",
+        "num_slots": "i32", "num_items": "i32", "stride_ot": "i32", "stride_oh": "i32",
     }  # fmt: skip
     constexprs = dict(GROUP=4, NUM_Q_HEADS=32, HEAD_DIM=head_dim, BLOCK_N=full["block_n"], STAGES=full["stages"],
                       PINGPONG=full["pingpong"], CONSUMER_REGS=full["consumer_regs"],
-                      LOADER_REGS=full["loader_regs"])  # fmt: skip
+                      LOADER_REGS=full["loader_regs"], HAS_CACHE="cache_page" in cfg, PAGE=page,
+                      ROWS=rows)  # fmt: skip
     signature.update({k: "constexpr" for k in constexprs})
     src = GluonASTSource(mod._prefill_gluon_kernel, signature, constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))

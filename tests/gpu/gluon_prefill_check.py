@@ -5,7 +5,8 @@ kernel and FlashAttention 3 (when ``vllm.vllm_flash_attn`` imports). One command
 
 Each Gluon config runs in its own subprocess with a timeout, so a config that fails to
 compile, computes wrong results or hangs is reported and the sweep goes on. Qwen3-8B heads
-(32 q / 8 kv, head_dim 128), bf16, fresh random inputs (seed printed), causal, no prefix.
+(32 q / 8 kv, head_dim 128), bf16, fresh random inputs (seed printed), causal, fresh prompts and
+chunks over a cached prefix (read from a paged cache of 16-row blocks, as ``paged_attention`` runs it).
 Correctness: max abs error against a float32 reference within 2e-2 x max(1, |ref|) (the
 bf16 tolerance of tests/gpu/test_kernels_gpu.py), and the difference to atom's kernel.
 Timing: every call captured over enough input copies to defeat L2 in one CUDA graph,
@@ -31,46 +32,61 @@ CONFIGS = {  # over DEFAULT_CONFIG of atom.ops.triton.prefill_attention_gluon
     "s3_nopp": dict(pingpong=False),
     "s2_nopp_nonpersist": dict(stages=2, pingpong=False, persistent=False, consumer_regs=240),
 }
-CHECK_SHAPES = {"q=1": [1], "q=17": [17], "q=512": [512], "q=1000": [1000], "q=2048": [2048], "q=3001": [3001],
-                "q=8192": [8192], "8x2048": [2048] * 8, "varlen": [1, 17, 1000, 3001, 128, 129, 64]}  # fmt: skip
-TIME_SHAPES = {"q=512": [512], "q=2048": [2048], "q=8192": [8192], "8x2048": [2048] * 8}
+# name -> (chunk lengths, cached prefix lengths)
+CHECK_SHAPES = {"q=1": ([1], [0]), "q=17": ([17], [0]), "q=512": ([512], [0]), "q=1000": ([1000], [0]),
+                "q=2048": ([2048], [0]), "q=3001": ([3001], [0]), "q=8192": ([8192], [0]),
+                "8x2048": ([2048] * 8, [0] * 8), "varlen": ([1, 17, 1000, 3001, 128, 129, 64], [0] * 7),
+                "q=512 ctx=4096": ([512], [4096]), "q=1000 ctx=3001": ([1000], [3001]),
+                "q=5 ctx=100": ([5], [100]), "prefix mix": ([130, 129, 300, 64, 2049], [8000, 70, 0, 127, 1])}
+TIME_SHAPES = {"q=512": ([512], [0]), "q=2048": ([2048], [0]), "q=8192": ([8192], [0]), "8x2048": ([2048] * 8, [0] * 8),
+               "q=512 ctx=4k": ([512], [4096]), "4x512 ctx=4k": ([512] * 4, [4096] * 4),
+               "q=2048 ctx=4k": ([2048], [4096]), "q=2048 ctx=6k": ([2048], [6144]),
+               "q=128 ctx=8k": ([128], [8192]), "q=256 ctx=16k": ([256], [16384])}  # fmt: skip
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 LOG2E = 1.4426950408889634
 
 
-def inputs(q_lens, seed):
-    """q, k, v packed [tokens, heads, d]; cu_seqlens; and the same K/V in a paged cache
-    (block size 16, blocks scattered) for atom's Triton kernel and FA3."""
+def inputs(shape, seed):
+    """q and the chunks' own k, v packed [tokens, heads, d]; cu_seqlens; and every key of each
+    sequence (cached prefix, then chunk) in a paged cache (block size 16, blocks scattered)."""
     import torch
 
+    q_lens, ctx_lens = shape
+    seq_lens = [c + n for c, n in zip(ctx_lens, q_lens)]
     g = torch.Generator(device="cuda").manual_seed(seed)
-    n = sum(q_lens)
-    q = torch.randn(n, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
-    k, v = (torch.randn(n, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    q = torch.randn(sum(q_lens), HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
+    k_all, v_all = (torch.randn(sum(seq_lens), KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
+                    for _ in range(2))  # fmt: skip
+    cu_k = [0, *itertools.accumulate(seq_lens)]
+    chunk = torch.cat([torch.arange(cu_k[i] + c, cu_k[i + 1]) for i, c in enumerate(ctx_lens)]).cuda()
     cu = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device="cuda")
-    max_blocks = -(-max(q_lens) // BLOCK)
+    max_blocks = -(-max(seq_lens) // BLOCK)
     tables = torch.randperm(len(q_lens) * max_blocks, device="cuda", generator=g).int().view(len(q_lens), max_blocks)
     k_cache = torch.zeros(len(q_lens) * max_blocks, KV_HEADS, BLOCK, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     v_cache = torch.zeros_like(k_cache)
-    pos = torch.cat([torch.arange(m, device="cuda") for m in q_lens])
-    seq = torch.repeat_interleave(torch.arange(len(q_lens), device="cuda"), torch.tensor(q_lens, device="cuda"))
+    pos = torch.cat([torch.arange(m, device="cuda") for m in seq_lens])
+    seq = torch.repeat_interleave(torch.arange(len(q_lens), device="cuda"), torch.tensor(seq_lens, device="cuda"))
     slots = tables[seq, pos // BLOCK].long()
-    k_cache[slots, :, pos % BLOCK] = k
-    v_cache[slots, :, pos % BLOCK] = v
-    lens = torch.tensor(q_lens, dtype=torch.int32, device="cuda")
-    return dict(q=q, k=k, v=v, cu=cu, k_cache=k_cache, v_cache=v_cache, tables=tables, lens=lens, q_lens=q_lens)
+    k_cache[slots, :, pos % BLOCK] = k_all
+    v_cache[slots, :, pos % BLOCK] = v_all
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    return dict(q=q, k=k_all[chunk], v=v_all[chunk], k_all=k_all, v_all=v_all, cu_k=cu_k, cu=cu, k_cache=k_cache,
+                v_cache=v_cache, tables=tables, lens=lens, q_lens=q_lens, ctx_lens=ctx_lens)  # fmt: skip
 
 
 def reference(d):
-    """float32 causal attention per sequence (GQA by repeating K/V heads)."""
+    """float32 causal attention per sequence over its prefix and chunk (GQA by repeating K/V heads)."""
     import torch
 
     out = torch.empty(d["q"].shape, dtype=torch.float32, device="cuda")
     group = HEADS // KV_HEADS
-    for a, b in itertools.pairwise(d["cu"].tolist()):
+    for i, (a, b) in enumerate(itertools.pairwise(d["cu"].tolist())):
         q = d["q"][a:b].float().transpose(0, 1)
-        k, v = (d[x][a:b].float().repeat_interleave(group, dim=1).transpose(0, 1) for x in ("k", "v"))
-        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=HEAD_DIM**-0.5)
+        k, v = (d[x][d["cu_k"][i] : d["cu_k"][i + 1]].float().repeat_interleave(group, dim=1).transpose(0, 1)
+                for x in ("k_all", "v_all"))  # fmt: skip
+        ctx = d["ctx_lens"][i]
+        visible = torch.arange(k.shape[1], device="cuda")[None, :] <= ctx + torch.arange(b - a, device="cuda")[:, None]
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=HEAD_DIM**-0.5)
         out[a:b] = o.transpose(0, 1)
     return out
 
@@ -82,29 +98,20 @@ def calls(d):
     from atom.ops.triton.prefill_attention import prefill_attention
     from atom.ops.triton.prefill_attention_gluon import prefill_attention_gluon
 
-    m = max(d["q_lens"])
+    m, m_k = max(d["q_lens"]), int(d["lens"].max())
     scale = HEAD_DIM**-0.5
     out, tri_out = torch.empty_like(d["q"]), torch.empty_like(d["q"])
+    cache = (d["k_cache"], d["v_cache"], d["lens"], d["tables"])
     fns = {
-        # atom's Triton prefill kernel with packed K/V (what paged_attention runs)
+        # atom's Triton prefill kernel with packed K/V (what paged_attention ran before the Gluon one)
         "triton": lambda: (
-            prefill_attention(
-                d["q"],
-                tri_out,
-                d["k_cache"],
-                d["v_cache"],
-                d["cu"],
-                d["lens"],
-                d["tables"],
-                scale * LOG2E,
-                k=d["k"],
-                v=d["v"],
-                max_seqlen_k=m,
-            ),
+            prefill_attention(d["q"], tri_out, *cache[:2], d["cu"], d["lens"], d["tables"], scale * LOG2E, k=d["k"],
+                              v=d["v"], max_seqlen_k=m_k),
             tri_out,
         )[1],  # fmt: skip
+        # as paged_attention calls it: the prefix (if any) from the paged cache
         "gluon": lambda cfg=None: (
-            prefill_attention_gluon(d["q"], d["k"], d["v"], out, d["cu"], scale * LOG2E, cfg),
+            prefill_attention_gluon(d["q"], d["k"], d["v"], out, d["cu"], scale * LOG2E, cfg, cache=cache),
             out,
         )[1],  # fmt: skip
     }
@@ -114,7 +121,7 @@ def calls(d):
         return fns
     k_fa, v_fa = (c.permute(0, 2, 1, 3).contiguous() for c in (d["k_cache"], d["v_cache"]))
     fa_out = torch.empty_like(d["q"])
-    fns["fa3"] = lambda: fa3(d["q"], k_fa, v_fa, max_seqlen_q=m, cu_seqlens_q=d["cu"], max_seqlen_k=m,
+    fns["fa3"] = lambda: fa3(d["q"], k_fa, v_fa, max_seqlen_q=m, cu_seqlens_q=d["cu"], max_seqlen_k=m_k,
                              seqused_k=d["lens"], softmax_scale=scale, causal=True, block_table=d["tables"],
                              out=fa_out, fa_version=3)  # fmt: skip
     return fns
@@ -135,23 +142,24 @@ def graph_ms(fns) -> float:
     return triton.testing.do_bench(graph.replay, warmup=25, rep=100, return_mode="median") / len(fns)
 
 
-def timed(name, q_lens, seed, cfg=None) -> float:
+def timed(name, shape, seed, cfg=None) -> float:
     """Time kernel ``name`` over enough input copies (4x L2) to defeat the cache."""
     import functools
 
     import torch
 
-    nbytes = sum(q_lens) * (HEADS * 2 + KV_HEADS * 2) * HEAD_DIM * 2
+    q_lens, ctx_lens = shape
+    nbytes = (sum(q_lens) * HEADS * 2 + (sum(q_lens) + sum(ctx_lens)) * KV_HEADS * 2) * HEAD_DIM * 2
     copies = min(32, max(1, -(-4 * torch.cuda.get_device_properties(0).L2_cache_size // nbytes)))
     fns = []
     for i in range(copies):
-        fn = calls(inputs(q_lens, seed + i))[name]
+        fn = calls(inputs(shape, seed + i))[name]
         fns.append(functools.partial(fn, cfg) if name == "gluon" else fn)
     return graph_ms(fns)
 
 
-def flops(q_lens) -> int:
-    return 4 * HEADS * HEAD_DIM * sum(n * (n + 1) // 2 for n in q_lens)
+def flops(shape) -> int:
+    return 4 * HEADS * HEAD_DIM * sum(n * c + n * (n + 1) // 2 for n, c in zip(*shape))
 
 
 def worker(kind: str, cfg: dict | None, seed: int) -> dict:
@@ -162,13 +170,13 @@ def worker(kind: str, cfg: dict | None, seed: int) -> dict:
 
     res = dict(kind=kind, cfg=cfg, check={}, ms={})
     if kind == "baseline":
-        names = [n for n in ("triton", "fa3") if n in calls(inputs([16], seed))]
-        for shape, q_lens in TIME_SHAPES.items():
-            res["ms"][shape] = {n: timed(n, q_lens, seed) for n in names}
+        names = [n for n in ("triton", "fa3") if n in calls(inputs(([16], [0]), seed))]
+        for name, shape in TIME_SHAPES.items():
+            res["ms"][name] = {n: timed(n, shape, seed) for n in names}
         return res
     assert available(), "Gluon Hopper path not available on this device / Triton"
-    for shape, q_lens in CHECK_SHAPES.items():
-        d = inputs(q_lens, seed)
+    for shape, lens in CHECK_SHAPES.items():
+        d = inputs(lens, seed)
         fns = calls(d)
         out = fns["gluon"](cfg).float()
         torch.cuda.synchronize()
@@ -177,17 +185,26 @@ def worker(kind: str, cfg: dict | None, seed: int) -> dict:
         tol = 2e-2 * max(1.0, ref.abs().max().item())
         res["check"][shape] = dict(err=err, ok=err <= tol,
                                    vs_triton=(out - fns["triton"]().float()).abs().max().item())  # fmt: skip
-    # metadata sliced past the first sequence (cu_seqlens not starting at 0), as after decode rows
-    d = inputs(CHECK_SHAPES["varlen"], seed)
+    # metadata sliced past the first sequence (cu_seqlens not starting at 0), as after decode rows;
+    # then the kernel without a cache (fresh sequences only)
+    d = inputs(CHECK_SHAPES["prefix mix"], seed)
     a = int(d["cu"][1])
     out = torch.empty_like(d["q"][a:])
-    prefill_attention_gluon(d["q"][a:], d["k"][a:], d["v"][a:], out, d["cu"][1:], HEAD_DIM**-0.5 * LOG2E, cfg)
+    cache = (d["k_cache"], d["v_cache"], d["lens"][1:], d["tables"][1:])
+    prefill_attention_gluon(d["q"][a:], d["k"][a:], d["v"][a:], out, d["cu"][1:], HEAD_DIM**-0.5 * LOG2E, cfg,
+                            cache=cache)  # fmt: skip
     ref = reference(d)[a:]
     err = (out.float() - ref).abs().max().item()
     res["check"]["sliced"] = dict(err=err, ok=err <= 2e-2 * max(1.0, ref.abs().max().item()), vs_triton=0.0)
+    d = inputs(CHECK_SHAPES["varlen"], seed)
+    out = torch.empty_like(d["q"])
+    prefill_attention_gluon(d["q"], d["k"], d["v"], out, d["cu"], HEAD_DIM**-0.5 * LOG2E, cfg)
+    ref = reference(d)
+    err = (out.float() - ref).abs().max().item()
+    res["check"]["no cache"] = dict(err=err, ok=err <= 2e-2 * max(1.0, ref.abs().max().item()), vs_triton=0.0)
     if all(c["ok"] for c in res["check"].values()):
-        for shape, q_lens in TIME_SHAPES.items():
-            res["ms"][shape] = {"gluon": timed("gluon", q_lens, seed, cfg)}
+        for name, shape in TIME_SHAPES.items():
+            res["ms"][name] = {"gluon": timed("gluon", shape, seed, cfg)}
     return res
 
 
@@ -234,14 +251,14 @@ def main() -> int:
     if "error" in results["baseline"]:
         print(f"baseline: ERROR {results['baseline']['error']}")
     print("\n| shape | kernel | ms | TFLOP/s | vs FA3 | vs triton |\n|---|---|---|---|---|---|")
-    for shape, q_lens in TIME_SHAPES.items():
+    for shape, lens in TIME_SHAPES.items():
         rows = dict(base.get(shape, {}))
         rows.update({n: r["ms"][shape]["gluon"] for n, r in results.items()
                      if n != "baseline" and shape in r.get("ms", {})})  # fmt: skip
         fa3, tri = rows.get("fa3"), rows.get("triton")
         for n, ms in rows.items():
             vs = [f"{ref / ms:.2f}" if ref else "-" for ref in (fa3, tri)]
-            print(f"| {shape} | {n} | {ms:.4f} | {flops(q_lens) / ms / 1e9:.0f} | {vs[0]} | {vs[1]} |")
+            print(f"| {shape} | {n} | {ms:.4f} | {flops(lens) / ms / 1e9:.0f} | {vs[0]} | {vs[1]} |")
     return 0 if all("error" not in r and all(c["ok"] for c in r.get("check", {}).values())
                     for r in results.values()) else 1  # fmt: skip
 

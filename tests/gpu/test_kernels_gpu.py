@@ -79,6 +79,17 @@ def make_batch(q_lens, context_lens, num_q_heads, num_kv_heads, head_dim, block_
     return q, k_cache, v_cache, cu.to(DEV), seq_lens.to(DEV), tables.contiguous().to(DEV)
 
 
+def packed_kv(args, q_lens, context_lens):
+    """The batch's new keys and values [tokens, kv_heads, head_dim] as the attention layer passes
+    them (the same values the cache holds for them)."""
+    _, k_cache, v_cache, _, _, tables = args
+    block = k_cache.shape[2]
+    pos = torch.cat([torch.arange(c, c + n) for c, n in zip(context_lens, q_lens)]).to(DEV)
+    seq = torch.repeat_interleave(torch.arange(len(q_lens)), torch.tensor(q_lens)).to(DEV)
+    slots = tables[seq, pos // block].long()
+    return k_cache[slots, :, pos % block], v_cache[slots, :, pos % block]
+
+
 def reference_attention(q, k_cache, v_cache, cu, seq_lens, tables, scale):
     return reference.paged_attention(q.float(), k_cache.float(), v_cache.float(), cu, seq_lens, tables, scale)
 
@@ -113,14 +124,43 @@ def test_paged_attention_packed_kv(model):
     # K/V also passed packed (read through tensor descriptors).
     q_lens = [1] * 10 + [2049, 300]
     context_lens = torch.randint(1, 4000, (10,)).tolist() + [0, 1500]
-    q, k_cache, v_cache, cu, seq_lens, tables = args = make_batch(q_lens, context_lens, *MODELS[model], 16,
-                                                                  torch.bfloat16)  # fmt: skip
-    pos = torch.cat([torch.arange(c, c + n) for c, n in zip(context_lens, q_lens)]).to(DEV)
-    seq = torch.repeat_interleave(torch.arange(len(q_lens)), torch.tensor(q_lens)).to(DEV)
-    slots = tables[seq, pos // 16].long()
-    k, v = k_cache[slots, :, pos % 16], v_cache[slots, :, pos % 16]
+    args = make_batch(q_lens, context_lens, *MODELS[model], 16, torch.bfloat16)
+    k, v = packed_kv(args, q_lens, context_lens)
     out = tk.paged_attention(*args, 128**-0.5, 2049, 2049, num_decode_tokens=10, k=k, v=v)
     assert_close(out, reference_attention(*args, 128**-0.5), torch.bfloat16)
+
+
+GLUON_BATCHES = {
+    # (q_lens, context_lens): chunks over cached prefixes that end mid-tile, mid-page and on a
+    # tile edge; a chunk ending in its prefix's last key tile; decode rows first (own launch)
+    "fresh_and_prefix": ([4096, 200, 1000], [0, 3000, 128]),
+    "tile_edges": ([127, 128, 129, 2049, 300], [0, 4096, 255, 1, 17]),
+    "short_after_long": ([130, 129], [8000, 70]),
+    "decode_first": ([1] * 20 + [700, 1000], [*range(100, 4000, 195), 1500, 0]),
+}
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 64, 256])
+@pytest.mark.parametrize("batch", GLUON_BATCHES)
+@pytest.mark.parametrize("model", ["qwen3_8b", "qwen3_0.6b", "d64_mha"])
+def test_paged_attention_gluon_prefill(model, batch, block_size, monkeypatch):
+    # On Hopper, prefill chunks with their K/V packed run the Gluon kernel, the cached prefix
+    # read page by page from the cache (pages of 8 to 256 rows: below, at and above a key tile)
+    from atom.ops.triton import attention, prefill_attention_gluon
+
+    if not attention._gluon_prefill(torch.device(DEV)):
+        pytest.skip("the Gluon prefill kernel needs an sm_90 GPU and Triton with Gluon")
+    calls = []
+    real = prefill_attention_gluon.prefill_attention_gluon
+    monkeypatch.setattr(prefill_attention_gluon, "prefill_attention_gluon",
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))  # fmt: skip
+    q_lens, context_lens = GLUON_BATCHES[batch]
+    args = make_batch(q_lens, context_lens, *MODELS[model], block_size, torch.bfloat16)
+    k, v = packed_kv(args, q_lens, context_lens)
+    scale, max_k = MODELS[model][2] ** -0.5, max(c + n for c, n in zip(context_lens, q_lens))
+    out = tk.paged_attention(*args, scale, max(q_lens), max_k, num_decode_tokens=q_lens.count(1), k=k, v=v)
+    assert calls, "the batch did not reach the Gluon kernel"
+    assert_close(out, reference_attention(*args, scale), torch.bfloat16)
 
 
 PREFILL_VARIANTS = {
@@ -140,10 +180,7 @@ def test_prefill_variants(config, batch):
     q_lens, context_lens = BATCHES[batch]()
     q, k_cache, v_cache, cu, seq_lens, tables = args = make_batch(q_lens, context_lens, 32, 8, 128, 16,
                                                                   torch.bfloat16)  # fmt: skip
-    pos = torch.cat([torch.arange(c, c + n) for c, n in zip(context_lens, q_lens)]).to(DEV)
-    seq = torch.repeat_interleave(torch.arange(len(q_lens)), torch.tensor(q_lens)).to(DEV)
-    slots = tables[seq, pos // 16].long()
-    k, v = k_cache[slots, :, pos % 16], v_cache[slots, :, pos % 16]
+    k, v = packed_kv(args, q_lens, context_lens)
     out = torch.full_like(q, float("nan"))  # every element must be written
     prefill_attention(q, out, k_cache, v_cache, cu, seq_lens, tables, 128**-0.5 * 1.4426950408889634, config, k=k,
                       v=v)  # fmt: skip

@@ -28,12 +28,26 @@ as before (``with_columns`` is then the row mask alone).
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import triton
 import triton.language as tl
 
+from atom.ops.triton import prefill_attention_gluon as gluon
 from atom.ops.triton.attention_merge import merge_splits, split_partials, with_columns
 from atom.ops.triton.prefill_attention import _find_seq, _num_sms, descriptor_ready, prefill_attention
+
+# Hopper: prefill chunks that fill the Gluon kernel's 128-row query tiles run there (docs/kernels.md);
+# ATOM_GLUON_PREFILL=0 keeps them on this package's Triton kernel
+GLUON_PREFILL = os.environ.get("ATOM_GLUON_PREFILL", "1") == "1"
+
+
+@functools.cache
+def _gluon_prefill(device: torch.device) -> bool:
+    """Whether prefill on ``device`` may take the Gluon kernel (decided once: every layer asks every step)."""
+    return GLUON_PREFILL and gluon.available(device)
 
 
 # per-step values (sequence count, block-table width, metadata slice offsets) are not
@@ -208,6 +222,11 @@ def _attend(
     group_pad = triton.next_power_of_2(group)
     log2e = 1.4426950408889634
     if num_splits == 1 and max_seqlen_q * group_pad >= 128:
+        if (k is not None and max_seqlen_q >= gluon.BLOCK_M and _gluon_prefill(q.device)
+                and gluon.supported(q, k, v) and gluon.cache_supported(q, k_cache, v_cache)):  # fmt: skip
+            gluon.prefill_attention_gluon(q, k, v, out, cu_seqlens_q, scale * log2e,
+                                          cache=(k_cache, v_cache, seq_lens, block_tables))  # fmt: skip
+            return
         prefill_attention(q, out, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale * log2e, k=k, v=v,
                           kv_scales=kv_scales, max_seqlen_k=max_seqlen_k)  # fmt: skip
         return

@@ -94,26 +94,45 @@ if _HAVE_GLUON:
         return lo - 1
 
     @gluon.jit
-    def _work_item(w, cu_seqlens_ptr, num_seqs, num_q_heads, num_slots):
-        """Work item ``w`` -> (query head, first token of its sequence, sequence length, first
-        query row): query tiles heaviest (last) first, query heads fastest."""
+    def _work_item(w, cu_seqlens_ptr, seq_lens_ptr, num_seqs, num_q_heads, num_slots, HAS_CACHE: gl.constexpr):
+        """Work item ``w`` -> (query head, sequence, first token of its sequence, its query rows,
+        its cached prefix length, first query row): query tiles heaviest (last) first, query heads
+        fastest."""
         tile = num_slots - 1 - w // num_q_heads
         q_base = gl.load(cu_seqlens_ptr)  # a slice of the batch's metadata may not start at 0
         seq = _find_seq(cu_seqlens_ptr, q_base, tile, num_seqs, _BLOCK_M)
         tok0 = gl.load(cu_seqlens_ptr + seq) - q_base
         q_len = gl.load(cu_seqlens_ptr + seq + 1) - q_base - tok0
-        return w % num_q_heads, tok0, q_len, (tile - (tok0 // _BLOCK_M + seq)) * _BLOCK_M
+        ctx = 0
+        if HAS_CACHE:
+            ctx = gl.load(seq_lens_ptr + seq) - q_len
+        return w % num_q_heads, seq, tok0, q_len, ctx, (tile - (tok0 // _BLOCK_M + seq)) * _BLOCK_M
 
     @gluon.jit
-    def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
-                cu_seqlens_ptr, num_seqs, num_q_heads, num_slots, num_items, GROUP: gl.constexpr,
-                HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    def _load_pages(c_desc, table, seq_len, kv_row, stride_cb, t, bar, dst, PAGE: gl.constexpr,
+                    ROWS: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
+        """Key tile ``t`` from the paged cache into ``dst``: one copy of ``ROWS`` rows per page
+        (or per tile, for pages of a tile or more). Boxes past the sequence read the box of its
+        last key instead (keys the causal mask hides), so no block-table padding is followed."""
+        last_box = ((seq_len - 1) // ROWS) * ROWS
+        for i in gl.static_range(BLOCK_N // ROWS):
+            key = gl.minimum(t * BLOCK_N + i * ROWS, last_box)
+            page = gl.load(table + key // PAGE)
+            tma.async_copy_global_to_shared(c_desc, [page * stride_cb + kv_row + key % PAGE, 0], bar,
+                                            dst.slice(i * ROWS, ROWS))  # fmt: skip
+
+    @gluon.jit
+    def _loader(q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                kv_empty, cu_seqlens_ptr, seq_lens_ptr, tables_ptr, stride_bt, stride_cb, stride_ch, num_seqs,
+                num_q_heads, num_slots, num_items, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                STAGES: gl.constexpr, HAS_CACHE: gl.constexpr, PAGE: gl.constexpr, ROWS: gl.constexpr):  # fmt: skip
         c = 0  # key tiles loaded so far (ring position and phase)
         it = 0  # work items loaded so far
         for w in range(gl.program_id(0), num_items, gl.num_programs(0)):
-            head, tok0, q_len, first_q = _work_item(w, cu_seqlens_ptr, num_seqs, num_q_heads, num_slots)
+            head, seq, tok0, q_len, ctx, first_q = _work_item(w, cu_seqlens_ptr, seq_lens_ptr, num_seqs, num_q_heads,
+                                                              num_slots, HAS_CACHE)  # fmt: skip
             if first_q < q_len:
-                n_tiles = gl.cdiv(gl.minimum(first_q + _BLOCK_M, q_len), BLOCK_N)
+                n_tiles = gl.cdiv(ctx + gl.minimum(first_q + _BLOCK_M, q_len), BLOCK_N)
                 # Q is reused once both consumers are past the previous item's last QK^T
                 mbarrier.wait(q_empty, (it & 1) ^ 1, pred=it > 0)
                 mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
@@ -121,16 +140,29 @@ if _HAVE_GLUON:
                 tma.async_copy_global_to_shared(q_desc, [tok0 + first_q + _HALF, head * HEAD_DIM], q_ready,
                                                 q_smem.index(1))  # fmt: skip
                 kv_col = (head // GROUP) * HEAD_DIM
+                # tiles holding a cached key come from the paged cache, the rest from the chunk's
+                # packed K/V (the tile at position t starts at packed row tok0 - ctx + t * BLOCK_N)
+                paged_hi = 0
+                if HAS_CACHE:
+                    paged_hi = gl.cdiv(ctx, BLOCK_N)
                 for t in range(n_tiles):
                     s = c % STAGES
                     # a stage is reused once both consumers have released its previous tile
                     mbarrier.wait(kv_empty.index(s), ((c // STAGES) & 1) ^ 1, pred=c >= STAGES)
                     mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(k_desc, [tok0 + t * BLOCK_N, kv_col], k_ready.index(s),
-                                                    k_smem.index(s))  # fmt: skip
                     mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(v_desc, [tok0 + t * BLOCK_N, kv_col], v_ready.index(s),
-                                                    v_smem.index(s))  # fmt: skip
+                    if t < paged_hi:
+                        table = tables_ptr + seq.to(gl.int64) * stride_bt
+                        seq_len = ctx + q_len
+                        kv_row = (head // GROUP) * stride_ch
+                        _load_pages(kc_desc, table, seq_len, kv_row, stride_cb, t, k_ready.index(s), k_smem.index(s),
+                                    PAGE, ROWS, BLOCK_N)  # fmt: skip
+                        _load_pages(vc_desc, table, seq_len, kv_row, stride_cb, t, v_ready.index(s), v_smem.index(s),
+                                    PAGE, ROWS, BLOCK_N)  # fmt: skip
+                    else:
+                        row = tok0 - ctx + t * BLOCK_N
+                        tma.async_copy_global_to_shared(k_desc, [row, kv_col], k_ready.index(s), k_smem.index(s))
+                        tma.async_copy_global_to_shared(v_desc, [row, kv_col], v_ready.index(s), v_smem.index(s))
                     c += 1
                 it += 1
 
@@ -151,20 +183,21 @@ if _HAVE_GLUON:
 
     @gluon.jit
     def _consume_item(out_ptr, q, k_smem, v_smem, q_empty, k_ready, v_ready, kv_empty, turn, qk_scale, first_q, q_len,
-                      tok0, head, stride_ot, stride_oh, c, tc, H: gl.constexpr, HEAD_DIM: gl.constexpr,
+                      ctx, tok0, head, stride_ot, stride_oh, c, tc, H: gl.constexpr, HEAD_DIM: gl.constexpr,
                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr):  # fmt: skip
         """One work item for warpgroup ``H``; ``c``: key tiles consumed before it (ring
-        position), ``tc``: MMA turns taken before it. Returns the key tiles it used."""
+        position), ``tc``: MMA turns taken before it. Key tiles are numbered by position in the
+        sequence (``ctx`` cached keys, then the chunk's). Returns the key tiles it used."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])  # fmt: skip
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, HEAD_DIM, 16])  # fmt: skip
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         dtype: gl.constexpr = q.dtype
-        n_tiles = gl.cdiv(gl.minimum(first_q + _BLOCK_M, q_len), BLOCK_N)
+        n_tiles = gl.cdiv(ctx + gl.minimum(first_q + _BLOCK_M, q_len), BLOCK_N)
         row0 = first_q + H * _HALF
-        q_pos = row0 + gl.arange(0, _HALF, layout=gl.SliceLayout(1, s_layout))
-        mask_from = (row0 + 1) // BLOCK_N  # key tiles below this are visible to every row
+        q_pos = ctx + row0 + gl.arange(0, _HALF, layout=gl.SliceLayout(1, s_layout))
+        mask_from = (ctx + row0 + 1) // BLOCK_N  # key tiles below this are visible to every row
 
         # tile 0: its QK^T alone
         if PINGPONG:
@@ -219,27 +252,30 @@ if _HAVE_GLUON:
 
     @gluon.jit
     def _consumer(out_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, qk_scale,
-                  cu_seqlens_ptr, num_seqs, num_q_heads, num_slots, num_items, stride_ot, stride_oh,
+                  cu_seqlens_ptr, seq_lens_ptr, num_seqs, num_q_heads, num_slots, num_items, stride_ot, stride_oh,
                   H: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                  PINGPONG: gl.constexpr):  # fmt: skip
+                  PINGPONG: gl.constexpr, HAS_CACHE: gl.constexpr):  # fmt: skip
         c = 0  # key tiles consumed so far
         it = 0  # work items done so far
         for w in range(gl.program_id(0), num_items, gl.num_programs(0)):
-            head, tok0, q_len, first_q = _work_item(w, cu_seqlens_ptr, num_seqs, num_q_heads, num_slots)
+            head, seq, tok0, q_len, ctx, first_q = _work_item(w, cu_seqlens_ptr, seq_lens_ptr, num_seqs, num_q_heads,
+                                                              num_slots, HAS_CACHE)  # fmt: skip
             if first_q < q_len:
                 mbarrier.wait(q_ready, it & 1)
                 # an item takes one MMA turn per key tile plus one: c + it turns before this one
                 c += _consume_item(out_ptr, q_smem.index(H), k_smem, v_smem, q_empty, k_ready, v_ready, kv_empty,
-                                   turn, qk_scale, first_q, q_len, tok0, head, stride_ot, stride_oh, c, c + it, H,
-                                   HEAD_DIM, BLOCK_N, STAGES, PINGPONG)  # fmt: skip
+                                   turn, qk_scale, first_q, q_len, ctx, tok0, head, stride_ot, stride_oh, c, c + it,
+                                   H, HEAD_DIM, BLOCK_N, STAGES, PINGPONG)  # fmt: skip
                 it += 1
 
-    @gluon.jit(do_not_specialize=["num_seqs", "num_slots", "num_items"])
-    def _prefill_gluon_kernel(q_desc, k_desc, v_desc, out_ptr, cu_seqlens_ptr, qk_scale, num_seqs, num_slots,
-                              num_items, stride_ot, stride_oh, GROUP: gl.constexpr, NUM_Q_HEADS: gl.constexpr,
+    @gluon.jit(do_not_specialize=["num_seqs", "num_slots", "num_items", "stride_bt"],
+               do_not_specialize_on_alignment=["cu_seqlens_ptr", "seq_lens_ptr", "tables_ptr"])
+    def _prefill_gluon_kernel(q_desc, k_desc, v_desc, kc_desc, vc_desc, out_ptr, cu_seqlens_ptr, seq_lens_ptr,
+                              tables_ptr, stride_bt, stride_cb, stride_ch, qk_scale, num_seqs, num_slots, num_items,
+                              stride_ot, stride_oh, GROUP: gl.constexpr, NUM_Q_HEADS: gl.constexpr,
                               HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                              PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                              LOADER_REGS: gl.constexpr):  # fmt: skip
+                              PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+                              HAS_CACHE: gl.constexpr, PAGE: gl.constexpr, ROWS: gl.constexpr):  # fmt: skip
         dtype: gl.constexpr = q_desc.dtype
         q_smem = gl.allocate_shared_memory(dtype, [2, _HALF, HEAD_DIM], q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
@@ -263,14 +299,17 @@ if _HAVE_GLUON:
         gl.warp_specialize(
             [
                 (_consumer, (out_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn,
-                             qk_scale, cu_seqlens_ptr, num_seqs, NUM_Q_HEADS, num_slots, num_items, stride_ot,
-                             stride_oh, gl.constexpr(0), HEAD_DIM, BLOCK_N, STAGES, PINGPONG)),
+                             qk_scale, cu_seqlens_ptr, seq_lens_ptr, num_seqs, NUM_Q_HEADS, num_slots, num_items,
+                             stride_ot, stride_oh, gl.constexpr(0), HEAD_DIM, BLOCK_N, STAGES, PINGPONG,
+                             HAS_CACHE)),
                 (_consumer, (out_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn,
-                             qk_scale, cu_seqlens_ptr, num_seqs, NUM_Q_HEADS, num_slots, num_items, stride_ot,
-                             stride_oh, gl.constexpr(1), HEAD_DIM, BLOCK_N, STAGES, PINGPONG)),
-                (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                           kv_empty, cu_seqlens_ptr, num_seqs, NUM_Q_HEADS, num_slots, num_items, GROUP, HEAD_DIM,
-                           BLOCK_N, STAGES)),
+                             qk_scale, cu_seqlens_ptr, seq_lens_ptr, num_seqs, NUM_Q_HEADS, num_slots, num_items,
+                             stride_ot, stride_oh, gl.constexpr(1), HEAD_DIM, BLOCK_N, STAGES, PINGPONG,
+                             HAS_CACHE)),
+                (_loader, (q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_ready, q_empty,
+                           k_ready, v_ready, kv_empty, cu_seqlens_ptr, seq_lens_ptr, tables_ptr, stride_bt, stride_cb,
+                           stride_ch, num_seqs, NUM_Q_HEADS, num_slots, num_items, GROUP, HEAD_DIM, BLOCK_N, STAGES,
+                           HAS_CACHE, PAGE, ROWS)),
             ],
             [4, 1],
             [CONSUMER_REGS, LOADER_REGS],
@@ -295,10 +334,34 @@ def descriptors(q, k, v, block_n: int):
                  for t, rows in ((q, HALF), (k, block_n), (v, block_n)))  # fmt: skip
 
 
-def prefill_attention_gluon(q, k, v, out, cu_seqlens, scale, config=None):
-    """Causal attention of fresh sequences packed along tokens: ``q`` [tokens, q_heads, d],
+def cache_supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """A paged cache [blocks, kv_heads, page, head_dim] the kernel reads page by page: q's dtype,
+    pages of 8+ rows (a power of two), each head's page rows contiguous, 16-byte aligned."""
+    page, head_dim = k_cache.shape[2:]
+    return (k_cache.dtype == q.dtype and v_cache.dtype == q.dtype and v_cache.shape == k_cache.shape
+            and v_cache.stride() == k_cache.stride() and page >= 8 and page & (page - 1) == 0
+            and all(c.stride(3) == 1 and c.stride(2) == head_dim and c.stride(1) % head_dim == 0
+                    and c.stride(0) % head_dim == 0 and c.data_ptr() % 16 == 0
+                    for c in (k_cache, v_cache)))  # fmt: skip
+
+
+def _cache_descriptor(cache: torch.Tensor, block_n: int):
+    """The cache as rows of head_dim (row ``block * stride_cb + kv_head * stride_ch + slot``), in
+    boxes of one page (at most one key tile)."""
+    blocks, kv_heads, page, head_dim = cache.shape
+    rows = ((blocks - 1) * cache.stride(0) + (kv_heads - 1) * cache.stride(1)) // head_dim + page
+    flat = cache.as_strided((rows, head_dim), (head_dim, 1))
+    return TensorDescriptor(flat, [rows, head_dim], [head_dim, 1], [min(page, block_n), head_dim],
+                            _layout(block_n, head_dim, 16))  # fmt: skip
+
+
+def prefill_attention_gluon(q, k, v, out, cu_seqlens, scale, config=None, cache=None):
+    """Causal attention of the chunks packed along tokens: ``q`` [tokens, q_heads, d],
     ``k``/``v`` [tokens, kv_heads, d] (the same tokens), ``cu_seqlens`` int32 [seqs + 1]
     (offsets from its first element), ``out`` [tokens, q_heads, d]; ``scale`` already includes log2(e).
+    ``cache``: (k_cache, v_cache, seq_lens, block_tables) when chunks may follow a cached prefix
+    (``seq_lens`` minus the chunk's length): its keys are read from the paged cache
+    [blocks, kv_heads, page, d] (``cache_supported``); without it every sequence starts fresh.
     Returns the compiled kernel (for its resource report)."""
     cfg = {**DEFAULT_CONFIG, **(config or {})}
     tokens, q_heads, head_dim = q.shape
@@ -306,9 +369,19 @@ def prefill_attention_gluon(q, k, v, out, cu_seqlens, scale, config=None):
     num_slots = tokens // BLOCK_M + num_seqs  # query tiles, one spare per sequence (skipped when empty)
     num_items = num_slots * q_heads
     grid = (min(num_items, _num_sms(q.device.index or 0)) if cfg["persistent"] else num_items,)
+    q_desc, k_desc, v_desc = descriptors(q, k, v, cfg["block_n"])
+    if cache is None:
+        paged = (k_desc, v_desc, cu_seqlens, cu_seqlens, 0, 0, 0)
+        page = 16
+    else:
+        k_cache, v_cache, seq_lens, tables = cache
+        page, step = k_cache.shape[2], k_cache.shape[3]
+        paged = (_cache_descriptor(k_cache, cfg["block_n"]), _cache_descriptor(v_cache, cfg["block_n"]), seq_lens,
+                 tables, tables.stride(0), k_cache.stride(0) // step, k_cache.stride(1) // step)  # fmt: skip
     return _prefill_gluon_kernel[grid](
-        *descriptors(q, k, v, cfg["block_n"]), out, cu_seqlens, scale, num_seqs, num_slots, num_items, out.stride(0),
-        out.stride(1), GROUP=q_heads // k.shape[1], NUM_Q_HEADS=q_heads, HEAD_DIM=head_dim, BLOCK_N=cfg["block_n"],
-        STAGES=cfg["stages"], PINGPONG=cfg["pingpong"], CONSUMER_REGS=cfg["consumer_regs"],
-        LOADER_REGS=cfg["loader_regs"], num_warps=4,
+        q_desc, k_desc, v_desc, paged[0], paged[1], out, cu_seqlens, *paged[2:], scale, num_seqs, num_slots, num_items,
+        out.stride(0), out.stride(1), GROUP=q_heads // k.shape[1], NUM_Q_HEADS=q_heads, HEAD_DIM=head_dim,
+        BLOCK_N=cfg["block_n"], STAGES=cfg["stages"], PINGPONG=cfg["pingpong"], CONSUMER_REGS=cfg["consumer_regs"],
+        LOADER_REGS=cfg["loader_regs"], HAS_CACHE=cache is not None, PAGE=page, ROWS=min(page, cfg["block_n"]),
+        num_warps=4,
     )  # fmt: skip
