@@ -36,3 +36,37 @@ def test_strided_kv_not_supported():
     q = torch.zeros(100, 32, 128, dtype=torch.bfloat16)
     kv = torch.zeros(100, 8, 2, 128, dtype=torch.bfloat16)  # k and v interleaved: head stride 256
     assert not pg.supported(q, kv[:, :, 0], kv[:, :, 1])
+
+
+@pytest.mark.parametrize(
+    ("page", "dtype", "ok"),
+    [
+        (16, torch.bfloat16, True),
+        (8, torch.bfloat16, True),
+        (256, torch.bfloat16, True),  # pages above a key tile: one box per tile
+        (4, torch.bfloat16, False),  # below the 8-row swizzle atom
+        (24, torch.bfloat16, False),  # not a power of two: boxes would straddle pages
+        (16, torch.float8_e4m3fn, False),  # an fp8 cache stays on the Triton kernel
+    ],
+)
+def test_cache_supported(page, dtype, ok):
+    q = torch.zeros(10, 32, 128, dtype=torch.bfloat16)
+    kv = torch.zeros(2, 20, 8, page, 128, dtype=dtype)  # the engine's [k/v, blocks, kv_heads, page, d]
+    assert pg.cache_supported(q, kv[0], kv[1]) is ok
+
+
+def test_cache_supported_needs_contiguous_page_rows():
+    q = torch.zeros(10, 32, 128, dtype=torch.bfloat16)
+    nhd = torch.zeros(2, 20, 16, 8, 128, dtype=torch.bfloat16).transpose(2, 3)  # [blocks, page, heads, d] storage
+    assert not pg.cache_supported(q, nhd[0], nhd[1])
+
+
+def test_cache_rows_address_every_slot():
+    # the kernel's row of (block, kv_head, slot) in the flat view the cache descriptor spans
+    kv = torch.randn(2, 5, 3, 16, 64).to(torch.bfloat16)
+    k = kv[1]  # not at the storage's start
+    flat, per_block, per_head = pg.cache_rows(k)
+    assert flat.data_ptr() == k.data_ptr()
+    for b, h, s in [(0, 0, 0), (4, 2, 15), (2, 1, 7)]:
+        assert torch.equal(flat[b * per_block + h * per_head + s], k[b, h, s])
+    assert flat.shape[0] == 4 * per_block + 2 * per_head + 16  # ends at the cache's last row

@@ -345,12 +345,18 @@ def cache_supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     for c in (k_cache, v_cache)))  # fmt: skip
 
 
-def _cache_descriptor(cache: torch.Tensor, block_n: int):
-    """The cache as rows of head_dim (row ``block * stride_cb + kv_head * stride_ch + slot``), in
-    boxes of one page (at most one key tile)."""
+def cache_rows(cache: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """The paged cache [blocks, kv_heads, page, d] as rows of d the kernel addresses: (the flat
+    [rows, d] view, rows per block, rows per KV head); (block, kv_head, slot) is row
+    ``block * per_block + kv_head * per_head + slot``."""
     blocks, kv_heads, page, head_dim = cache.shape
     rows = ((blocks - 1) * cache.stride(0) + (kv_heads - 1) * cache.stride(1)) // head_dim + page
-    flat = cache.as_strided((rows, head_dim), (head_dim, 1))
+    return cache.as_strided((rows, head_dim), (head_dim, 1)), cache.stride(0) // head_dim, cache.stride(1) // head_dim
+
+
+def _cache_descriptor(flat: torch.Tensor, page: int, block_n: int):
+    """Boxes of one page (at most one key tile) over ``cache_rows``' view."""
+    rows, head_dim = flat.shape
     return TensorDescriptor(flat, [rows, head_dim], [head_dim, 1], [min(page, block_n), head_dim],
                             _layout(block_n, head_dim, 16))  # fmt: skip
 
@@ -375,9 +381,10 @@ def prefill_attention_gluon(q, k, v, out, cu_seqlens, scale, config=None, cache=
         page = 16
     else:
         k_cache, v_cache, seq_lens, tables = cache
-        page, step = k_cache.shape[2], k_cache.shape[3]
-        paged = (_cache_descriptor(k_cache, cfg["block_n"]), _cache_descriptor(v_cache, cfg["block_n"]), seq_lens,
-                 tables, tables.stride(0), k_cache.stride(0) // step, k_cache.stride(1) // step)  # fmt: skip
+        page = k_cache.shape[2]
+        (k_flat, per_block, per_head), (v_flat, *_) = cache_rows(k_cache), cache_rows(v_cache)
+        paged = (_cache_descriptor(k_flat, page, cfg["block_n"]), _cache_descriptor(v_flat, page, cfg["block_n"]),
+                 seq_lens, tables, tables.stride(0), per_block, per_head)  # fmt: skip
     return _prefill_gluon_kernel[grid](
         q_desc, k_desc, v_desc, paged[0], paged[1], out, cu_seqlens, *paged[2:], scale, num_seqs, num_slots, num_items,
         out.stride(0), out.stride(1), GROUP=q_heads // k.shape[1], NUM_Q_HEADS=q_heads, HEAD_DIM=head_dim,
