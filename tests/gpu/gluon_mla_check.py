@@ -7,7 +7,7 @@ The work runs in a subprocess with a timeout, so a kernel that fails to compile,
 results or hangs is reported. Correctness: fresh random bf16 inputs (seed printed), ragged sequence
 lengths around the 64-key tiles, pages of 8 to 128 rows, forced split counts; each output against
 atom's float32 reference (``atom.ops.mla.mla_decode``) within 2e-2 x max(1, |ref|) and its difference
-from atom's Triton kernel. Timing: DeepSeek-V3's 128 heads, ``tests/gpu/kernel_bench.py``'s MLA inputs
+from atom's Triton kernel. Timing: DeepSeek-V3's 128 heads (``--heads``), ``tests/gpu/kernel_bench.py``'s MLA inputs
 and method (CUDA graph over input copies that defeat L2, median replay).
 """
 
@@ -30,7 +30,8 @@ CHECKS = [
     (128, [1000], 16, None), (128, [4097], 16, None), (128, [1, 100, 1000, 3000], 16, None),
     (64, [70, 5, 200], 64, None), (128, [333, 9], 32, None), (128, [77, 130], 8, None), (128, [700], 128, None),
     (128, [1000, 3], 16, 1), (128, [1000, 3], 16, 4), (128, [1000, 3], 16, 32), (256, [129], 16, 2),
-    (128, [2048] * 64, 16, None),
+    (128, [2048] * 64, 16, None), (16, [1, 63, 65, 1000], 16, None), (16, [4000], 16, 8), (32, [70, 5, 200], 64, None),
+    (16, [3000] * 140, 16, None),
 ]  # fmt: skip
 TIMES = [(1, 1024), (1, 8192), (8, 4096), (8, 8192), (32, 4096), (64, 1024), (64, 4096), (64, 8192), (128, 4096),
          (1, 32768), (8, 32768)]  # fmt: skip
@@ -70,7 +71,7 @@ def check(cfg: dict, seed: int) -> dict:
     return out
 
 
-def timing(cfg: dict) -> dict:
+def timing(cfg: dict, heads: int) -> dict:
     import functools
 
     import kernel_bench as kb
@@ -83,7 +84,7 @@ def timing(cfg: dict) -> dict:
     for b, ctx in TIMES:
 
         def builder(b=b, ctx=ctx):
-            x = kb.mla_inputs(b, ctx, 128, False)
+            x = kb.mla_inputs(b, ctx, heads, False)
             cache, tables = x.caches[16]
             args = (x.q, cache, x.seq_lens, tables, kb.MLA_SCALE)
             refs = {"triton": functools.partial(mla_decode, *args, 512)}
@@ -91,7 +92,7 @@ def timing(cfg: dict) -> dict:
                 refs["fa3_mla"] = kb.fa3_mla_call(x)
             fn = functools.partial(mla_decode_gluon, *args, None, cfg)
             nbytes = b * (ctx + 1) * 576 * 2
-            return fn, refs, nbytes, 2 * 128 * (2 * 512 + 64) * b * (ctx + 1)
+            return fn, refs, nbytes, 2 * heads * (2 * 512 + 64) * b * (ctx + 1)
 
         fns, refs, nbytes, flops = kb.prepare(builder)
         row = dict(gluon=kb.graph_ms(fns), flops=flops)
@@ -131,13 +132,16 @@ def _repage(cache_tables, page):
     return kb.paged(rows, page)
 
 
-def worker(cfg: dict, seed: int) -> dict:
+def worker(cfg: dict, seed: int, heads: int) -> dict:
+    from atom.ops.triton import mla
+
+    mla._gluon_decode = lambda device: False  # mla_decode: the Triton kernel, the "triton" columns
     res = dict(cfg=cfg, check=check({k: v for k, v in cfg.items() if k not in ("pages", "variants")}, seed))
     if cfg.get("pages"):
         res["pages"] = page_timing(cfg)
         return res
     if all(c["ok"] for c in res["check"].values()):
-        res["ms"] = timing(cfg)
+        res["ms"] = timing(cfg, heads)
     return res
 
 
@@ -147,13 +151,15 @@ def main():
     p.add_argument("--config", default="{}")
     p.add_argument("--seed", type=int, default=int(time.time()) % 100000)
     p.add_argument("--timeout", type=int, default=240)
+    p.add_argument("--heads", type=int, default=128, help="query heads of the timed shapes (V3: 128, V2-Lite: 16)")
     args = p.parse_args()
     cfg = json.loads(args.config)
     if args.worker:
-        print("RESULT " + json.dumps(worker(cfg, args.seed)))
+        print("RESULT " + json.dumps(worker(cfg, args.seed, args.heads)))
         return
     print(f"seed {args.seed}, config {cfg}")
-    cmd = [sys.executable, __file__, "--worker", "--config", args.config, "--seed", str(args.seed)]
+    cmd = [sys.executable, __file__, "--worker", "--config", args.config, "--seed", str(args.seed), "--heads",
+           str(args.heads)]  # fmt: skip
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     except subprocess.TimeoutExpired as e:
@@ -169,7 +175,8 @@ def main():
             json.dump(res, f, indent=1)
     for key, c in res["check"].items():
         print(f"{'ok  ' if c['ok'] else 'FAIL'} {key:<50} err {c['err']:.4f} vs triton {c['vs_triton']:.4f}")
-    print(f"\n{'V3 128 heads':<16} {'gluon ms':>9} {'TF/s':>6} {'triton ms':>10} {'x':>5} {'fa3-mla ms':>11} {'x':>5}")
+    head = f"{args.heads} heads"
+    print(f"\n{head:<16} {'gluon ms':>9} {'TF/s':>6} {'triton ms':>10} {'x':>5} {'fa3-mla ms':>11} {'x':>5}")
     for key, ms in res.get("pages", {}).items():
         print(f"{key:<30} {ms:9.4f} ms")
     for key, r in res.get("ms", {}).items():

@@ -51,12 +51,14 @@ def test_mla_decode_v3_shapes(lens, num_heads, dtype):
     [(128, [1], 16, None), (128, [63, 64, 65], 16, None), (128, [17, 300, 2048, 5, 999, 64, 1, 128], 16, None),
      (64, [70, 5, 200], 64, None), (128, [333, 9], 32, None), (128, [77, 130], 8, None), (128, [700], 128, None),
      (128, [1000, 3], 16, 1), (128, [1000, 3], 16, 4), (128, [1000, 3], 16, 32), (256, [129], 16, 2),
-     (128, [2048] * 80, 16, None)],
+     (128, [2048] * 80, 16, None), (16, [1, 63, 65, 1000], 16, None), (16, [4000], 16, 8), (32, [70, 5, 200], 64, None),
+     (16, [3000] * 140, 16, None), (1, [500, 7], 8, 2)],
 )  # fmt: skip
 def test_mla_decode_gluon(num_heads, lens, page, splits):
-    """The Gluon Hopper decode kernel (what ``mla_decode`` runs for 16-bit caches of 64+ head models on
-    sm_90) against the float32 reference: tile and page boundaries, pages of 8-128 rows, forced split
-    counts (a split past a short sequence sees no key), a batch past the SMs (no split)."""
+    """The Gluon Hopper decode kernel (what ``mla_decode`` runs for 16-bit caches on sm_90) against the
+    float32 reference: tile and page boundaries, pages of 8-128 rows, forced split counts (a split past
+    a short sequence sees no key), a batch past the SMs (no split), head counts below 64 (the MMA rows
+    past them padding: V2-Lite, V3 at -tp 8), the last sequence's padding rows past the query tensor."""
     from atom.ops.triton import mla_gluon
 
     if not mla_gluon.available(torch.device(DEV)):

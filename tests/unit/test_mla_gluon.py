@@ -12,16 +12,17 @@ def _inputs(heads=128, page=16, dtype=torch.bfloat16, cache_dtype=None, rank=512
     return q, cache
 
 
-def test_supported_deepseek_v3_shapes():
-    for heads in (64, 128, 256):  # V3 at -tp 2 / 1, and more heads than V3
+def test_supported_deepseek_shapes():
+    # V3 at -tp 8 / 4 / 2 / 1 (16 heads: also V2-Lite, Moonlight), more heads than V3, one head (-tp 128)
+    for heads in (1, 16, 32, 64, 128, 256):
         for page in (8, 16, 64, 256):
             assert mla_gluon.supported(*_inputs(heads, page), 512)
     assert mla_gluon.supported(*_inputs(dtype=torch.float16), 512)
 
 
 def test_unsupported_inputs_stay_on_triton():
-    assert not mla_gluon.supported(*_inputs(heads=16), 512)  # V2-Lite / Moonlight / V3 at -tp 8
     assert not mla_gluon.supported(*_inputs(heads=96), 512)  # not whole 64-head blocks
+    assert not mla_gluon.supported(*_inputs(heads=24), 512)  # nor a divisor of one
     assert not mla_gluon.supported(*_inputs(page=4), 512)  # pages below the 8-row swizzle atom
     assert not mla_gluon.supported(*_inputs(dtype=torch.float32), 512)
     assert not mla_gluon.supported(*_inputs(cache_dtype=torch.float8_e4m3fn), 512)  # fp8 latent cache
@@ -36,3 +37,7 @@ def test_unsupported_inputs_stay_on_triton():
 
 def test_not_available_off_hopper():
     assert not mla_gluon.available(torch.device("cpu"))
+
+
+def test_head_blocks():
+    assert [mla_gluon.head_blocks(h) for h in (1, 16, 32, 64, 128, 256)] == [1, 1, 1, 1, 2, 4]

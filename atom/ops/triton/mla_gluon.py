@@ -1,11 +1,14 @@
 """MLA decode attention for Hopper written in Gluon, FlashMLA style.
 
 Scope: a 16-bit latent cache ``[blocks, page, 576]`` (kv_lora_rank 512 + rope 64, DeepSeek-V2/V3's
-dims) with pages of at least 8 rows, a 16-bit query whose head count is a multiple of 64 (DeepSeek-V3:
-128, 64 at ``-tp 2``), sm_90. Everything else stays on ``atom.ops.triton.mla``.
+dims) with pages of at least 8 rows, a 16-bit query whose head count is a multiple or a divisor of 64
+(DeepSeek-V3: 128, 64 at ``-tp 2``, 16 at ``-tp 8``; V2-Lite and Moonlight: 16), sm_90. Everything else
+stays on ``atom.ops.triton.mla``.
 
 Each program owns 64 heads of one sequence over one context split, in 64-key tiles, and runs three
-partitions:
+partitions (with fewer heads, the 64 MMA rows past them hold the next sequences' queries or zeros,
+computed and never stored: decode at 16 heads reads ~120 flops per latent byte even so, below the
+H100's ~300, so the padding costs no time):
 
 - a one-warp **loader** issuing bulk tensor copies (TMA): the program's query once (nine 64-column
   chunks), then every key tile into a two-stage ring (pages of the block table, nine chunks each);
@@ -67,7 +70,8 @@ def supported(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int) -> boo
     _, num_heads, dim = q.shape
     _, page, cache_dim = kv_cache.shape
     return (q.dtype in (torch.bfloat16, torch.float16) and kv_cache.dtype == q.dtype and kv_lora_rank == RANK
-            and dim == RANK + ROPE and cache_dim == dim and num_heads % HEADS == 0 and page >= 8
+            and dim == RANK + ROPE and cache_dim == dim and (num_heads % HEADS == 0 or HEADS % num_heads == 0)
+            and page >= 8
             and page & (page - 1) == 0 and kv_cache.stride(2) == 1 and kv_cache.stride(1) == dim
             and kv_cache.stride(0) == page * dim and kv_cache.data_ptr() % 16 == 0)  # fmt: skip
 
@@ -119,12 +123,13 @@ if _HAVE_GLUON:
         unnormalised sums."""
         heads = head0 + gl.arange(0, _HEADS, layout=gl.SliceLayout(1, layout))
         cols = col0 + gl.arange(0, 4 * _COLS, layout=gl.SliceLayout(0, layout))
+        mask = (heads < num_heads)[:, None]  # rows past a head count below 64 are padding
         if SPLIT:
             row = (seq * num_heads + heads) * num_splits + split
-            gl.store(part_out_ptr + row[:, None] * _RANK + cols[None, :], acc)
+            gl.store(part_out_ptr + row[:, None] * _RANK + cols[None, :], acc, mask=mask)
         else:
             offs = seq * stride_ob + heads[:, None] * stride_oh + cols[None, :]
-            gl.store(out_ptr + offs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty))
+            gl.store(out_ptr + offs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
 
     @gluon.jit
     def _qk(q_smem, k_smem, stage, layout: gl.constexpr):
@@ -208,8 +213,8 @@ if _HAVE_GLUON:
         if SPLIT:  # the running max (natural-log units, as the merge kernel expects) and the denominator
             heads = head0 + gl.arange(0, _HEADS, layout=row_l)
             row = (seq * num_heads + heads) * num_splits + split
-            gl.store(part_ml_ptr + 2 * row, m_i * 0.6931471805599453)
-            gl.store(part_ml_ptr + 2 * row + 1, l_i)
+            gl.store(part_ml_ptr + 2 * row, m_i * 0.6931471805599453, mask=heads < num_heads)
+            gl.store(part_ml_ptr + 2 * row + 1, l_i, mask=heads < num_heads)
 
     @gluon.jit
     def _value_wg(k_smem, p_smem, x_smem, k_ready, kv_empty, p_ready, p_free, out_ptr, part_out_ptr, seq, head0,
@@ -290,10 +295,15 @@ def _layout():
     return gl.NVMMASharedLayout.get_default_for([HEADS, COLS], gl.bfloat16)
 
 
+def head_blocks(num_heads: int) -> int:
+    """Programs per sequence and split: 64 heads each (one, padded, below 64)."""
+    return max(1, num_heads // HEADS)
+
+
 def num_splits(device: torch.device, num_seqs: int, num_heads: int) -> int:
     """Context splits: the largest power of two keeping the programs (one per SM: their shared
     memory) within the SMs, at most 32."""
-    fill = min(prefill_attention_gluon._num_sms(device.index or 0) // (num_seqs * (num_heads // HEADS)), 32)
+    fill = min(prefill_attention_gluon._num_sms(device.index or 0) // (num_seqs * head_blocks(num_heads)), 32)
     return 1 if fill < 2 else 1 << (fill.bit_length() - 1)
 
 
@@ -318,7 +328,7 @@ def mla_decode_gluon(q, kv_cache, seq_lens, block_tables, scale, splits=None, co
     if splits > 1:
         part_out = torch.empty(num_seqs, num_heads, splits, RANK, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(num_seqs, num_heads, splits, 2, dtype=torch.float32, device=q.device)
-    _mla_decode_gluon_kernel[(num_heads // HEADS, num_seqs, splits)](
+    _mla_decode_gluon_kernel[(head_blocks(num_heads), num_seqs, splits)](
         q_desc, c_desc, seq_lens, block_tables, out, part_out, part_ml, scale * LOG2E, num_heads, splits,
         block_tables.stride(0), out.stride(0), out.stride(1), PAGE=page, ROWS=rows, SPLIT=splits > 1,
         VALUE_REGS=cfg["value_regs"], LOADER_REGS=cfg["loader_regs"], num_warps=4,
