@@ -20,8 +20,8 @@ from atom.ops.triton import mla_gluon
 from atom.ops.triton.mla_merge import merge_splits
 from atom.ops.triton.rope_cache import to_cache
 
-# 16-bit caches of 64+ head models decode through the Gluon kernel on Hopper (mla_gluon.py: 2.2-2.9x this
-# file's kernel at DeepSeek-V3's 128 heads, docs/kernels.md); ATOM_MLA_GLUON_DECODE=0 keeps them here
+# 16-bit caches decode through the Gluon kernel on Hopper (mla_gluon.py: 2.2-2.9x this file's kernel at
+# DeepSeek-V3's 128 heads, 1.1-2.0x at 16, docs/kernels.md); ATOM_MLA_GLUON_DECODE=0 keeps them here
 GLUON_DECODE = os.environ.get("ATOM_MLA_GLUON_DECODE", "1") == "1"
 
 
