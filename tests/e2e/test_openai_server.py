@@ -315,12 +315,37 @@ def test_completion_echo_logprobs(client, reference, tiny_model):
     assert lp.token_logprobs[-1] == pytest.approx(max(lp.top_logprobs[-1].values()), abs=1e-5)
 
 
+def test_completion_echo_without_generation(client, tiny_model):
+    """vLLM's echo with max_tokens=0 (older lm-eval's loglikelihood): the prompt and its logprobs,
+    no completion token, streamed or not."""
+    prompt = PROMPTS[3]
+    ref = client.completions.create(model=tiny_model, prompt=prompt, max_tokens=1, temperature=0, echo=True,
+                                    logprobs=2)
+    out = client.completions.create(model=tiny_model, prompt=prompt, max_tokens=0, echo=True, logprobs=2)
+    choice, want = out.choices[0], ref.choices[0].logprobs
+    assert choice.text == prompt
+    assert choice.logprobs.tokens == want.tokens[:-1]
+    assert choice.logprobs.token_logprobs == want.token_logprobs[:-1]
+    assert choice.logprobs.text_offset == want.text_offset[:-1]
+    assert out.usage.completion_tokens == 0 and out.usage.total_tokens == out.usage.prompt_tokens
+    assert choice.finish_reason == "length"
+    chunks = list(client.completions.create(model=tiny_model, prompt=prompt, max_tokens=0, echo=True, logprobs=2,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == prompt
+    assert [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens] == \
+        want.tokens[:-1]
+    assert chunks[-1].usage.completion_tokens == 0
+    plain = client.completions.create(model=tiny_model, prompt=prompt, max_tokens=0, echo=True)
+    assert plain.choices[0].text == prompt and plain.choices[0].logprobs is None
+
+
 # bad inputs
 
 
 BAD_REQUESTS = [
     ("negative max_tokens", "/v1/completions", {"prompt": "Hi", "max_tokens": -1}, 400, "max_tokens"),
     ("zero max_tokens", "/v1/completions", {"prompt": "Hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("zero max_tokens in chat", "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 0}, 400, "max_tokens"),
     ("negative temperature", "/v1/completions", {"prompt": "Hi", "temperature": -0.5}, 400, "temperature"),
     ("top_p zero", "/v1/chat/completions", {"messages": MESSAGES, "top_p": 0}, 400, "top_p"),
     ("top_p over one", "/v1/completions", {"prompt": "Hi", "top_p": 1.5}, 400, "top_p"),

@@ -256,6 +256,8 @@ class ChatCompletionRequest(SamplingRequest):
 
 class CompletionRequest(SamplingRequest):
     prompt: Text | list[Text] | list[int] | list[list[int]]
+    # 0 with echo (vLLM's echo without generation): the prompt and, with logprobs, its logprobs only
+    max_tokens: int | None = Field(None, ge=0, le=INT64_MAX)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: Text | None = None
@@ -276,6 +278,11 @@ class CompletionRequest(SamplingRequest):
         if self.suffix:
             raise ValueError("suffix is not supported by atom")
         return self
+
+    @property
+    def echo_only(self) -> bool:
+        """Echo without generation (``max_tokens=0``): one token is generated and left out."""
+        return self.echo and self.max_tokens == 0
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -19,7 +19,7 @@ from atom.entrypoints.openai.protocol import (
     CompletionStreamResponse,
     random_id,
 )
-from atom.entrypoints.openai.serving_engine import OpenAIServing, Prompt, prepend, sse
+from atom.entrypoints.openai.serving_engine import OpenAIError, OpenAIServing, Prompt, prepend, sse
 from atom.entrypoints.openai.structured_request import structured_outputs
 
 
@@ -31,6 +31,9 @@ class OpenAIServingCompletion(OpenAIServing):
     async def _create(self, request: CompletionRequest, request_id: str):
         self.check_model(request.model)
         self.check_alive()
+        if request.max_tokens == 0 and not request.echo:
+            raise OpenAIError("max_tokens must be at least 1 (0 only with echo=true: the prompt without a completion)",
+                              param="max_tokens")
         prompts = [await self.engine.tokenize(p, truncate=request.truncate_prompt_tokens) for p in request.prompts()]
         # echo shows the prompt's text: decode token-id prompts once, off the event loop
         echoed = [p.text if p.text is not None or not request.echo else await self.engine.detokenize(p.token_ids)
@@ -38,7 +41,8 @@ class OpenAIServingCompletion(OpenAIServing):
         want_prompt_logprobs = request.echo and request.logprobs is not None
         structured = structured_outputs(request)
         params = [
-            self.sampling_params(request, self.max_tokens(request.max_tokens, len(p.token_ids), "prompt"),
+            self.sampling_params(request, self.max_tokens(1 if request.echo_only else request.max_tokens,
+                                                          len(p.token_ids), "prompt"),
                                  logprobs=request.logprobs,
                                  prompt_logprobs=request.logprobs if want_prompt_logprobs else None,
                                  structured=structured)
@@ -52,7 +56,7 @@ class OpenAIServingCompletion(OpenAIServing):
         finals = await self.collect(outputs, len(prompts) * request.n)
         choices = [self._choice(request, i, prompts[i // request.n], echoed[i // request.n], out)
                    for i, out in enumerate(finals)]
-        usage = self.usage([len(p.token_ids) for p in prompts], finals)
+        usage = self.usage([len(p.token_ids) for p in prompts], finals, request.echo_only)
         response = CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage)
         return JSONResponse(response.model_dump())
 
@@ -60,6 +64,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 out: RequestOutput):
         text, logprobs = out.text, None
         entries = list(zip(out.token_ids, out.logprobs or []))
+        if request.echo_only:  # the generated token is left out
+            text, entries = "", []
         if request.echo:
             text = echoed + text
             if request.logprobs is not None:
@@ -84,6 +90,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 continue  # e.g. prompt logprobs of a prefill chunk: nothing to show yet
             prompt = prompts[i // request.n]
             text, entries = out.delta_text, list(zip(out.new_token_ids, out.new_logprobs))
+            if request.echo_only:  # the generated token is left out
+                text, entries = "", []
             if not started[i]:
                 started[i] = True
                 if request.echo:
@@ -99,7 +107,7 @@ class OpenAIServingCompletion(OpenAIServing):
             if out.finished:
                 finals[i] = out
         if request.include_usage_in_stream:
-            usage = self.usage([len(p.token_ids) for p in prompts], finals)
+            usage = self.usage([len(p.token_ids) for p in prompts], finals, request.echo_only)
             yield sse(CompletionStreamResponse(id=request_id, created=created, model=self.model_name, choices=[],
                                                usage=usage))
 

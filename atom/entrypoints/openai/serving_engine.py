@@ -199,11 +199,12 @@ class OpenAIServing:
         return finals
 
     @staticmethod
-    def usage(prompt_lens: list[int], finals: list[RequestOutput]) -> UsageInfo:
+    def usage(prompt_lens: list[int], finals: list[RequestOutput], echo_only: bool = False) -> UsageInfo:
         """Token counts plus timing: TTFT of the first choice to start, TPOT averaged over
-        the choices, latency of the last choice to finish."""
+        the choices, latency of the last choice to finish. ``echo_only``: the generated tokens
+        were left out (a completion's echo without generation)."""
         prompt_tokens = sum(prompt_lens)
-        completion_tokens = sum(len(o.token_ids) for o in finals)
+        completion_tokens = 0 if echo_only else sum(len(o.token_ids) for o in finals)
         return UsageInfo(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
