@@ -29,7 +29,6 @@ CONFIGS = [
     dict(cache_page=16),  # chunks over a cached prefix, pages of 16 rows
     dict(cache_page=128),
     dict(cache_page=16, head_dim=64),
-    dict(snake=False),  # plain round robin
 ]
 
 
@@ -56,7 +55,7 @@ def compile_config(mod, cfg: dict):
     constexprs = dict(GROUP=4, NUM_Q_HEADS=32, HEAD_DIM=head_dim, BLOCK_N=full["block_n"], STAGES=full["stages"],
                       PINGPONG=full["pingpong"], CONSUMER_REGS=full["consumer_regs"],
                       LOADER_REGS=full["loader_regs"], HAS_CACHE="cache_page" in cfg, PAGE=page,
-                      ROWS=rows, SNAKE=full["snake"])  # fmt: skip
+                      ROWS=rows)  # fmt: skip
     signature.update({k: "constexpr" for k in constexprs})
     src = GluonASTSource(mod._prefill_gluon_kernel, signature, constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))

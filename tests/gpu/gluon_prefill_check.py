@@ -26,8 +26,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # the repo's atom
 
 CONFIGS = {  # over DEFAULT_CONFIG of atom.ops.triton.prefill_attention_gluon
-    "default": {},  # persistent (rounds in alternating direction), 3 stages of 128 keys, ping-pong
-    "round_robin": dict(snake=False),  # persistent, plain round robin (sessions 5-19's default)
+    "default": {},  # persistent, 3 stages of 128 keys, ping-pong
     "s3_pp_nonpersist": dict(persistent=False),  # run 1's best
     "s2_pp": dict(stages=2, consumer_regs=240),
     "s3_nopp": dict(pingpong=False),

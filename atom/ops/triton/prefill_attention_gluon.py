@@ -47,9 +47,7 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 HALF = 64  # query rows per consumer warpgroup
 BLOCK_M = 2 * HALF
 # measured on an H100 (docs/kernels.md): 3 stages of 128 keys, ping-pong, persistent
-# snake: persistent programs take their work items in rounds of alternating direction (_work_item)
-DEFAULT_CONFIG = dict(block_n=128, stages=3, pingpong=True, persistent=True, consumer_regs=232, loader_regs=24,
-                      snake=True)
+DEFAULT_CONFIG = dict(block_n=128, stages=3, pingpong=True, persistent=True, consumer_regs=232, loader_regs=24)
 
 
 def available(device: torch.device | None = None) -> bool:
@@ -96,22 +94,10 @@ if _HAVE_GLUON:
         return lo - 1
 
     @gluon.jit
-    def _work_item(r, cu_seqlens_ptr, seq_lens_ptr, num_seqs, num_q_heads, num_slots, num_items,
-                   HAS_CACHE: gl.constexpr, SNAKE: gl.constexpr):  # fmt: skip
-        """This program's work item of round ``r`` -> (query head, sequence, first token of its sequence,
-        its query rows, its cached prefix length, first query row; past the items: a first row at the
-        end). Items are query tiles heaviest (last) first, query heads fastest; a program takes one a
-        round. With ``SNAKE`` the rounds alternate direction, so a program that took one of the heaviest
-        items of a round takes one of the lightest of the next (in plain round robin, the programs that
-        start with the heaviest tiles keep getting the heavier ones: at q=2048, 32 heads, 132 SMs the
-        busiest SM had 21% more work than the mean)."""
-        pid = gl.program_id(0)
-        if SNAKE:
-            if r % 2 == 1:
-                pid = gl.num_programs(0) - 1 - pid
-        w = r * gl.num_programs(0) + pid
-        past = w >= num_items
-        w = gl.minimum(w, num_items - 1)
+    def _work_item(w, cu_seqlens_ptr, seq_lens_ptr, num_seqs, num_q_heads, num_slots, HAS_CACHE: gl.constexpr):
+        """Work item ``w`` -> (query head, sequence, first token of its sequence, its query rows,
+        its cached prefix length, first query row): query tiles heaviest (last) first, query heads
+        fastest."""
         tile = num_slots - 1 - w // num_q_heads
         q_base = gl.load(cu_seqlens_ptr)  # a slice of the batch's metadata may not start at 0
         seq = _find_seq(cu_seqlens_ptr, q_base, tile, num_seqs, _BLOCK_M)
@@ -120,10 +106,7 @@ if _HAVE_GLUON:
         ctx = 0
         if HAS_CACHE:
             ctx = gl.load(seq_lens_ptr + seq) - q_len
-        first_q = (tile - (tok0 // _BLOCK_M + seq)) * _BLOCK_M
-        if past:
-            first_q = q_len
-        return w % num_q_heads, seq, tok0, q_len, ctx, first_q
+        return w % num_q_heads, seq, tok0, q_len, ctx, (tile - (tok0 // _BLOCK_M + seq)) * _BLOCK_M
 
     @gluon.jit
     def _load_pages(c_desc, table, seq_len, kv_row, stride_cb, t, bar, dst, PAGE: gl.constexpr,
@@ -142,13 +125,12 @@ if _HAVE_GLUON:
     def _loader(q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                 kv_empty, cu_seqlens_ptr, seq_lens_ptr, tables_ptr, stride_bt, stride_cb, stride_ch, num_seqs,
                 num_q_heads, num_slots, num_items, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                STAGES: gl.constexpr, HAS_CACHE: gl.constexpr, PAGE: gl.constexpr, ROWS: gl.constexpr,
-                SNAKE: gl.constexpr):  # fmt: skip
+                STAGES: gl.constexpr, HAS_CACHE: gl.constexpr, PAGE: gl.constexpr, ROWS: gl.constexpr):  # fmt: skip
         c = 0  # key tiles loaded so far (ring position and phase)
         it = 0  # work items loaded so far
-        for r in range(gl.cdiv(num_items, gl.num_programs(0))):
-            head, seq, tok0, q_len, ctx, first_q = _work_item(r, cu_seqlens_ptr, seq_lens_ptr, num_seqs, num_q_heads,
-                                                              num_slots, num_items, HAS_CACHE, SNAKE)  # fmt: skip
+        for w in range(gl.program_id(0), num_items, gl.num_programs(0)):
+            head, seq, tok0, q_len, ctx, first_q = _work_item(w, cu_seqlens_ptr, seq_lens_ptr, num_seqs, num_q_heads,
+                                                              num_slots, HAS_CACHE)  # fmt: skip
             if first_q < q_len:
                 n_tiles = gl.cdiv(ctx + gl.minimum(first_q + _BLOCK_M, q_len), BLOCK_N)
                 # Q is reused once both consumers are past the previous item's last QK^T
@@ -272,12 +254,12 @@ if _HAVE_GLUON:
     def _consumer(out_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, qk_scale,
                   cu_seqlens_ptr, seq_lens_ptr, num_seqs, num_q_heads, num_slots, num_items, stride_ot, stride_oh,
                   H: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                  PINGPONG: gl.constexpr, HAS_CACHE: gl.constexpr, SNAKE: gl.constexpr):  # fmt: skip
+                  PINGPONG: gl.constexpr, HAS_CACHE: gl.constexpr):  # fmt: skip
         c = 0  # key tiles consumed so far
         it = 0  # work items done so far
-        for r in range(gl.cdiv(num_items, gl.num_programs(0))):
-            head, seq, tok0, q_len, ctx, first_q = _work_item(r, cu_seqlens_ptr, seq_lens_ptr, num_seqs, num_q_heads,
-                                                              num_slots, num_items, HAS_CACHE, SNAKE)  # fmt: skip
+        for w in range(gl.program_id(0), num_items, gl.num_programs(0)):
+            head, seq, tok0, q_len, ctx, first_q = _work_item(w, cu_seqlens_ptr, seq_lens_ptr, num_seqs, num_q_heads,
+                                                              num_slots, HAS_CACHE)  # fmt: skip
             if first_q < q_len:
                 mbarrier.wait(q_ready, it & 1)
                 # an item takes one MMA turn per key tile plus one: c + it turns before this one
@@ -293,8 +275,7 @@ if _HAVE_GLUON:
                               stride_ot, stride_oh, GROUP: gl.constexpr, NUM_Q_HEADS: gl.constexpr,
                               HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                               PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                              HAS_CACHE: gl.constexpr, PAGE: gl.constexpr, ROWS: gl.constexpr,
-                              SNAKE: gl.constexpr):  # fmt: skip
+                              HAS_CACHE: gl.constexpr, PAGE: gl.constexpr, ROWS: gl.constexpr):  # fmt: skip
         dtype: gl.constexpr = q_desc.dtype
         q_smem = gl.allocate_shared_memory(dtype, [2, _HALF, HEAD_DIM], q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
@@ -320,15 +301,15 @@ if _HAVE_GLUON:
                 (_consumer, (out_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn,
                              qk_scale, cu_seqlens_ptr, seq_lens_ptr, num_seqs, NUM_Q_HEADS, num_slots, num_items,
                              stride_ot, stride_oh, gl.constexpr(0), HEAD_DIM, BLOCK_N, STAGES, PINGPONG,
-                             HAS_CACHE, SNAKE)),
+                             HAS_CACHE)),
                 (_consumer, (out_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn,
                              qk_scale, cu_seqlens_ptr, seq_lens_ptr, num_seqs, NUM_Q_HEADS, num_slots, num_items,
                              stride_ot, stride_oh, gl.constexpr(1), HEAD_DIM, BLOCK_N, STAGES, PINGPONG,
-                             HAS_CACHE, SNAKE)),
+                             HAS_CACHE)),
                 (_loader, (q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_ready, q_empty,
                            k_ready, v_ready, kv_empty, cu_seqlens_ptr, seq_lens_ptr, tables_ptr, stride_bt, stride_cb,
                            stride_ch, num_seqs, NUM_Q_HEADS, num_slots, num_items, GROUP, HEAD_DIM, BLOCK_N, STAGES,
-                           HAS_CACHE, PAGE, ROWS, SNAKE)),
+                           HAS_CACHE, PAGE, ROWS)),
             ],
             [4, 1],
             [CONSUMER_REGS, LOADER_REGS],
@@ -409,5 +390,5 @@ def prefill_attention_gluon(q, k, v, out, cu_seqlens, scale, config=None, cache=
         out.stride(0), out.stride(1), GROUP=q_heads // k.shape[1], NUM_Q_HEADS=q_heads, HEAD_DIM=head_dim,
         BLOCK_N=cfg["block_n"], STAGES=cfg["stages"], PINGPONG=cfg["pingpong"], CONSUMER_REGS=cfg["consumer_regs"],
         LOADER_REGS=cfg["loader_regs"], HAS_CACHE=cache is not None, PAGE=page, ROWS=min(page, cfg["block_n"]),
-        SNAKE=cfg["snake"], num_warps=4,
+        num_warps=4,
     )  # fmt: skip
