@@ -27,6 +27,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 CONFIGS = {  # over DEFAULT_CONFIG of atom.ops.triton.prefill_attention_gluon
     "default": {},  # persistent, 3 stages of 128 keys, ping-pong
+    "dynamic": dict(dynamic=True),  # work items from a global counter
+    "static": dict(dynamic=False),  # static round robin
+    "dyn_qregs": dict(dynamic=True, q_regs=True),  # and Q in registers (the next Q loads during an item)
     "s3_pp_nonpersist": dict(persistent=False),  # run 1's best
     "s2_pp": dict(stages=2, consumer_regs=240),
     "s3_nopp": dict(pingpong=False),

@@ -47,7 +47,10 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 HALF = 64  # query rows per consumer warpgroup
 BLOCK_M = 2 * HALF
 # measured on an H100 (docs/kernels.md): 3 stages of 128 keys, ping-pong, persistent
-DEFAULT_CONFIG = dict(block_n=128, stages=3, pingpong=True, persistent=True, consumer_regs=232, loader_regs=24)
+# dynamic: persistent programs take the next work item from a counter in global memory (static
+# round robin left the busiest SM ~20% over the mean at q=2048, 32 heads, 132 SMs)
+DEFAULT_CONFIG = dict(block_n=128, stages=3, pingpong=True, persistent=True, consumer_regs=232, loader_regs=24,
+                      dynamic=False, q_regs=False)
 
 
 def available(device: torch.device | None = None) -> bool:
@@ -122,19 +125,33 @@ if _HAVE_GLUON:
                                             dst.slice(i * ROWS, ROWS))  # fmt: skip
 
     @gluon.jit
-    def _loader(q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                kv_empty, cu_seqlens_ptr, seq_lens_ptr, tables_ptr, stride_bt, stride_cb, stride_ch, num_seqs,
-                num_q_heads, num_slots, num_items, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                STAGES: gl.constexpr, HAS_CACHE: gl.constexpr, PAGE: gl.constexpr, ROWS: gl.constexpr):  # fmt: skip
+    def _publish(item_smem, w):
+        """The loader warp writes work item ``w`` for the consumers (who read it after ``q_ready``)."""
+        item_smem.store(gl.full([1], w, gl.int32, gl.BlockedLayout([1], [32], [1], [0])))
+
+    @gluon.jit
+    def _read_item(item_smem):
+        """The work item a consumer warpgroup's ``q_ready`` phase announced."""
+        return gl.max(item_smem.load(gl.BlockedLayout([1], [32], [4], [0])), axis=0)
+
+    @gluon.jit
+    def _loader(q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, item_smem, q_ready, q_empty,
+                k_ready, v_ready, kv_empty, sched_ptr, cu_seqlens_ptr, seq_lens_ptr, tables_ptr, stride_bt, stride_cb,
+                stride_ch, num_seqs, num_q_heads, num_slots, num_items, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
+                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_CACHE: gl.constexpr, PAGE: gl.constexpr,
+                ROWS: gl.constexpr, DYNAMIC: gl.constexpr):  # fmt: skip
         c = 0  # key tiles loaded so far (ring position and phase)
         it = 0  # work items loaded so far
-        for w in range(gl.program_id(0), num_items, gl.num_programs(0)):
+        w = gl.program_id(0)
+        while w < num_items:
             head, seq, tok0, q_len, ctx, first_q = _work_item(w, cu_seqlens_ptr, seq_lens_ptr, num_seqs, num_q_heads,
                                                               num_slots, HAS_CACHE)  # fmt: skip
             if first_q < q_len:
                 n_tiles = gl.cdiv(ctx + gl.minimum(first_q + _BLOCK_M, q_len), BLOCK_N)
-                # Q is reused once both consumers are past the previous item's last QK^T
+                # Q (and the item slot) are reused once both consumers are past the previous
+                # item's last QK^T; the expect below releases the item to them with Q
                 mbarrier.wait(q_empty, (it & 1) ^ 1, pred=it > 0)
+                _publish(item_smem, w)
                 mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(q_desc, [tok0 + first_q, head * HEAD_DIM], q_ready, q_smem.index(0))
                 tma.async_copy_global_to_shared(q_desc, [tok0 + first_q + _HALF, head * HEAD_DIM], q_ready,
@@ -165,6 +182,19 @@ if _HAVE_GLUON:
                         tma.async_copy_global_to_shared(v_desc, [row, kv_col], v_ready.index(s), v_smem.index(s))
                     c += 1
                 it += 1
+            if DYNAMIC:  # the next item no program has taken (items below the grid size start them)
+                taken = gl.atomic_add(sched_ptr, 1)
+                w = taken + gl.num_programs(0)
+                # each program draws until it gets an item past the last, so a launch draws exactly
+                # num_items times (grid <= num_items): the last draw zeroes the counter for the next
+                if taken == num_items - 1:
+                    gl.atomic_xchg(sched_ptr, 0)
+            else:
+                w += gl.num_programs(0)
+        # no more work: the consumers read an item past the last
+        mbarrier.wait(q_empty, (it & 1) ^ 1, pred=it > 0)
+        _publish(item_smem, num_items)
+        mbarrier.arrive(q_ready)
 
     @gluon.jit
     def _softmax(s, m_i, l_i, t, qk_scale, q_pos, mask_from, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
@@ -184,7 +214,8 @@ if _HAVE_GLUON:
     @gluon.jit
     def _consume_item(out_ptr, q, k_smem, v_smem, q_empty, k_ready, v_ready, kv_empty, turn, qk_scale, first_q, q_len,
                       ctx, tok0, head, stride_ot, stride_oh, c, tc, H: gl.constexpr, HEAD_DIM: gl.constexpr,
-                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr):  # fmt: skip
+                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
+                      Q_REGS: gl.constexpr):  # fmt: skip
         """One work item for warpgroup ``H``; ``c``: key tiles consumed before it (ring
         position), ``tc``: MMA turns taken before it. Key tiles are numbered by position in the
         sequence (``ctx`` cached keys, then the chunk's). Returns the key tiles it used."""
@@ -195,6 +226,9 @@ if _HAVE_GLUON:
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         dtype: gl.constexpr = q.dtype
         n_tiles = gl.cdiv(ctx + gl.minimum(first_q + _BLOCK_M, q_len), BLOCK_N)
+        if Q_REGS:  # Q into registers at once: the loader may fetch the next item's Q during this one
+            q = q.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
+            mbarrier.arrive(q_empty)
         row0 = first_q + H * _HALF
         q_pos = ctx + row0 + gl.arange(0, _HALF, layout=gl.SliceLayout(1, s_layout))
         mask_from = (ctx + row0 + 1) // BLOCK_N  # key tiles below this are visible to every row
@@ -231,7 +265,8 @@ if _HAVE_GLUON:
             mbarrier.arrive(kv_empty.index(prev))
             p_op = gl.convert_layout(p.to(dtype), p_layout)
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        mbarrier.arrive(q_empty)  # every QK^T of the item is done: the loader may refill Q
+        if not Q_REGS:
+            mbarrier.arrive(q_empty)  # every QK^T of the item is done: the loader may refill Q
         # PV of the last tile
         last = (c + n_tiles - 1) % STAGES
         if PINGPONG:
@@ -251,35 +286,39 @@ if _HAVE_GLUON:
         return n_tiles
 
     @gluon.jit
-    def _consumer(out_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, qk_scale,
-                  cu_seqlens_ptr, seq_lens_ptr, num_seqs, num_q_heads, num_slots, num_items, stride_ot, stride_oh,
-                  H: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                  PINGPONG: gl.constexpr, HAS_CACHE: gl.constexpr):  # fmt: skip
+    def _consumer(out_ptr, q_smem, k_smem, v_smem, item_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn,
+                  qk_scale, cu_seqlens_ptr, seq_lens_ptr, num_seqs, num_q_heads, num_slots, num_items, stride_ot,
+                  stride_oh, H: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                  PINGPONG: gl.constexpr, HAS_CACHE: gl.constexpr, Q_REGS: gl.constexpr):  # fmt: skip
         c = 0  # key tiles consumed so far
         it = 0  # work items done so far
-        for w in range(gl.program_id(0), num_items, gl.num_programs(0)):
+        mbarrier.wait(q_ready, 0)
+        w = _read_item(item_smem)
+        while w < num_items:  # the loader publishes only items with query rows
             head, seq, tok0, q_len, ctx, first_q = _work_item(w, cu_seqlens_ptr, seq_lens_ptr, num_seqs, num_q_heads,
                                                               num_slots, HAS_CACHE)  # fmt: skip
-            if first_q < q_len:
-                mbarrier.wait(q_ready, it & 1)
-                # an item takes one MMA turn per key tile plus one: c + it turns before this one
-                c += _consume_item(out_ptr, q_smem.index(H), k_smem, v_smem, q_empty, k_ready, v_ready, kv_empty,
-                                   turn, qk_scale, first_q, q_len, ctx, tok0, head, stride_ot, stride_oh, c, c + it,
-                                   H, HEAD_DIM, BLOCK_N, STAGES, PINGPONG)  # fmt: skip
-                it += 1
+            # an item takes one MMA turn per key tile plus one: c + it turns before this one
+            c += _consume_item(out_ptr, q_smem.index(H), k_smem, v_smem, q_empty, k_ready, v_ready, kv_empty,
+                               turn, qk_scale, first_q, q_len, ctx, tok0, head, stride_ot, stride_oh, c, c + it,
+                               H, HEAD_DIM, BLOCK_N, STAGES, PINGPONG, Q_REGS)  # fmt: skip
+            it += 1
+            mbarrier.wait(q_ready, it & 1)
+            w = _read_item(item_smem)
 
     @gluon.jit(do_not_specialize=["num_seqs", "num_slots", "num_items", "stride_bt"],
                do_not_specialize_on_alignment=["cu_seqlens_ptr", "seq_lens_ptr", "tables_ptr"])
-    def _prefill_gluon_kernel(q_desc, k_desc, v_desc, kc_desc, vc_desc, out_ptr, cu_seqlens_ptr, seq_lens_ptr,
-                              tables_ptr, stride_bt, stride_cb, stride_ch, qk_scale, num_seqs, num_slots, num_items,
-                              stride_ot, stride_oh, GROUP: gl.constexpr, NUM_Q_HEADS: gl.constexpr,
-                              HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                              PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                              HAS_CACHE: gl.constexpr, PAGE: gl.constexpr, ROWS: gl.constexpr):  # fmt: skip
+    def _prefill_gluon_kernel(q_desc, k_desc, v_desc, kc_desc, vc_desc, out_ptr, sched_ptr, cu_seqlens_ptr,
+                              seq_lens_ptr, tables_ptr, stride_bt, stride_cb, stride_ch, qk_scale, num_seqs,
+                              num_slots, num_items, stride_ot, stride_oh, GROUP: gl.constexpr,
+                              NUM_Q_HEADS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                              STAGES: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                              LOADER_REGS: gl.constexpr, HAS_CACHE: gl.constexpr, PAGE: gl.constexpr,
+                              ROWS: gl.constexpr, DYNAMIC: gl.constexpr, Q_REGS: gl.constexpr):  # fmt: skip
         dtype: gl.constexpr = q_desc.dtype
         q_smem = gl.allocate_shared_memory(dtype, [2, _HALF, HEAD_DIM], q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+        item_smem = gl.allocate_shared_memory(gl.int32, [1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -298,18 +337,18 @@ if _HAVE_GLUON:
         # (argument tuples are spelled out: concatenating tuples would unwrap the constexprs)
         gl.warp_specialize(
             [
-                (_consumer, (out_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn,
-                             qk_scale, cu_seqlens_ptr, seq_lens_ptr, num_seqs, NUM_Q_HEADS, num_slots, num_items,
-                             stride_ot, stride_oh, gl.constexpr(0), HEAD_DIM, BLOCK_N, STAGES, PINGPONG,
-                             HAS_CACHE)),
-                (_consumer, (out_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn,
-                             qk_scale, cu_seqlens_ptr, seq_lens_ptr, num_seqs, NUM_Q_HEADS, num_slots, num_items,
-                             stride_ot, stride_oh, gl.constexpr(1), HEAD_DIM, BLOCK_N, STAGES, PINGPONG,
-                             HAS_CACHE)),
-                (_loader, (q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_ready, q_empty,
-                           k_ready, v_ready, kv_empty, cu_seqlens_ptr, seq_lens_ptr, tables_ptr, stride_bt, stride_cb,
-                           stride_ch, num_seqs, NUM_Q_HEADS, num_slots, num_items, GROUP, HEAD_DIM, BLOCK_N, STAGES,
-                           HAS_CACHE, PAGE, ROWS)),
+                (_consumer, (out_ptr, q_smem, k_smem, v_smem, item_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
+                             turn, qk_scale, cu_seqlens_ptr, seq_lens_ptr, num_seqs, NUM_Q_HEADS, num_slots,
+                             num_items, stride_ot, stride_oh, gl.constexpr(0), HEAD_DIM, BLOCK_N, STAGES, PINGPONG,
+                             HAS_CACHE, Q_REGS)),
+                (_consumer, (out_ptr, q_smem, k_smem, v_smem, item_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
+                             turn, qk_scale, cu_seqlens_ptr, seq_lens_ptr, num_seqs, NUM_Q_HEADS, num_slots,
+                             num_items, stride_ot, stride_oh, gl.constexpr(1), HEAD_DIM, BLOCK_N, STAGES, PINGPONG,
+                             HAS_CACHE, Q_REGS)),
+                (_loader, (q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, item_smem, q_ready,
+                           q_empty, k_ready, v_ready, kv_empty, sched_ptr, cu_seqlens_ptr, seq_lens_ptr, tables_ptr,
+                           stride_bt, stride_cb, stride_ch, num_seqs, NUM_Q_HEADS, num_slots, num_items, GROUP,
+                           HEAD_DIM, BLOCK_N, STAGES, HAS_CACHE, PAGE, ROWS, DYNAMIC)),
             ],
             [4, 1],
             [CONSUMER_REGS, LOADER_REGS],
@@ -319,6 +358,13 @@ if _HAVE_GLUON:
 @functools.cache
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.cache
+def _sched_counter(device_index: int) -> torch.Tensor:
+    """The dynamic scheduler's counter of work items taken on a device: zero between launches
+    (the launch's last draw zeroes it; launches on one device do not overlap: one stream)."""
+    return torch.zeros(1, dtype=torch.int32, device=torch.device("cuda", device_index))
 
 
 @functools.cache
@@ -386,9 +432,10 @@ def prefill_attention_gluon(q, k, v, out, cu_seqlens, scale, config=None, cache=
         paged = (_cache_descriptor(k_flat, page, cfg["block_n"]), _cache_descriptor(v_flat, page, cfg["block_n"]),
                  seq_lens, tables, tables.stride(0), per_block, per_head)  # fmt: skip
     return _prefill_gluon_kernel[grid](
-        q_desc, k_desc, v_desc, paged[0], paged[1], out, cu_seqlens, *paged[2:], scale, num_seqs, num_slots, num_items,
+        q_desc, k_desc, v_desc, paged[0], paged[1], out, _sched_counter(q.device.index or 0), cu_seqlens, *paged[2:],
+        scale, num_seqs, num_slots, num_items,
         out.stride(0), out.stride(1), GROUP=q_heads // k.shape[1], NUM_Q_HEADS=q_heads, HEAD_DIM=head_dim,
         BLOCK_N=cfg["block_n"], STAGES=cfg["stages"], PINGPONG=cfg["pingpong"], CONSUMER_REGS=cfg["consumer_regs"],
         LOADER_REGS=cfg["loader_regs"], HAS_CACHE=cache is not None, PAGE=page, ROWS=min(page, cfg["block_n"]),
-        num_warps=4,
+        DYNAMIC=cfg["dynamic"], Q_REGS=cfg["q_regs"], num_warps=4,
     )  # fmt: skip
