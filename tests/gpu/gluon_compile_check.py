@@ -33,6 +33,7 @@ CONFIGS = [
     dict(dynamic=True, cache_page=16),
     dict(dynamic=True, q_regs=True),  # Q held in registers: the next item's Q loads during this one
     dict(dynamic=True, q_regs=True, cache_page=16, head_dim=64),
+    dict(dynamic=True, cache_page=16, splits=4),  # key ranges split over programs, merged after
 ]
 
 
@@ -52,14 +53,16 @@ def compile_config(mod, cfg: dict):
         "v_desc": desc.format(full["block_n"], head_dim, lay(full["block_n"])),
         "kc_desc": desc.format(rows, head_dim, lay(full["block_n"])),
         "vc_desc": desc.format(rows, head_dim, lay(full["block_n"])),
-        "out_ptr": "*bf16", "sched_ptr": "*i32", "cu_seqlens_ptr": "*i32", "seq_lens_ptr": "*i32", "tables_ptr": "*i32",
+        "out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32",
+        "sched_ptr": "*i32", "cu_seqlens_ptr": "*i32", "seq_lens_ptr": "*i32", "tables_ptr": "*i32",
         "stride_bt": "i32", "stride_cb": "i32", "stride_ch": "i32", "qk_scale": "fp32", "num_seqs": "i32",
-        "num_slots": "i32", "num_items": "i32", "stride_ot": "i32", "stride_oh": "i32",
+        "num_slots": "i32", "num_splits": "i32", "num_items": "i32", "stride_ot": "i32", "stride_oh": "i32",
     }  # fmt: skip
     constexprs = dict(GROUP=4, NUM_Q_HEADS=32, HEAD_DIM=head_dim, BLOCK_N=full["block_n"], STAGES=full["stages"],
                       PINGPONG=full["pingpong"], CONSUMER_REGS=full["consumer_regs"],
                       LOADER_REGS=full["loader_regs"], HAS_CACHE="cache_page" in cfg, PAGE=page,
-                      ROWS=rows, DYNAMIC=full["dynamic"], Q_REGS=full["q_regs"])  # fmt: skip
+                      ROWS=rows, DYNAMIC=full["dynamic"], Q_REGS=full["q_regs"],
+                      SPLIT=cfg.get("splits", 1) > 1)  # fmt: skip
     signature.update({k: "constexpr" for k in constexprs})
     src = GluonASTSource(mod._prefill_gluon_kernel, signature, constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))

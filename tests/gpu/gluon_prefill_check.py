@@ -30,6 +30,7 @@ CONFIGS = {  # over DEFAULT_CONFIG of atom.ops.triton.prefill_attention_gluon
     "dynamic": dict(dynamic=True),  # work items from a global counter
     "static": dict(dynamic=False),  # static round robin
     "dyn_qregs": dict(dynamic=True, q_regs=True),  # and Q in registers (the next Q loads during an item)
+    "nosplit": dict(splits=1),  # no key-range splits for launches of few items
     "s3_pp_nonpersist": dict(persistent=False),  # run 1's best
     "s2_pp": dict(stages=2, consumer_regs=240),
     "s3_nopp": dict(pingpong=False),
@@ -40,7 +41,9 @@ CHECK_SHAPES = {"q=1": ([1], [0]), "q=17": ([17], [0]), "q=512": ([512], [0]), "
                 "q=2048": ([2048], [0]), "q=3001": ([3001], [0]), "q=8192": ([8192], [0]),
                 "8x2048": ([2048] * 8, [0] * 8), "varlen": ([1, 17, 1000, 3001, 128, 129, 64], [0] * 7),
                 "q=512 ctx=4096": ([512], [4096]), "q=1000 ctx=3001": ([1000], [3001]),
-                "q=5 ctx=100": ([5], [100]), "prefix mix": ([130, 129, 300, 64, 2049], [8000, 70, 0, 127, 1])}
+                "q=5 ctx=100": ([5], [100]), "prefix mix": ([130, 129, 300, 64, 2049], [8000, 70, 0, 127, 1]),
+                # key ranges split over programs (few long items); the second: splits with no key tile
+                "q=100 ctx=5000": ([100], [5000]), "split mix": ([64, 30], [3000, 20])}
 TIME_SHAPES = {"q=512": ([512], [0]), "q=2048": ([2048], [0]), "q=8192": ([8192], [0]), "8x2048": ([2048] * 8, [0] * 8),
                "q=512 ctx=4k": ([512], [4096]), "4x512 ctx=4k": ([512] * 4, [4096] * 4),
                "q=2048 ctx=4k": ([2048], [4096]), "q=2048 ctx=6k": ([2048], [6144]),
@@ -114,7 +117,8 @@ def calls(d):
         )[1],  # fmt: skip
         # as paged_attention calls it: the prefix (if any) from the paged cache
         "gluon": lambda cfg=None: (
-            prefill_attention_gluon(d["q"], d["k"], d["v"], out, d["cu"], scale * LOG2E, cfg, cache=cache),
+            prefill_attention_gluon(d["q"], d["k"], d["v"], out, d["cu"], scale * LOG2E, cfg, cache=cache,
+                                    max_seqlen_q=m, max_seqlen_k=m_k),
             out,
         )[1],  # fmt: skip
     }

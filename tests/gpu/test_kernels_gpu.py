@@ -137,6 +137,10 @@ GLUON_BATCHES = {
     "tile_edges": ([127, 128, 129, 2049, 300], [0, 4096, 255, 1, 17]),
     "short_after_long": ([130, 129], [8000, 70]),
     "decode_first": ([1] * 20 + [700, 1000], [*range(100, 4000, 195), 1500, 0]),
+    # few work items over long prefixes: key ranges split over programs and merged (at 16 heads
+    # the second has splits with no key tile for its 3-row chunk)
+    "chunk_after_long_prefix": ([128], [6000]),
+    "splits_with_empty": ([136, 3], [9000, 40]),
 }
 
 

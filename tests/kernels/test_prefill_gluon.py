@@ -70,3 +70,18 @@ def test_cache_rows_address_every_slot():
     for b, h, s in [(0, 0, 0), (4, 2, 15), (2, 1, 7)]:
         assert torch.equal(flat[b * per_block + h * per_head + s], k[b, h, s])
     assert flat.shape[0] == 4 * per_block + 2 * per_head + 16  # ends at the cache's last row
+
+
+@pytest.mark.parametrize(
+    ("seqs", "max_q", "max_k", "heads", "splits"),
+    [
+        (1, 128, 8320, 32, 4),  # 32 items of 65 key tiles for 132 SMs: 4 splits fill them once
+        (1, 256, 16640, 32, 2),
+        (2, 64, 3064, 32, 2),
+        (1, 512, 4608, 32, 1),  # 128 items: the SMs are full
+        (1, 128, 1000, 32, 1),  # 8 key tiles: splits of fewer than 4 tiles do not pay
+        (1, 2048, 2048, 32, 1),
+    ],
+)
+def test_num_splits(seqs, max_q, max_k, heads, splits):
+    assert pg.num_splits(seqs, max_q, max_k, heads, num_sms=132) == splits

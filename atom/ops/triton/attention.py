@@ -225,7 +225,8 @@ def _attend(
         if (k is not None and max_seqlen_q >= gluon.BLOCK_M and _gluon_prefill(q.device)
                 and gluon.supported(q, k, v) and gluon.cache_supported(q, k_cache, v_cache)):  # fmt: skip
             gluon.prefill_attention_gluon(q, k, v, out, cu_seqlens_q, scale * log2e,
-                                          cache=(k_cache, v_cache, seq_lens, block_tables))  # fmt: skip
+                                          cache=(k_cache, v_cache, seq_lens, block_tables), max_seqlen_q=max_seqlen_q,
+                                          max_seqlen_k=max_seqlen_k)  # fmt: skip
             return
         prefill_attention(q, out, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale * log2e, k=k, v=v,
                           kv_scales=kv_scales, max_seqlen_k=max_seqlen_k)  # fmt: skip
