@@ -89,6 +89,7 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 if _HAVE_GLUON:
     _HALF = gl.constexpr(HALF)  # kernels read module constants only as constexpr
     _BLOCK_M = gl.constexpr(BLOCK_M)
+    ITEM_FIELDS = gl.constexpr(16)  # a published work item: 9 int32 fields, padded to a power of two
 
     @gluon.jit
     def _find_seq(cu_seqlens_ptr, q_base, tile, num_seqs, BLOCK: gl.constexpr):
@@ -150,14 +151,27 @@ if _HAVE_GLUON:
                                             dst.slice(i * ROWS, ROWS))  # fmt: skip
 
     @gluon.jit
-    def _publish(item_smem, w):
-        """The loader warp writes work item ``w`` for the consumers (who read it after ``q_ready``)."""
-        item_smem.store(gl.full([1], w, gl.int32, gl.BlockedLayout([1], [32], [1], [0])))
+    def _publish(item_smem, w, head, split, tok0, q_len, ctx, first_q, lo, hi):
+        """The loader warp writes work item ``w``, decoded, for the consumers (who read it after
+        ``q_ready``): they skip the chain of dependent loads that decoding takes."""
+        layout: gl.constexpr = gl.BlockedLayout([ITEM_FIELDS], [32], [1], [0])
+        i = gl.arange(0, ITEM_FIELDS, layout=layout)
+        fields = gl.where(i == 0, w, gl.where(i == 1, head, gl.where(i == 2, split, gl.where(i == 3, tok0, gl.where(
+            i == 4, q_len, gl.where(i == 5, ctx, gl.where(i == 6, first_q, gl.where(i == 7, lo, hi))))))))
+        item_smem.store(fields)
 
     @gluon.jit
     def _read_item(item_smem):
-        """The work item a consumer warpgroup's ``q_ready`` phase announced."""
-        return gl.max(item_smem.load(gl.BlockedLayout([1], [32], [4], [0])), axis=0)
+        """The work item a consumer warpgroup's ``q_ready`` phase announced: (w, head, split, tok0,
+        q_len, ctx, first_q, lo, hi), every thread holding all fields."""
+        layout: gl.constexpr = gl.BlockedLayout([ITEM_FIELDS], [32], [4], [0])
+        fields = item_smem.load(layout)
+        i = gl.arange(0, ITEM_FIELDS, layout=layout)
+        return (gl.sum(gl.where(i == 0, fields, 0), axis=0), gl.sum(gl.where(i == 1, fields, 0), axis=0),
+                gl.sum(gl.where(i == 2, fields, 0), axis=0), gl.sum(gl.where(i == 3, fields, 0), axis=0),
+                gl.sum(gl.where(i == 4, fields, 0), axis=0), gl.sum(gl.where(i == 5, fields, 0), axis=0),
+                gl.sum(gl.where(i == 6, fields, 0), axis=0), gl.sum(gl.where(i == 7, fields, 0), axis=0),
+                gl.sum(gl.where(i == 8, fields, 0), axis=0))  # fmt: skip
 
     @gluon.jit
     def _loader(q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, item_smem, q_ready, q_empty,
@@ -181,7 +195,7 @@ if _HAVE_GLUON:
                 # Q (and the item slot) are reused once both consumers are past the previous
                 # item's last QK^T; the expect below releases the item to them with Q
                 mbarrier.wait(q_empty, (it & 1) ^ 1, pred=it > 0)
-                _publish(item_smem, w)
+                _publish(item_smem, w, head, split, tok0, q_len, ctx, first_q, lo, hi)
                 mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(q_desc, [tok0 + first_q, head * HEAD_DIM], q_ready, q_smem.index(0))
                 tma.async_copy_global_to_shared(q_desc, [tok0 + first_q + _HALF, head * HEAD_DIM], q_ready,
@@ -223,7 +237,7 @@ if _HAVE_GLUON:
                 w += gl.num_programs(0)
         # no more work: the consumers read an item past the last
         mbarrier.wait(q_empty, (it & 1) ^ 1, pred=it > 0)
-        _publish(item_smem, num_items)
+        _publish(item_smem, num_items, 0, 0, 0, 0, 0, 0, 0, 0)
         mbarrier.arrive(q_ready)
 
     @gluon.jit
@@ -332,19 +346,14 @@ if _HAVE_GLUON:
 
     @gluon.jit
     def _consumer(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, q_smem, k_smem, v_smem, item_smem, q_ready,
-                  q_empty, k_ready, v_ready, kv_empty, turn, qk_scale, cu_seqlens_ptr, seq_lens_ptr, num_seqs,
-                  num_q_heads, num_slots, num_splits, num_items, stride_ot, stride_oh, H: gl.constexpr,
-                  HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
-                  HAS_CACHE: gl.constexpr, Q_REGS: gl.constexpr, SPLIT: gl.constexpr):  # fmt: skip
+                  q_empty, k_ready, v_ready, kv_empty, turn, qk_scale, num_q_heads, num_splits, num_items, stride_ot,
+                  stride_oh, H: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                  PINGPONG: gl.constexpr, Q_REGS: gl.constexpr, SPLIT: gl.constexpr):  # fmt: skip
         c = 0  # key tiles consumed so far
         it = 0  # work items done so far
         mbarrier.wait(q_ready, 0)
-        w = _read_item(item_smem)
+        w, head, split, tok0, q_len, ctx, first_q, lo, hi = _read_item(item_smem)
         while w < num_items:  # the loader publishes only items with query rows and keys
-            head, split, seq, tok0, q_len, ctx, first_q = _work_item(w, cu_seqlens_ptr, seq_lens_ptr, num_seqs,
-                                                                     num_q_heads, num_slots, num_splits,
-                                                                     HAS_CACHE)  # fmt: skip
-            lo, hi = _key_range(ctx, first_q, q_len, split, num_splits, BLOCK_N)
             # an item takes one MMA turn per key tile plus one: c + it turns before this one
             c += _consume_item(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, q_smem.index(H), k_smem, v_smem,
                                q_empty, k_ready, v_ready, kv_empty, turn, qk_scale, first_q, q_len, ctx, tok0, head,
@@ -352,7 +361,7 @@ if _HAVE_GLUON:
                                BLOCK_N, STAGES, PINGPONG, Q_REGS, SPLIT)  # fmt: skip
             it += 1
             mbarrier.wait(q_ready, it & 1)
-            w = _read_item(item_smem)
+            w, head, split, tok0, q_len, ctx, first_q, lo, hi = _read_item(item_smem)
 
     @gluon.jit(do_not_specialize=["num_seqs", "num_slots", "num_splits", "num_items", "stride_bt"],
                do_not_specialize_on_alignment=["cu_seqlens_ptr", "seq_lens_ptr", "tables_ptr"])
@@ -368,7 +377,7 @@ if _HAVE_GLUON:
         q_smem = gl.allocate_shared_memory(dtype, [2, _HALF, HEAD_DIM], q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-        item_smem = gl.allocate_shared_memory(gl.int32, [1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        item_smem = gl.allocate_shared_memory(gl.int32, [ITEM_FIELDS], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -388,15 +397,13 @@ if _HAVE_GLUON:
         gl.warp_specialize(
             [
                 (_consumer, (out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, q_smem, k_smem, v_smem, item_smem,
-                             q_ready, q_empty, k_ready, v_ready, kv_empty, turn, qk_scale, cu_seqlens_ptr,
-                             seq_lens_ptr, num_seqs, NUM_Q_HEADS, num_slots, num_splits, num_items, stride_ot,
-                             stride_oh, gl.constexpr(0), HEAD_DIM, BLOCK_N, STAGES, PINGPONG, HAS_CACHE, Q_REGS,
-                             SPLIT)),
+                             q_ready, q_empty, k_ready, v_ready, kv_empty, turn, qk_scale, NUM_Q_HEADS, num_splits,
+                             num_items, stride_ot, stride_oh, gl.constexpr(0), HEAD_DIM, BLOCK_N, STAGES, PINGPONG,
+                             Q_REGS, SPLIT)),
                 (_consumer, (out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, q_smem, k_smem, v_smem, item_smem,
-                             q_ready, q_empty, k_ready, v_ready, kv_empty, turn, qk_scale, cu_seqlens_ptr,
-                             seq_lens_ptr, num_seqs, NUM_Q_HEADS, num_slots, num_splits, num_items, stride_ot,
-                             stride_oh, gl.constexpr(1), HEAD_DIM, BLOCK_N, STAGES, PINGPONG, HAS_CACHE, Q_REGS,
-                             SPLIT)),
+                             q_ready, q_empty, k_ready, v_ready, kv_empty, turn, qk_scale, NUM_Q_HEADS, num_splits,
+                             num_items, stride_ot, stride_oh, gl.constexpr(1), HEAD_DIM, BLOCK_N, STAGES, PINGPONG,
+                             Q_REGS, SPLIT)),
                 (_loader, (q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, item_smem, q_ready,
                            q_empty, k_ready, v_ready, kv_empty, sched_ptr, part_max_ptr, cu_seqlens_ptr, seq_lens_ptr,
                            tables_ptr, stride_bt, stride_cb, stride_ch, num_seqs, NUM_Q_HEADS, num_slots, num_splits,
