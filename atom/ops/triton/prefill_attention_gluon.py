@@ -130,12 +130,14 @@ if _HAVE_GLUON:
         return split * n_tiles // num_splits, (split + 1) * n_tiles // num_splits
 
     @gluon.jit
-    def _mark_empty(part_max_ptr, tok0, first_q, q_len, head, split, num_q_heads, num_splits):
-        """An empty split of a work item: its rows' partial max is -inf, so the merge skips it."""
+    def _mark_empty(part_max_ptr, part_sum_ptr, tok0, first_q, q_len, head, split, num_q_heads, num_splits):
+        """An empty split of a work item: its rows' partial max -inf and sum 0 (the merge weighs it
+        0 and reads no output row for it; the buffers are not initialised)."""
         layout: gl.constexpr = gl.BlockedLayout([4], [32], [1], [0])
         rows = first_q + gl.arange(0, _BLOCK_M, layout=layout)
         offs = ((tok0 + rows).to(gl.int64) * num_q_heads + head) * num_splits + split
         gl.store(part_max_ptr + offs, gl.full([_BLOCK_M], float("-inf"), gl.float32, layout), mask=rows < q_len)
+        gl.store(part_sum_ptr + offs, gl.zeros([_BLOCK_M], gl.float32, layout), mask=rows < q_len)
 
     @gluon.jit
     def _load_pages(c_desc, table, seq_len, kv_row, stride_cb, t, bar, dst, PAGE: gl.constexpr,
@@ -175,9 +177,9 @@ if _HAVE_GLUON:
 
     @gluon.jit
     def _loader(q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, item_smem, q_ready, q_empty,
-                k_ready, v_ready, kv_empty, sched_ptr, part_max_ptr, cu_seqlens_ptr, seq_lens_ptr, tables_ptr,
-                stride_bt, stride_cb, stride_ch, num_seqs, num_q_heads, num_slots, num_splits, num_items,
-                GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                k_ready, v_ready, kv_empty, sched_ptr, part_max_ptr, part_sum_ptr, cu_seqlens_ptr, seq_lens_ptr,
+                tables_ptr, stride_bt, stride_cb, stride_ch, num_seqs, num_q_heads, num_slots, num_splits,
+                num_items, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                 HAS_CACHE: gl.constexpr, PAGE: gl.constexpr, ROWS: gl.constexpr, DYNAMIC: gl.constexpr,
                 SPLIT: gl.constexpr):  # fmt: skip
         c = 0  # key tiles loaded so far (ring position and phase)
@@ -190,7 +192,8 @@ if _HAVE_GLUON:
             lo, hi = _key_range(ctx, first_q, q_len, split, num_splits, BLOCK_N)
             if SPLIT:
                 if first_q < q_len and lo >= hi:
-                    _mark_empty(part_max_ptr, tok0, first_q, q_len, head, split, num_q_heads, num_splits)
+                    _mark_empty(part_max_ptr, part_sum_ptr, tok0, first_q, q_len, head, split, num_q_heads,
+                                num_splits)  # fmt: skip
             if first_q < q_len and lo < hi:
                 # Q (and the item slot) are reused once both consumers are past the previous
                 # item's last QK^T; the expect below releases the item to them with Q
@@ -405,9 +408,10 @@ if _HAVE_GLUON:
                              num_items, stride_ot, stride_oh, gl.constexpr(1), HEAD_DIM, BLOCK_N, STAGES, PINGPONG,
                              Q_REGS, SPLIT)),
                 (_loader, (q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, item_smem, q_ready,
-                           q_empty, k_ready, v_ready, kv_empty, sched_ptr, part_max_ptr, cu_seqlens_ptr, seq_lens_ptr,
-                           tables_ptr, stride_bt, stride_cb, stride_ch, num_seqs, NUM_Q_HEADS, num_slots, num_splits,
-                           num_items, GROUP, HEAD_DIM, BLOCK_N, STAGES, HAS_CACHE, PAGE, ROWS, DYNAMIC, SPLIT)),
+                           q_empty, k_ready, v_ready, kv_empty, sched_ptr, part_max_ptr, part_sum_ptr,
+                           cu_seqlens_ptr, seq_lens_ptr, tables_ptr, stride_bt, stride_cb, stride_ch, num_seqs,
+                           NUM_Q_HEADS, num_slots, num_splits, num_items, GROUP, HEAD_DIM, BLOCK_N, STAGES,
+                           HAS_CACHE, PAGE, ROWS, DYNAMIC, SPLIT)),
             ],
             [4, 1],
             [CONSUMER_REGS, LOADER_REGS],
