@@ -25,9 +25,9 @@ logger = logging.getLogger(__name__)
 
 
 def speculates(params: SamplingParams) -> bool:
-    """Whether a request gets drafts. Logprobs and logits processing are computed for one
-    sampled position per step, so such requests decode one token at a time."""
-    return params.logprobs is None and not params.processes_logits
+    """Whether a request gets drafts. Logprobs, logits processing and a grammar's mask are
+    computed for one sampled position per step, so such requests decode one token at a time."""
+    return params.logprobs is None and not params.processes_logits and params.structured_outputs is None
 
 
 class SpecDecoder:

@@ -219,3 +219,23 @@ def test_rows_metadata_gives_each_token_a_decode_row():
     assert (meta.cu_seqlens_q.tolist(), meta.seq_lens.tolist()) == ([0, 3, 6], [8, 4])
     assert meta.block_tables.tolist() == [[7, 3], [5, 0]]
     assert (meta.max_seqlen_q, meta.max_seqlen_k, meta.num_decode_tokens) == (3, 8, 0)
+
+
+def test_structured_output_requests_decode_without_drafts(mtp_model, reference):
+    # a grammar masks one sampled position a step (its state does not cover the drafts), so such
+    # requests decode one token at a time beside plain requests that keep their drafts
+    from atom.sampling_params import StructuredOutputsParams
+
+    engine = spec_engine(mtp_model, "shared_weights", 2)
+    grammar = [SamplingParams(temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(**fields))
+               for fields in (dict(regex=r"[a-c]{3}-[0-9]{2}"), dict(choice=["alpha", "beta"]),
+                              dict(json={"type": "object", "properties": {"n": {"type": "integer"}},
+                                         "required": ["n"]}))]  # fmt: skip
+    out = engine.generate(PROMPTS[:3], grammar, use_tqdm=False)
+    # a random model may not close the JSON object within 12 tokens, but no token breaks a grammar
+    assert [o["finish_reason"] for o in out[:2]] == ["stop"] * 2 and out[2]["finish_reason"] in ("stop", "length")
+    assert [o["token_ids"] for o in out] == token_ids(reference(PROMPTS[:3], grammar))
+    assert engine.core.stats().spec.num_draft_tokens == 0
+    plain = engine.generate(PROMPTS[3:], GREEDY, use_tqdm=False)
+    assert token_ids(plain) == token_ids(reference(PROMPTS[3:], GREEDY))
+    assert engine.core.stats().spec.num_draft_tokens > 0
