@@ -77,6 +77,9 @@ class ModelConfig:
     load_dummy: bool = False
     seed: int = 0
     quantization: str | None = None  # "fp8": quantise a high-precision checkpoint on load
+    # vLLM's --generation-config: "auto" (the model's generation_config.json recommends the
+    # sampling defaults), "vllm" (none), or a folder holding a generation_config.json
+    generation_config: str = "auto"
 
     def __post_init__(self):
         limit = getattr(self.hf_config, "max_position_embeddings", None)

@@ -80,6 +80,7 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = CacheConfig.num_gpu_blocks_override
     # structured output starts after the reasoning of a reasoning model (vLLM's --reasoning-parser)
     reasoning_parser: str | None = None
+    generation_config: str = ModelConfig.generation_config
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -136,6 +137,10 @@ class EngineArgs:
         a("--device", type=str, default=d.device, help="auto, cuda or cpu")
         a("--kv-cache-memory-bytes", type=int, default=None, help="KV cache size (CPU default 2 GiB)")
         a("--num-gpu-blocks-override", type=int, default=None)
+        a("--generation-config", type=str, default=d.generation_config,
+          help="sampling defaults for requests that leave them out: auto (the model's generation_config.json: "
+               "temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), vllm (none), or a folder "
+               "with a generation_config.json")
         a("--reasoning-parser", type=str, default=None, choices=sorted(REASONING_TAGS),
           help="the model reasons in <think>...</think> first: the server returns it as reasoning_content and "
                "structured output constrains only what follows")
@@ -184,6 +189,7 @@ class EngineArgs:
             load_dummy=self.load_dummy,
             seed=self.seed,
             quantization=self.quantization,
+            generation_config=self.generation_config,
         )
         return Config(
             model_config=model_config,
@@ -271,6 +277,32 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
     if gguf_file is not None:
         return load_gguf_tokenizer(gguf_file)
     return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
+# generation_config.json fields that become sampling defaults (vLLM's get_diff_sampling_param)
+SAMPLING_DEFAULT_FIELDS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p", "max_new_tokens")
+
+
+def sampling_defaults(mc: ModelConfig) -> dict:
+    """The sampling defaults the model recommends, as vLLM's ``--generation-config auto``
+    applies them: the fields of ``SAMPLING_DEFAULT_FIELDS`` its generation_config.json sets
+    (``max_new_tokens`` as ``max_tokens``); empty with ``vllm`` or without the file."""
+    if mc.generation_config == "vllm":
+        return {}
+    folder = mc.model if mc.generation_config == "auto" else mc.generation_config
+    try:
+        values = GenerationConfig.from_pretrained(folder).to_diff_dict()
+    except (OSError, ValueError):
+        if mc.generation_config != "auto":
+            raise ValueError(f"--generation-config {mc.generation_config}: no generation_config.json there") from None
+        return {}
+    defaults = {k: values[k] for k in SAMPLING_DEFAULT_FIELDS if values.get(k) is not None}
+    if "max_new_tokens" in defaults:
+        defaults["max_tokens"] = defaults.pop("max_new_tokens")
+    if defaults:
+        logger.info("Default sampling parameters have been overridden by the model's generation config: %s "
+                    "(--generation-config vllm keeps vLLM's)", defaults)
+    return defaults
 
 
 def eos_token_ids(model: str, hf_config: PretrainedConfig, tokenizer) -> tuple[int, ...]:

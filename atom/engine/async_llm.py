@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from atom.config import Config
-from atom.engine.arg_utils import EngineArgs, eos_token_ids
+from atom.engine.arg_utils import EngineArgs, eos_token_ids, sampling_defaults
 from atom.engine.core_client import AsyncEngineCoreClient, CoreInfo, EngineDeadError
 from atom.engine.dp_async_client import DPAsyncEngineCoreClient
 from atom.engine.input_processor import InputProcessor, InvalidInputError, ProcessedPrompt
@@ -60,6 +60,7 @@ class AsyncLLM:
         mc = config.model_config
         self.tokenizer = tokenizer or load_tokenizer(mc.tokenizer, mc.trust_remote_code)
         self.eos_token_ids = eos_token_ids(mc.model, mc.hf_config, self.tokenizer)
+        self.default_sampling_params = sampling_defaults(mc)  # for requests that leave a field out
         self.input_processor = InputProcessor(self.tokenizer, mc.hf_config.vocab_size, mc.max_model_len)
         # one thread, as vLLM's server: a fast tokenizer releases the GIL while it works,
         # and its settings (truncation) must not change under a concurrent call

@@ -9,7 +9,12 @@ from collections.abc import Callable, Sequence
 
 from tqdm.auto import tqdm
 
-from atom.engine.arg_utils import EngineArgs, eos_token_ids, load_tokenizer  # noqa: F401 - re-exported
+from atom.engine.arg_utils import (  # noqa: F401 - load_tokenizer re-exported
+    EngineArgs,
+    eos_token_ids,
+    load_tokenizer,
+    sampling_defaults,
+)
 from atom.engine.engine_core import EngineCore
 from atom.engine.input_processor import InputProcessor
 from atom.engine.output_processor import RequestOutput, RequestState
@@ -31,6 +36,7 @@ class LLMEngine:
                         self.config.compilation_config.level, self.config.device)
         self.tokenizer = None if self.args.skip_tokenizer_init else load_tokenizer(mc.tokenizer, mc.trust_remote_code)
         self.eos_token_ids = eos_token_ids(mc.model, mc.hf_config, self.tokenizer)
+        self.default_sampling_params = sampling_defaults(mc)
         self.core = _make_core(self.config)
         self.input_processor = InputProcessor(self.tokenizer, mc.hf_config.vocab_size, mc.max_model_len,
                                               self.core.info().max_seq_len)
@@ -57,7 +63,7 @@ class LLMEngine:
         """Queue prompts (strings or token-id lists); returns their request ids. Every prompt
         is validated before any is queued, so a bad one adds nothing."""
         prompts = _as_prompt_list(prompt_or_tokens_list)
-        params = sampling_params_list if sampling_params_list is not None else SamplingParams()
+        params = sampling_params_list if sampling_params_list is not None else self.get_default_sampling_params()
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
@@ -69,6 +75,11 @@ class LLMEngine:
             self.core.add_request(EngineCoreRequest(rid, token_ids, sp, self.eos_token_ids))
             self.states[rid] = RequestState(rid, text, token_ids, sp, self.tokenizer, stream_callback)
         return ids
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a request without sampling params gets: the model's recommended defaults
+        (``--generation-config``), vLLM's ``LLM.get_default_sampling_params``."""
+        return SamplingParams(**self.default_sampling_params)
 
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)

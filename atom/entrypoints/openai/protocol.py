@@ -98,8 +98,9 @@ class SamplingRequest(OpenAIRequest):
     """The fields both endpoints share, with the ranges the engine can represent."""
 
     model: Text | None = None
-    temperature: float | None = Field(1.0, ge=0)
-    top_p: float | None = Field(1.0, gt=0, le=1)
+    # None: the server's default (the model's generation_config.json, else 1.0 / 1.0 / off)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
     min_p: float | None = Field(None, ge=0, le=1)
     max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)  # None: 256, less if the context is shorter
@@ -113,7 +114,7 @@ class SamplingRequest(OpenAIRequest):
     # logits processing (checked by SamplingParams, which names the field)
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
-    repetition_penalty: float | None = 1.0
+    repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     min_tokens: int = 0
     bad_words: list[Text] | None = None

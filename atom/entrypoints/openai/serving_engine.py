@@ -128,7 +128,7 @@ class OpenAIServing:
                               f"is {limit} tokens. Please reduce the length of the prompt.",
                               param=param, code="context_length_exceeded")
         if requested is None:
-            return min(DEFAULT_MAX_TOKENS, limit - prompt_len)
+            return min(self.engine.default_sampling_params.get("max_tokens", DEFAULT_MAX_TOKENS), limit - prompt_len)
         if prompt_len + requested > limit:
             raise OpenAIError(f"This model's maximum context length is {limit} tokens. However, you requested "
                               f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} in the "
@@ -141,12 +141,14 @@ class OpenAIServing:
                         structured: StructuredOutputsParams | None = None) -> SamplingParams:
         if request.seed is not None and request.seed + request.n - 1 > INT64_MAX:
             raise OpenAIError(f"seed + n - 1 must be at most {INT64_MAX} (sample i gets seed + i)", param="seed")
+        # a field the request leaves out: the model's recommended default (--generation-config), else vLLM's
+        default = self.engine.default_sampling_params
         try:
             return SamplingParams(
-                temperature=request.temperature if request.temperature is not None else 1.0,
-                top_p=request.top_p if request.top_p is not None else 1.0,
-                top_k=request.top_k or 0,
-                min_p=request.min_p or 0.0,
+                temperature=_or(request.temperature, default.get("temperature", 1.0)),
+                top_p=_or(request.top_p, default.get("top_p", 1.0)),
+                top_k=_or(request.top_k, default.get("top_k", 0)),
+                min_p=_or(request.min_p, default.get("min_p", 0.0)),
                 max_tokens=max_tokens,
                 seed=request.seed,
                 stop=request.stop,
@@ -158,7 +160,7 @@ class OpenAIServing:
                 prompt_logprobs=prompt_logprobs,
                 presence_penalty=_or(request.presence_penalty, 0.0),
                 frequency_penalty=_or(request.frequency_penalty, 0.0),
-                repetition_penalty=_or(request.repetition_penalty, 1.0),
+                repetition_penalty=_or(request.repetition_penalty, default.get("repetition_penalty", 1.0)),
                 logit_bias=request.logit_bias or None,
                 min_tokens=request.min_tokens,
                 bad_words=request.bad_words or None,
