@@ -61,6 +61,10 @@ class AsyncLLM:
         self.tokenizer = tokenizer or load_tokenizer(mc.tokenizer, mc.trust_remote_code)
         self.eos_token_ids = eos_token_ids(mc.model, mc.hf_config, self.tokenizer)
         self.default_sampling_params = sampling_defaults(mc)  # for requests that leave a field out
+        # tokens since start-up, counted as their outputs arrive (the server's periodic stats log):
+        # a prompt when its first token comes, each generated token when it does
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
         self.input_processor = InputProcessor(self.tokenizer, mc.hf_config.vocab_size, mc.max_model_len)
         # one thread, as vLLM's server: a fast tokenizer releases the GIL while it works,
         # and its settings (truncation) must not change under a concurrent call
@@ -237,6 +241,9 @@ class AsyncLLM:
         if out.finish_reason == "error":  # the engine failed this request alone
             self._fail(out.request_id, RequestFailedError(out.request_id, "the engine could not process it"))
             return False
+        if req.state.first_token_time is None and out.new_token_ids:
+            self.num_prompt_tokens += len(req.state.prompt_token_ids)
+        self.num_generation_tokens += len(out.new_token_ids)
         result, hit_stop_string = req.state.update(out)
         if result.finished:
             self.requests.pop(out.request_id, None)

@@ -46,6 +46,7 @@ from atom.entrypoints.openai.serving_chat import OpenAIServingChat
 from atom.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from atom.entrypoints.openai.serving_engine import OpenAIError, engine_dead_error
 from atom.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from atom.entrypoints.openai.stat_logger import StatLogger, log_stats_interval
 from atom.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger("atom.entrypoints.openai_server")
@@ -119,23 +120,30 @@ def _internal_error(request: Request, exc: Exception) -> JSONResponse:
 def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | None = None,
               max_request_body_size: int = DEFAULT_MAX_REQUEST_BODY_SIZE,
               request_timeout: float | None = None, enable_auto_tool_choice: bool = False,
-              tool_call_parser: str | None = None, trust_request_chat_template: bool = False) -> FastAPI:
-    """The FastAPI app; its lifespan shuts the engine down (``serve`` starts it before the
-    port opens). The reasoning parser is the engine's (``--reasoning-parser``)."""
+              tool_call_parser: str | None = None, trust_request_chat_template: bool = False,
+              log_stats_interval: float | None = None, enable_log_requests: bool = False) -> FastAPI:
+    """The FastAPI app; its lifespan logs the engine's stats every ``log_stats_interval``
+    seconds (None: never) and shuts the engine down (``serve`` starts it before the port
+    opens). The reasoning parser is the engine's (``--reasoning-parser``)."""
     metrics = ServerMetrics(served_model_names[0])
     engine.finished_callbacks.append(metrics.observe_finished)
     chat = OpenAIServingChat(engine, served_model_names, request_timeout, trust_request_chat_template,
                              enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
                              reasoning_parser=engine.config.reasoning_parser)
     completion = OpenAIServingCompletion(engine, served_model_names, request_timeout)
+    chat.log_requests = completion.log_requests = enable_log_requests
     tokenization = OpenAIServingTokenization(engine, served_model_names,
                                              trust_request_chat_template=trust_request_chat_template)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        stats_task = (asyncio.create_task(StatLogger(engine).run(log_stats_interval))
+                      if log_stats_interval is not None else None)  # fmt: skip
         try:
             yield
         finally:
+            if stats_task is not None:
+                stats_task.cancel()
             logger.info("shutting down the engine")
             await engine.shutdown()
 
@@ -248,6 +256,11 @@ def make_arg_parser() -> argparse.ArgumentParser:
                         help='tool_choice "auto": parse tool calls out of the output (needs --tool-call-parser)')
     parser.add_argument("--tool-call-parser", type=str, default=None, choices=sorted(TOOL_PARSERS),
                         help="the format the model writes tool calls in (hermes: Qwen2.5/Qwen3, SmolLM2, Hermes)")
+    parser.add_argument("--disable-log-stats", action="store_true",
+                        help="no periodic stats line (throughput, running and waiting requests, KV-cache usage) "
+                             "every VLLM_LOG_STATS_INTERVAL seconds (default 10)")
+    parser.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=False,
+                        help="log each request's id and sampling parameters (INFO) and its prompt token ids (DEBUG)")
     return parser
 
 
@@ -274,6 +287,10 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def serve(args: argparse.Namespace) -> None:
+    try:
+        stats_interval = None if args.disable_log_stats else log_stats_interval()
+    except ValueError as e:
+        raise StartupError(str(e)) from e
     sock = _bind(args.host, args.http_port)  # before the model loads: a taken port fails at once
     try:
         config = EngineArgs.from_cli_args(args).create_engine_config()
@@ -282,7 +299,8 @@ def serve(args: argparse.Namespace) -> None:
     engine = AsyncLLM(config, max_queued_requests=args.max_queued_requests)
     names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
     app = build_app(engine, names, args.api_key, args.max_request_body_size, args.request_timeout,
-                    args.enable_auto_tool_choice, args.tool_call_parser, args.trust_request_chat_template)
+                    args.enable_auto_tool_choice, args.tool_call_parser, args.trust_request_chat_template,
+                    stats_interval, args.enable_log_requests)
     uv_config = uvicorn.Config(app, host=args.host, port=args.http_port, log_level=args.uvicorn_log_level,
                                access_log=not args.disable_uvicorn_access_log,
                                timeout_graceful_shutdown=args.shutdown_timeout)

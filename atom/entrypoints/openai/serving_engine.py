@@ -91,6 +91,7 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self.request_timeout = request_timeout
         self.trust_request_chat_template = trust_request_chat_template
+        self.log_requests = False  # --enable-log-requests
 
     def check_chat_template(self, chat_template: str | None, chat_template_kwargs: dict | None) -> None:
         """A request's own chat template runs on the server (Jinja, sandboxed but unbounded in
@@ -176,6 +177,11 @@ class OpenAIServing:
         ``i``-th sample of prompt ``p``. Each is its own engine request; a seeded request
         gives each sample its own seed, so that the samples differ."""
         ids = [f"{request_id}-{p}-{i}" for p in range(len(prompts)) for i in range(n)]
+        if self.log_requests:
+            for p, (prompt, sp) in enumerate(zip(prompts, params)):
+                logger.info("Received request %s-%d (n=%d): prompt of %d tokens, params: %s", request_id, p, n,
+                            len(prompt.token_ids), sp)  # fmt: skip
+                logger.debug("Request %s-%d prompt token ids: %s", request_id, p, prompt.token_ids)
         # counted as in flight from here: their generate() runs later, in a task of its own with n > 1,
         # several prompts or --request-timeout, so a burst would otherwise pass the check all at once
         self.engine.check_capacity(len(ids), ids)
