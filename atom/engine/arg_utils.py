@@ -27,6 +27,7 @@ from atom.config import (
     resolve_dtype,
     sliding_window,
 )
+from atom.layers.quantization.kv_cache import checkpoint_kv_cache_dtype
 from atom.structured_output.reasoning import REASONING_TAGS
 
 logger = logging.getLogger(__name__)
@@ -193,7 +194,7 @@ class EngineArgs:
         )
         return Config(
             model_config=model_config,
-            cache_config=self._section(CacheConfig),
+            cache_config=self._section(CacheConfig, kv_cache_dtype=self._kv_cache_dtype(hf_config)),
             scheduler_config=self._section(SchedulerConfig, max_num_batched_tokens=self.max_num_batched_tokens
                                            or default_max_num_batched_tokens(device)),
             parallel_config=self._section(ParallelConfig),
@@ -203,6 +204,14 @@ class EngineArgs:
             torch_profiler_dir=self.torch_profiler_dir or os.environ.get("ATOM_TORCH_PROFILER_DIR"),
             reasoning_parser=self.reasoning_parser,
         )
+
+    def _kv_cache_dtype(self, hf_config: PretrainedConfig) -> str:
+        """``auto``: the checkpoint's declared KV cache (an fp8 scheme, as vLLM reads it), else
+        the model's dtype."""
+        declared = checkpoint_kv_cache_dtype(hf_config) if self.kv_cache_dtype == "auto" else None
+        if declared is not None:
+            logger.info("--kv-cache-dtype auto: the checkpoint declares an %s KV cache", declared)
+        return declared or self.kv_cache_dtype
 
     def _compilation_section(self, device: torch.device) -> CompilationConfig:
         """The compilation flags, overridden by vLLM's ``compilation_config`` dict where it sets them."""

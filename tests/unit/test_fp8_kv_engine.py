@@ -150,3 +150,43 @@ def test_mla_fp8_tp2_with_mtp_matches_one_rank(scaled_deepseek):
         assert engine.core.stats().spec.num_draft_tokens > 0
     finally:
         engine.shutdown()
+
+
+def _declaring(path: str, scheme: dict) -> str:
+    """The checkpoint at ``path`` with a quantization_config that quantises only the KV cache."""
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "kv_cache_scheme": scheme}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    return path
+
+
+FP8_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+
+
+def test_auto_takes_the_checkpoints_fp8_kv_cache(tiny_model, tmp_path, caplog):
+    # vLLM's --kv-cache-dtype auto: an llm-compressor checkpoint that declares an fp8 KV cache
+    # (bf16 / float32 weights, per-layer k_scale / v_scale) gets one, with its scales
+    path = _declaring(_with_kv_scales(tiny_model("qwen3"), str(tmp_path / "kv"), 0.0625, 0.125), FP8_SCHEME)
+    with caplog.at_level("INFO"):
+        engine = LLMEngine(path, max_model_len=256, kv_cache_dtype="auto")
+    assert "the checkpoint declares an fp8 KV cache" in caplog.text
+    assert engine.core.runner.kv_cache.dtype == torch.float8_e4m3fn
+    assert [(a.k_scale.item(), a.v_scale.item()) for a in engine.core.runner.attn_layers] == [(0.0625, 0.125)] * 3
+    assert agreement(LLMEngine(tiny_model("qwen3"), max_model_len=256), engine) >= 0.95
+    # an explicit dtype wins, and the default is the seed guide's bf16 (the model's dtype)
+    for kv_cache_dtype in ("bf16", None):
+        kwargs = {"kv_cache_dtype": kv_cache_dtype} if kv_cache_dtype else {}
+        assert LLMEngine(path, max_model_len=256, **kwargs).core.runner.kv_cache.dtype == torch.float32
+
+
+def test_auto_keeps_the_model_dtype_for_per_head_scales(tiny_model, tmp_path, caplog):
+    path = str(tmp_path / "per_head")
+    shutil.copytree(tiny_model("qwen3"), path)
+    _declaring(path, FP8_SCHEME | {"strategy": "attn_head"})
+    from atom.engine.arg_utils import EngineArgs
+
+    with caplog.at_level("WARNING"):
+        config = EngineArgs(model=path, device="cpu", kv_cache_dtype="auto").create_engine_config()
+    assert config.cache_config.kv_cache_dtype == "auto" and "attn_head scales" in caplog.text

@@ -73,9 +73,11 @@ def _block(block) -> tuple[int, int] | None:
     return int(block[0]), int(block[1])
 
 
-def _compressed_tensors(qc: dict) -> Fp8Config:
+def _compressed_tensors(qc: dict) -> Fp8Config | None:
     schemes = [g.get("weights") or {} for g in (qc.get("config_groups") or {}).values()]
     if not schemes:
+        if qc.get("kv_cache_scheme"):
+            return None  # only the KV cache is quantised (its scheme: kv_cache.checkpoint_kv_cache_dtype)
         raise ValueError("compressed-tensors checkpoint without config_groups")
     kinds = {(w.get("type"), w.get("num_bits"), w.get("strategy"), tuple(w.get("block_structure") or ()))
              for w in schemes}
