@@ -79,6 +79,25 @@ def test_switched_off(monkeypatch):
     assert register_platform() is None
 
 
+def test_models_switch_keeps_vllms_models(monkeypatch):
+    # ATOM_DISABLE_VLLM_PLUGIN_MODELS=1: atom's platform (and its attention backend) without atom's
+    # model classes; without it every architecture atom implements is pointed at atom's wrapper
+    from vllm import ModelRegistry
+
+    from atom.plugin.vllm.register import PLATFORM_CLS, WRAPPER_MODULE, register_model, register_platform
+
+    registered = []
+    monkeypatch.setattr(ModelRegistry, "register_model", lambda arch, target: registered.append((arch, target)))
+    monkeypatch.setattr(ModelRegistry, "models", {})  # nothing registered yet in this process
+    monkeypatch.setenv("ATOM_DISABLE_VLLM_PLUGIN_MODELS", "1")
+    assert register_platform() == PLATFORM_CLS
+    register_model()
+    assert registered == []
+    monkeypatch.setenv("ATOM_DISABLE_VLLM_PLUGIN_MODELS", "0")
+    register_model()
+    assert ("Qwen3ForCausalLM", f"{WRAPPER_MODULE}:ATOMQwen3ForCausalLM") in registered
+
+
 # ---------------------------------------------------------------- helpers
 def _free_port() -> int:
     with socket.socket() as s:

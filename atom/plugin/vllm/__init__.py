@@ -7,6 +7,7 @@ architectures atom implements). Switches, read in every vLLM process:
 
 - ``ATOM_DISABLE_VLLM_PLUGIN=1``: no platform, no models; vLLM runs as if atom were absent.
 - ``ATOM_DISABLE_VLLM_PLUGIN_ATTENTION=1``: atom's models with vLLM's own attention backend.
+- ``ATOM_DISABLE_VLLM_PLUGIN_MODELS=1``: vLLM's own models with atom's platform and attention backend.
 - ``ATOM_VLLM_SKIP_VERSION_CHECK=1``: try a vLLM outside the supported range anyway.
 """
 
@@ -43,6 +44,10 @@ def plugin_disabled() -> bool:
 
 def attention_disabled() -> bool:
     return env_flag("ATOM_DISABLE_VLLM_PLUGIN_ATTENTION")
+
+
+def models_disabled() -> bool:
+    return env_flag("ATOM_DISABLE_VLLM_PLUGIN_MODELS")
 
 
 def unsupported_version_reason(version: str, version_tuple: tuple) -> str | None:

@@ -3,7 +3,7 @@ workers), possibly more than once: both are cheap and idempotent."""
 
 from __future__ import annotations
 
-from atom.plugin.vllm import logger, plugin_disabled, vllm_unsupported
+from atom.plugin.vllm import logger, models_disabled, plugin_disabled, vllm_unsupported
 
 PLATFORM_CLS = "atom.plugin.vllm.platform.ATOMPlatform"
 WRAPPER_MODULE = "atom.plugin.vllm.model_wrapper"
@@ -38,8 +38,16 @@ def register_platform() -> str | None:
 def register_model() -> None:
     """``vllm.general_plugins`` entry point: point every architecture atom implements at a thin
     wrapper around atom's model class in vLLM's ``ModelRegistry`` (lazily, by name: the class is
-    imported only when vLLM builds that model)."""
+    imported only when vLLM builds that model). ``ATOM_DISABLE_VLLM_PLUGIN_MODELS=1`` keeps
+    vLLM's own model classes (atom's platform and attention backend stay)."""
     if _switched_off():
+        return
+    try:
+        if models_disabled():
+            logger.info("ATOM_DISABLE_VLLM_PLUGIN_MODELS is set: vLLM's own models run, on atom's attention backend")
+            return
+    except ValueError as e:  # a malformed switch leaves vLLM's models in place, loudly
+        logger.error("%s; atom's models are not registered", e)
         return
     from vllm import ModelRegistry
 
