@@ -151,11 +151,28 @@ class MultiprocExecutor:
                 except (EOFError, ConnectionResetError):  # reset: it died with our request unread
                     self._fail(f"{what}: {self._gone(rank)}")
                 if reply.error is not None:
-                    self._fail(f"{what}: rank {reply.rank} raised:\n{reply.error}")
+                    # a rank that dies breaks its peers' collectives: their errors (gloo's "Read
+                    # error", NCCL's) may come first, but the death is the cause to report
+                    dead = self._dead_peer(reply.rank)
+                    self._fail(f"{what}: {self._gone(dead)}" if dead is not None
+                               else f"{what}: rank {reply.rank} raised:\n{reply.error}")  # fmt: skip
                 if reply.rank == 0:
                     result = reply.value
                 del pending[rank]
         return result
+
+    def _dead_peer(self, rank: int, grace_s: float = 1.0) -> int | None:
+        """A rank other than ``rank`` that died (killed or crashed: a non-zero exit code; a rank
+        that raised exits cleanly after its reply), waiting up to ``grace_s`` for one; or None."""
+        sentinels = {self._procs[r].sentinel: r for r in range(self.world_size) if r != rank}
+        deadline = time.monotonic() + grace_s
+        while sentinels and (left := deadline - time.monotonic()) > 0:
+            for s in wait(list(sentinels), left):
+                proc = self._procs[sentinels.pop(s)]
+                proc.join(SHUTDOWN_GRACE_S)
+                if proc.exitcode:
+                    return self._procs.index(proc)
+        return None
 
     def _gone(self, rank: int) -> str:
         proc = self._procs[rank]

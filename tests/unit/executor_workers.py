@@ -3,6 +3,7 @@ spawned ranks start quickly."""
 
 import logging
 import os
+import time
 
 
 class EchoWorker:
@@ -26,6 +27,14 @@ class EchoWorker:
 
     def fail(self) -> None:
         raise ValueError(f"bad request on rank {self.rank}")
+
+    def fail_as_peer_dies(self) -> None:
+        """Rank 0 raises at once, as its collective does when a peer is killed; the peer (rank 1)
+        is seen dead a moment later."""
+        if self.rank == 0:
+            raise RuntimeError("gloo: Read error (the peer closed the connection)")
+        time.sleep(0.2)
+        os._exit(9)
 
 
 class AllReduceWorker:

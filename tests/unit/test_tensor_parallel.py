@@ -235,6 +235,15 @@ def test_rank_crash_raises_and_stops_every_rank():
         ex.collective_rpc("pid")
 
 
+def test_a_dead_rank_is_the_reported_cause_of_its_peers_errors():
+    # a killed rank breaks its peers' collectives; whichever reply comes first, the death is reported
+    ex = MultiprocExecutor(2, EchoWorker, backend="gloo")
+    pids = ex.pids
+    with pytest.raises(RankFailure, match=r"rank 1 \(pid \d+\) died with exit code 9"):
+        ex.collective_rpc("fail_as_peer_dies", timeout_s=RPC_TIMEOUT_S)
+    assert wait_gone(pids) == []
+
+
 def test_rank_exception_raises_its_traceback_and_stops_every_rank():
     ex = MultiprocExecutor(2, EchoWorker, backend="gloo")
     pids = ex.pids
