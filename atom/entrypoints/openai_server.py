@@ -256,6 +256,9 @@ def make_arg_parser() -> argparse.ArgumentParser:
                         help='tool_choice "auto": parse tool calls out of the output (needs --tool-call-parser)')
     parser.add_argument("--tool-call-parser", type=str, default=None, choices=sorted(TOOL_PARSERS),
                         help="the format the model writes tool calls in (hermes: Qwen2.5/Qwen3, SmolLM2, Hermes)")
+    parser.add_argument("--chat-template", type=str, default=None,
+                        help="the chat template for every chat request (vLLM's flag): a file, or the Jinja template "
+                             "itself; default: the tokenizer's")
     parser.add_argument("--disable-log-stats", action="store_true",
                         help="no periodic stats line (throughput, running and waiting requests, KV-cache usage) "
                              "every VLLM_LOG_STATS_INTERVAL seconds (default 10)")
@@ -289,6 +292,7 @@ def main(argv: list[str] | None = None) -> None:
 def serve(args: argparse.Namespace) -> None:
     try:
         stats_interval = None if args.disable_log_stats else log_stats_interval()
+        chat_template = load_chat_template(args.chat_template)
     except ValueError as e:
         raise StartupError(str(e)) from e
     sock = _bind(args.host, args.http_port)  # before the model loads: a taken port fails at once
@@ -297,6 +301,8 @@ def serve(args: argparse.Namespace) -> None:
     except FileNotFoundError as e:
         raise StartupError(f"{e}; give a local model directory or .gguf file as MODEL (or --model)") from e
     engine = AsyncLLM(config, max_queued_requests=args.max_queued_requests)
+    if chat_template is not None:
+        engine.tokenizer.chat_template = chat_template  # chat requests and /tokenize use it
     names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
     app = build_app(engine, names, args.api_key, args.max_request_body_size, args.request_timeout,
                     args.enable_auto_tool_choice, args.tool_call_parser, args.trust_request_chat_template,
@@ -308,6 +314,19 @@ def serve(args: argparse.Namespace) -> None:
     server.run(sockets=[sock])
     if server.startup_error is not None:
         raise server.startup_error
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """``--chat-template``: the template itself when it has Jinja's characters, else a file to
+    read (as vLLM resolves it)."""
+    if value is None or any(c in value for c in "{}\n"):
+        return value
+    try:
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise ValueError(f"--chat-template {value}: looks like a file path, but it cannot be read "
+                         f"({e.strerror})") from None
 
 
 def _bind(host: str, port: int) -> socket.socket:

@@ -71,6 +71,40 @@ def test_startup_errors_are_one_line_unless_debugging(tmp_path):
     assert out.returncode == 1 and "Traceback" in out.stderr
 
 
+TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant]"
+
+
+@pytest.mark.parametrize("as_file", [True, False])
+def test_chat_template_flag(tiny_model, tmp_path, as_file):
+    # vLLM's --chat-template: a file or the template itself, for every chat request and /tokenize
+    from transformers import AutoTokenizer
+
+    arg = TEMPLATE
+    if as_file:
+        arg = str(tmp_path / "template.jinja")
+        Path(arg).write_text(TEMPLATE)
+    srv = ServerProcess(tiny_model, tmp_path, via_cli=True, extra_args=("--chat-template", arg))
+    try:
+        messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+        r = srv.post("/tokenize", {"messages": messages})
+        expected = "[system] Be brief.\n[user] Hi\n[assistant]"
+        assert r.status_code == 200 and r.json()["tokens"] == AutoTokenizer.from_pretrained(tiny_model).encode(
+            expected, add_special_tokens=False)
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="EMPTY", max_retries=0, timeout=60)
+        out = client.chat.completions.create(model=tiny_model, messages=messages, max_tokens=2)
+        assert out.usage.prompt_tokens == len(r.json()["tokens"])
+    finally:
+        srv.stop()
+
+
+def test_unreadable_chat_template_is_a_one_line_startup_error(tiny_model, tmp_path):
+    out = run_cli("serve", tiny_model, "--port", str(free_port()), "--device", "cpu",
+                  "--chat-template", str(tmp_path / "missing.jinja"))  # fmt: skip
+    lines = [line for line in (out.stdout + out.stderr).splitlines() if line.strip()]
+    assert out.returncode == 1 and len(lines) == 1, lines
+    assert "--chat-template" in lines[0] and "cannot be read" in lines[0]
+
+
 def test_two_different_models_are_refused(tiny_model):
     out = run_cli("serve", tiny_model, "--model", "/elsewhere", "--port", str(free_port()))
     assert out.returncode == 2 and "two models given" in out.stderr
