@@ -134,6 +134,8 @@ class SchedulerConfig:
     # schedule and launch step N+1 before waiting for step N's tokens (vLLM's name); on by
     # default: measured faster offline and in serving (docs/performance.md)
     async_scheduling: bool = True
+    # False (vLLM's --no-enable-chunked-prefill): a prompt is scheduled whole or waits
+    enable_chunked_prefill: bool = True
 
     def __post_init__(self):
         if self.max_num_batched_tokens <= 0:
@@ -220,6 +222,11 @@ class Config:
         self._refuse_unbuilt()
         self._check_parallel()
         self._check_speculative()
+        sc, max_len = self.scheduler_config, self.model_config.max_model_len
+        if not sc.enable_chunked_prefill and sc.max_num_batched_tokens < max_len:
+            raise ValueError(f"max_num_batched_tokens ({sc.max_num_batched_tokens}) is smaller than max_model_len "
+                             f"({max_len}): without chunked prefill a prompt of max_model_len tokens could never be "
+                             "scheduled; raise --max-num-batched-tokens or lower --max-model-len")
 
     def _refuse_unbuilt(self) -> None:
         """Arguments whose feature is not built yet fail loudly rather than being ignored."""

@@ -59,6 +59,7 @@ class EngineArgs:
     gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization
     scheduler_delay_factor: float = SchedulerConfig.scheduler_delay_factor
     async_scheduling: bool = SchedulerConfig.async_scheduling
+    enable_chunked_prefill: bool = SchedulerConfig.enable_chunked_prefill
     cudagraph_capture_sizes: list[int] = field(default_factory=lambda: list(CompilationConfig.cudagraph_capture_sizes))
     level: int = CompilationConfig.level
     cudagraph_mode: str = CompilationConfig.cudagraph_mode
@@ -111,6 +112,9 @@ class EngineArgs:
         a("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
           help="overlap the host work of the next step (scheduling, input building) with the running step "
           "(default: on; --no-async-scheduling turns it off)")
+        a("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=d.enable_chunked_prefill,
+          help="split long prompts over steps (default: on; --no-enable-chunked-prefill schedules each prompt whole, "
+               "which needs --max-num-batched-tokens >= --max-model-len)")
         a("--cudagraph-capture-sizes", type=str, default=json.dumps(d.cudagraph_capture_sizes),
           help="batch sizes captured as CUDA graphs, e.g. '[1,2,4,8]'")
         a("--level", type=int, default=d.level, choices=[0, 1, 2, 3], help="compilation level; 3 = torch.compile")

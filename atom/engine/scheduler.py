@@ -108,7 +108,10 @@ class Scheduler:
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 seq = self.waiting[0]
                 cached = self.block_manager.find_cached_prefix(seq) if seq.num_computed_tokens == 0 else []
-                n = min(seq.num_tokens - len(cached) * self.block_manager.block_size, budget)
+                n = seq.num_tokens - len(cached) * self.block_manager.block_size
+                if n > budget and not self.config.enable_chunked_prefill:
+                    break  # scheduled whole or not at all (it fits an empty step: max_model_len)
+                n = min(n, budget)
                 slots = n + self._lookahead(len(cached) * self.block_manager.block_size + n, seq.num_tokens)
                 if not self.block_manager.can_allocate(seq, slots, cached):
                     break

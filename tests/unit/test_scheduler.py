@@ -56,6 +56,45 @@ def test_chunked_prefill_shares_the_budget_and_decodes_go_first():
     assert batch.starts == [4, 5]
 
 
+def test_without_chunked_prefill_a_prompt_runs_whole_or_waits():
+    # vLLM's --no-enable-chunked-prefill: the second prompt does not fit what the first left of the
+    # step's budget, so it waits for the next step instead of being split
+    bm = BlockManager(32, BLOCK)
+    s = Scheduler(SchedulerConfig(64, 8, enable_chunked_prefill=False), bm, max_model_len=64)
+    s.add(request("1", 40, arrival=0.0))
+    s.add(request("2", 30, arrival=1.0))
+    batch = s.schedule()
+    assert rows(batch) == [("1", 40)] and [q.request_id for q in s.waiting] == ["2"]
+    run(s, batch)
+    assert rows(s.schedule()) == [("1", 1), ("2", 30)]
+    chunked = scheduler(num_blocks=32)  # the default splits it
+    chunked.add(request("1", 40, arrival=0.0))
+    chunked.add(request("2", 30, arrival=1.0))
+    assert rows(chunked.schedule()) == [("1", 40), ("2", 24)]
+
+
+def test_without_chunked_prefill_the_budget_must_hold_a_whole_context(tiny_model):
+    import pytest
+
+    from atom.engine.arg_utils import EngineArgs
+
+    args = dict(model=tiny_model("qwen3"), device="cpu", max_model_len=256, enable_chunked_prefill=False)
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(100\) is smaller than max_model_len \(256\)"):
+        EngineArgs(max_num_batched_tokens=100, **args).create_engine_config()
+    config = EngineArgs(max_num_batched_tokens=256, **args).create_engine_config()
+    assert not config.scheduler_config.enable_chunked_prefill
+    # the same greedy tokens as an engine that chunks every prompt
+    from atom import LLMEngine, SamplingParams
+
+    prompts = [list(range(10, 60)), list(range(100, 130)), list(range(200, 290))]
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    whole = LLMEngine(max_num_batched_tokens=256, kv_cache_memory_bytes=16 << 20, **args)
+    chunked = LLMEngine(tiny_model("qwen3"), device="cpu", max_model_len=256, max_num_batched_tokens=32,
+                        kv_cache_memory_bytes=16 << 20)  # fmt: skip
+    assert [o["token_ids"] for o in whole.generate(prompts, greedy, use_tqdm=False)] == [
+        o["token_ids"] for o in chunked.generate(prompts, greedy, use_tqdm=False)]
+
+
 def test_preemption_frees_the_newest_and_it_resumes_by_recompute():
     s = scheduler(num_blocks=3)  # 12 tokens
     s.add(request("1", 4, max_tokens=6, arrival=0.0))
