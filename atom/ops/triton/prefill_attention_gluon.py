@@ -18,8 +18,9 @@ Each program owns 128 query rows of one query head and runs three partitions:
 
 Programs are persistent (one per SM) and take work items from a counter in global memory
 (``DYNAMIC``; a static round robin left the busiest SM 15-20% over the mean at 2k-token
-prompts): the loader takes the next item, publishes its index in shared memory with Q and
-fills the K/V ring for it while its consumers finish the last PV. Launches of few long items
+prompts): the loader takes the next item, decodes it and publishes its fields in shared
+memory with Q (the consumers skip the dependent loads of decoding), and fills the K/V ring for
+it while its consumers finish the last PV. Launches of few long items
 (short chunks over long cached prefixes) split each item's key range over programs
 (``num_splits``), and ``attention_merge.merge_splits`` combines the partial results.
 ``paged_attention`` runs every prefill launch it can here (docs/kernels.md has the measurements).
@@ -27,8 +28,8 @@ fills the K/V ring for it while its consumers finish the last PV. Launches of fe
 Key tiles are visited from the first (of the item's split); tiles that every row of a
 warpgroup sees skip the causal mask, and every row sees key 0 of tile 0, so without splits
 the running max is finite from the first tile on (a split may start past a row's keys: its
-diagonal tiles guard the max). Tiles on the diagonal may read rows past the sequence (the next sequence's
-keys, or zeros past the tensor): the causal mask hides them from every real query row.
+diagonal tiles guard the max). Tiles on the diagonal may read rows past the sequence (the next
+sequence's keys, or zeros past the tensor): the causal mask hides them from every real query row.
 Programs run heaviest (last) tiles first, query heads fastest, so the heads of one KV head
 share K/V through L2.
 """
