@@ -79,6 +79,7 @@ def test_switched_off(monkeypatch):
     assert register_platform() is None
 
 
+@needs_vllm
 def test_models_switch_keeps_vllms_models(monkeypatch):
     # ATOM_DISABLE_VLLM_PLUGIN_MODELS=1: atom's platform (and its attention backend) without atom's
     # model classes; without it every architecture atom implements is pointed at atom's wrapper
