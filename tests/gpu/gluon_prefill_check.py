@@ -26,8 +26,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # the repo's atom
 
 CONFIGS = {  # over DEFAULT_CONFIG of atom.ops.triton.prefill_attention_gluon
-    "default": {},  # persistent, 3 stages of 128 keys, ping-pong
-    "dynamic": dict(dynamic=True),  # work items from a global counter
+    "default": {},  # persistent (work items from a global counter), 3 stages of 128 keys, ping-pong
     "static": dict(dynamic=False),  # static round robin
     "dyn_qregs": dict(dynamic=True, q_regs=True),  # and Q in registers (the next Q loads during an item)
     "nosplit": dict(splits=1),  # no key-range splits for launches of few items

@@ -103,7 +103,8 @@ class SamplingRequest(OpenAIRequest):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
     min_p: float | None = Field(None, ge=0, le=1)
-    max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)  # None: 256, less if the context is shorter
+    # None: the model's max_new_tokens (--generation-config), else 256; less if the context is shorter
+    max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     n: int = Field(1, ge=1, le=128)
     stop: Text | list[Text] | None = None
     stop_token_ids: list[TokenId] | None = None
