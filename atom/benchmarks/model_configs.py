@@ -150,6 +150,7 @@ def parse_offline_args(doc: str, argv: list[str] | None, default_model: str, row
     p.add_argument("--disable-custom-all-reduce", action="store_true", help="NCCL for every all-reduce (both engines)")
     p.add_argument("--quantization", "-q", choices=["fp8"], help="quantise the weights on load (both engines)")
     p.add_argument("--kv-cache-dtype", default="auto", help="auto, fp8 or fp8_e4m3 (both engines)")
+    p.add_argument("--block-size", type=int, help="KV-cache block size (default: each engine's own)")
     return p.parse_args(argv)
 
 
@@ -189,6 +190,8 @@ class Engine:
         kwargs.update(enable_expert_parallel=args.enable_expert_parallel)
         kwargs.update(disable_custom_all_reduce=args.disable_custom_all_reduce)
         kwargs.update(quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
+        if args.block_size:
+            kwargs.update(block_size=args.block_size)
         if self.vllm:
             from vllm import LLM, SamplingParams
 

@@ -9,8 +9,8 @@ first tree's PYTHONPATH with the plugin disabled); flags: ``async`` (--async-sch
 ``sync`` (--no-async-scheduling), ``eager`` (--enforce-eager), ``latency`` (benchmark_latency
 instead of benchmark_throughput), ``tpN`` (-tp N), ``ep`` (--enable-expert-parallel), ``levelN`` (atom's --level N),
 ``nocar`` (--disable-custom-all-reduce: NCCL for every all-reduce), ``fp8`` (--quantization fp8: weights
-quantised on load), ``fp8kv`` (--kv-cache-dtype fp8). FP8 checkpoints: the models ``qwen3-8b-fp8`` and
-``qwen3-30b-a3b-fp8`` (block-128 e4m3 weights, as Qwen's FP8 releases).
+quantised on load), ``fp8kv`` (--kv-cache-dtype fp8), ``bsN`` (--block-size N). FP8 checkpoints: the
+models ``qwen3-8b-fp8`` and ``qwen3-30b-a3b-fp8`` (block-128 e4m3 weights, as Qwen's FP8 releases).
 A run may be listed more than once: list a pair as A B B A, since the order of the processes
 in a machine session may matter (session 15: the second of two vLLM processes ran the same
 Python ~1.3x slower; each run's log starts with the busiest processes of the machine).
@@ -49,6 +49,7 @@ def run_one(spec: str, trees: dict[str, str], out: str, timeout: int, index: int
     cmd += ["--kv-cache-dtype", "fp8"] if "fp8kv" in flags else []
     cmd += [a for f in flags if f.startswith("tp") for a in ("-tp", f[2:])]
     cmd += [a for f in flags if f.startswith("level") for a in ("--level", f[5:])]
+    cmd += [a for f in flags if f.startswith("bs") for a in ("--block-size", f[2:])]
     env = dict(os.environ, PYTHONPATH=":".join(p for p in ("/tmp/site", path) if os.path.isdir(p)),
                ATOM_DISABLE_VLLM_PLUGIN="1", PYTHONUNBUFFERED="1")
     start = time.time()

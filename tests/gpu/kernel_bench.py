@@ -258,16 +258,17 @@ def mla_inputs(batch: int, context: int, num_heads: int, fp8: bool) -> SimpleNam
     return SimpleNamespace(q=q, q_nope=q_nope, q_pe=q_pe, caches=caches, seq_lens=seq_lens, k_scale=k_scale)
 
 
-def fa3_mla_call(x: SimpleNamespace) -> Callable:
+def fa3_mla_call(x: SimpleNamespace, page: int = 16) -> Callable:
     """FLASH_ATTN_MLA: FA3 with the latent as V and the rope part as K, ``q_v`` the absorbed query; scheduler
-    metadata built once per step (shared by the layers), as its metadata builder does."""
+    metadata built once per step (shared by the layers), as its metadata builder does. ``page``: the
+    cache's block size (vLLM's default for this backend: 16)."""
     fa3, scheduler_metadata = vllm_mla()["FLASH_ATTN_MLA"]
-    (batch, num_heads), (cache, tables) = x.q.shape[:2], x.caches[16]
+    (batch, num_heads), (cache, tables) = x.q.shape[:2], x.caches[page]
     cu = torch.arange(batch + 1, dtype=torch.int32, device=DEV)
     max_len = int(x.seq_lens.max())
     meta = scheduler_metadata(
         batch_size=batch, max_seqlen_q=1, max_seqlen_k=max_len, num_heads_q=num_heads, num_heads_kv=1,
-        headdim=MLA_ROPE, cache_seqlens=x.seq_lens, qkv_dtype=BF16, headdim_v=MLA_RANK, page_size=16,
+        headdim=MLA_ROPE, cache_seqlens=x.seq_lens, qkv_dtype=BF16, headdim_v=MLA_RANK, page_size=page,
         cu_seqlens_q=cu, causal=True, num_splits=FA3_SPLITS,
     )  # fmt: skip
     k_pe, kv_c = cache[..., MLA_RANK:].unsqueeze(-2), cache[..., :MLA_RANK].unsqueeze(-2)
@@ -331,7 +332,8 @@ def load_baseline(path: str, name: str) -> Callable:
 
 
 MLA_MODELS = [("V3", 128), ("V2-Lite", 16)]  # DeepSeek-V3 at -tp 1 (16 heads: V3 at -tp 8, V2-Lite, Moonlight)
-MLA_REFS = {False: {"FLASH_ATTN_MLA": fa3_mla_call, "FLASHMLA": flashmla_call},
+MLA_REFS = {False: {"FLASH_ATTN_MLA": fa3_mla_call, "FLASHMLA": flashmla_call,
+                    "FLASH_ATTN_MLA@64": functools.partial(fa3_mla_call, page=64)},
             True: {"FLASHMLA": flashmla_call, "TRITON_MLA": triton_mla_call}}  # fmt: skip
 _mla_failed: set[str] = set()
 
@@ -353,6 +355,9 @@ def mla_case(batch: int, context: int, num_heads: int, fp8: bool = False):
                 _mla_failed.add(name)
     for baseline in MLA_BASELINE:
         refs["atom baseline"] = functools.partial(baseline, *args)
+    # atom over block-64 pages (FlashMLA's block size): ratio < 1 where they are faster than block-16 pages
+    cache64, tables64 = x.caches[64]
+    refs["atom@64"] = functools.partial(tk.mla_decode, x.q, cache64, x.seq_lens, tables64, *args[4:])
     refs[EXACT] = functools.partial(mla_reference.mla_decode, x.q.float(), *args[1:])
     rows = batch * (context + 1)
     nbytes = rows * cache[0, 0].nbytes + x.q.nbytes + batch * num_heads * MLA_RANK * x.q.element_size()
