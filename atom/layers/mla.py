@@ -95,9 +95,10 @@ class MLAAttention(Attention):
 
 # sequences bringing at most this many rows (MTP's K + 1) run them as decode rows
 SHORT_QUERY = 8
-# whole prompts through atom's Triton MLA prefill kernel (ops.mla_prefill_attention) instead of
-# torch's SDPA per sequence: opt-in until measured on the GPU (docs/kernels.md)
-TRITON_PREFILL = os.environ.get("ATOM_MLA_TRITON_PREFILL", "0") == "1"
+# whole prompts through ops.mla_prefill_attention (atom's Triton kernel on a GPU: one launch for
+# the step) rather than torch's SDPA once per sequence; ATOM_MLA_TRITON_PREFILL=0 keeps SDPA
+# (DeepSeek-V2-Lite throughput 9,498 vs 7,495 tok/s on an H200: docs/performance.md, session 21)
+TRITON_PREFILL = os.environ.get("ATOM_MLA_TRITON_PREFILL", "1") == "1"
 
 
 def latent_attention(

@@ -34,8 +34,6 @@ CONFIGS = [
     dict(dynamic=True, q_regs=True),  # Q held in registers: the next item's Q loads during this one
     dict(dynamic=True, q_regs=True, cache_page=16, head_dim=64),
     dict(dynamic=True, cache_page=16, splits=4),  # key ranges split over programs, merged after
-    dict(pingpong="named"),  # MMA turns through FA3's named barriers
-    dict(pingpong="named", cache_page=16, splits=4),
 ]
 
 
@@ -61,7 +59,7 @@ def compile_config(mod, cfg: dict):
         "num_slots": "i32", "num_splits": "i32", "num_items": "i32", "stride_ot": "i32", "stride_oh": "i32",
     }  # fmt: skip
     constexprs = dict(GROUP=4, NUM_Q_HEADS=32, HEAD_DIM=head_dim, BLOCK_N=full["block_n"], STAGES=full["stages"],
-                      PINGPONG=mod._PINGPONG[full["pingpong"]], CONSUMER_REGS=full["consumer_regs"],
+                      PINGPONG=full["pingpong"], CONSUMER_REGS=full["consumer_regs"],
                       LOADER_REGS=full["loader_regs"], HAS_CACHE="cache_page" in cfg, PAGE=page,
                       ROWS=rows, DYNAMIC=full["dynamic"], Q_REGS=full["q_regs"],
                       SPLIT=cfg.get("splits", 1) > 1)  # fmt: skip

@@ -31,7 +31,6 @@ CONFIGS = {  # over DEFAULT_CONFIG of atom.ops.triton.prefill_attention_gluon
     "dyn_qregs": dict(dynamic=True, q_regs=True),  # and Q in registers (the next Q loads during an item)
     "nosplit": dict(splits=1),  # no key-range splits for launches of few items
     "r240": dict(consumer_regs=240),  # the consumer warpgroups at 240 registers (the loader at 24)
-    "named": dict(pingpong="named"),  # MMA turns through FA3's named barriers instead of mbarriers
     "s3_pp_nonpersist": dict(persistent=False),  # run 1's best
     "s2_pp": dict(stages=2, consumer_regs=240),
     "s3_nopp": dict(pingpong=False),

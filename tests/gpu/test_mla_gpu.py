@@ -82,7 +82,7 @@ def test_mla_decode_gluon(num_heads, lens, page, splits):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("num_heads", [16, 128])
 def test_mla_prefill_attention_v3_shapes(num_heads, dtype):
-    """The Triton MLA prefill (whole prompts, opt-in: ATOM_MLA_TRITON_PREFILL=1) at DeepSeek's
+    """The Triton MLA prefill (whole prompts; ATOM_MLA_TRITON_PREFILL=0 turns it off) at DeepSeek's
     dims: nope 128, rope 64, v 128."""
     lens = [1, 4097, 17, 300, 2048, 64]
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEV)

@@ -58,8 +58,6 @@ BLOCK_M = 2 * HALF
 # measured on an H100 (docs/kernels.md): 3 stages of 128 keys, ping-pong, persistent
 # dynamic: persistent programs take the next work item from a counter in global memory (static
 # round robin left the busiest SM ~20% over the mean at q=2048, 32 heads, 132 SMs)
-# pingpong: the warpgroups' MMA turns through mbarriers (True) or FA3's named barriers ("named")
-_PINGPONG = {False: 0, True: 1, "named": 2}
 DEFAULT_CONFIG = dict(block_n=128, stages=3, pingpong=True, persistent=True, consumer_regs=232, loader_regs=24,
                       dynamic=True, q_regs=False)
 
@@ -265,36 +263,6 @@ if _HAVE_GLUON:
         return p, m_new, l_i * alpha + gl.sum(p, axis=1), alpha
 
     @gluon.jit
-    def _named_barrier(bar_id, SYNC: gl.constexpr):
-        """``bar.sync`` (SYNC) or ``bar.arrive`` on named barrier ``bar_id`` for both consumer
-        warpgroups (256 threads), executed by every thread: no shared memory is involved, so the
-        compiler puts no warpgroup barrier before it (it does before an mbarrier arrive or wait)."""
-        if SYNC:
-            gl.inline_asm_elementwise("bar.sync $1, 256;\n mov.u32 $0, 0;", "=r,r", [bar_id], dtype=gl.int32,
-                                      is_pure=False, pack=1)  # fmt: skip
-        else:
-            gl.inline_asm_elementwise("bar.arrive $1, 256;\n mov.u32 $0, 0;", "=r,r", [bar_id], dtype=gl.int32,
-                                      is_pure=False, pack=1)  # fmt: skip
-
-    @gluon.jit
-    def _turn_wait(turn, H: gl.constexpr, tc, PINGPONG: gl.constexpr):
-        """Wait for warpgroup ``H``'s MMA turn ``tc``. PINGPONG 1: a pair of mbarriers; 2: FA3's
-        named barriers 8 and 9 (the turn alternates strictly, so a barrier never holds two
-        arrivals of one warpgroup and needs no phase)."""
-        if PINGPONG == 2:
-            _named_barrier(8 + H, True)
-        elif PINGPONG == 1:
-            mbarrier.wait(turn.index(H), tc & 1)
-
-    @gluon.jit
-    def _turn_pass(turn, H: gl.constexpr, PINGPONG: gl.constexpr):
-        """Hand the MMA turn to the other warpgroup."""
-        if PINGPONG == 2:
-            _named_barrier(9 - H, False)
-        elif PINGPONG == 1:
-            mbarrier.arrive(turn.index(1 - H))
-
-    @gluon.jit
     def _consume_item(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, q, k_smem, v_smem, q_empty, k_ready,
                       v_ready, kv_empty, turn, qk_scale, first_q, q_len, ctx, tok0, head, split, lo, hi, num_q_heads,
                       num_splits, stride_ot, stride_oh, c, tc, H: gl.constexpr, HEAD_DIM: gl.constexpr,
@@ -320,11 +288,13 @@ if _HAVE_GLUON:
         mask_from = (ctx + row0 + 1) // BLOCK_N  # key tiles below this are visible to every row
 
         # the first tile: its QK^T alone
-        _turn_wait(turn, H, tc, PINGPONG)
+        if PINGPONG:
+            mbarrier.wait(turn.index(H), tc & 1)
         mbarrier.wait(k_ready.index(c % STAGES), (c // STAGES) & 1)
         s = warpgroup_mma(q, k_smem.index(c % STAGES).permute((1, 0)),
                           gl.zeros([_HALF, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)  # fmt: skip
-        _turn_pass(turn, H, PINGPONG)
+        if PINGPONG:
+            mbarrier.arrive(turn.index(1 - H))
         s = warpgroup_mma_wait(0, deps=[s])
         m_i = gl.full([_HALF], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
         l_i = gl.zeros([_HALF], gl.float32, gl.SliceLayout(1, s_layout))
@@ -334,13 +304,15 @@ if _HAVE_GLUON:
         for j in range(1, n_tiles):  # the item's j-th key tile, tile lo + j of the sequence
             st = (c + j) % STAGES
             prev = (c + j - 1) % STAGES
-            _turn_wait(turn, H, tc + j, PINGPONG)
+            if PINGPONG:
+                mbarrier.wait(turn.index(H), (tc + j) & 1)
             mbarrier.wait(k_ready.index(st), ((c + j) // STAGES) & 1)
             s = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), gl.zeros([_HALF, BLOCK_N], gl.float32, s_layout),
                               use_acc=False, is_async=True)  # fmt: skip
             mbarrier.wait(v_ready.index(prev), ((c + j - 1) // STAGES) & 1)
             acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
-            _turn_pass(turn, H, PINGPONG)
+            if PINGPONG:
+                mbarrier.arrive(turn.index(1 - H))
             s = warpgroup_mma_wait(1, deps=[s])  # QK^T done, PV may still run
             p, m_i, l_i, alpha = _softmax(s, m_i, l_i, lo + j, qk_scale, q_pos, mask_from, BLOCK_N, s_layout,
                                           SPLIT)  # fmt: skip
@@ -352,10 +324,12 @@ if _HAVE_GLUON:
             mbarrier.arrive(q_empty)  # every QK^T of the item is done: the loader may refill Q
         # PV of the last tile
         last = (c + n_tiles - 1) % STAGES
-        _turn_wait(turn, H, tc + n_tiles, PINGPONG)
+        if PINGPONG:
+            mbarrier.wait(turn.index(H), (tc + n_tiles) & 1)
         mbarrier.wait(v_ready.index(last), ((c + n_tiles - 1) // STAGES) & 1)
         acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
-        _turn_pass(turn, H, PINGPONG)
+        if PINGPONG:
+            mbarrier.arrive(turn.index(1 - H))
         acc = warpgroup_mma_wait(0, deps=[acc])
         mbarrier.arrive(kv_empty.index(last))
 
@@ -381,8 +355,6 @@ if _HAVE_GLUON:
                   PINGPONG: gl.constexpr, Q_REGS: gl.constexpr, SPLIT: gl.constexpr):  # fmt: skip
         c = 0  # key tiles consumed so far
         it = 0  # work items done so far
-        if PINGPONG == 2 and H == 0:  # warpgroup 0 takes the first turn (PINGPONG 1: the kernel's arrive)
-            _named_barrier(8, False)
         mbarrier.wait(q_ready, 0)
         w, head, split, tok0, q_len, ctx, first_q, lo, hi = _read_item(item_smem)
         while w < num_items:  # the loader publishes only items with query rows and keys
@@ -548,9 +520,8 @@ def prefill_attention_gluon(q, k, v, out, cu_seqlens, scale, config=None, cache=
         q_desc, k_desc, v_desc, paged[0], paged[1], out, *parts, _sched_counter(q.device.index or 0), cu_seqlens,
         *paged[2:], scale, num_seqs, num_slots, splits, num_items, out.stride(0), out.stride(1),
         GROUP=q_heads // k.shape[1], NUM_Q_HEADS=q_heads, HEAD_DIM=head_dim,
-        BLOCK_N=cfg["block_n"], STAGES=cfg["stages"], PINGPONG=_PINGPONG[cfg["pingpong"]],
-        CONSUMER_REGS=cfg["consumer_regs"], LOADER_REGS=cfg["loader_regs"], HAS_CACHE=cache is not None, PAGE=page,
-        ROWS=min(page, cfg["block_n"]),
+        BLOCK_N=cfg["block_n"], STAGES=cfg["stages"], PINGPONG=cfg["pingpong"], CONSUMER_REGS=cfg["consumer_regs"],
+        LOADER_REGS=cfg["loader_regs"], HAS_CACHE=cache is not None, PAGE=page, ROWS=min(page, cfg["block_n"]),
         DYNAMIC=cfg["dynamic"], Q_REGS=cfg["q_regs"], SPLIT=splits > 1, num_warps=4,
     )  # fmt: skip
     if splits > 1:
