@@ -23,6 +23,7 @@ from atom.config import Config
 from atom.engine.arg_utils import EngineArgs, eos_token_ids, sampling_defaults
 from atom.engine.core_client import AsyncEngineCoreClient, CoreInfo, EngineDeadError
 from atom.engine.dp_async_client import DPAsyncEngineCoreClient
+from atom.engine.dp_balancer import merge_stats
 from atom.engine.input_processor import InputProcessor, InvalidInputError, ProcessedPrompt
 from atom.engine.llm_engine import load_tokenizer
 from atom.engine.output_processor import RequestOutput, RequestState
@@ -79,7 +80,7 @@ class AsyncLLM:
         # engine request ids admitted by check_capacity whose generate() has not registered
         # them yet (it runs later, in a task, for n > 1, several prompts or --request-timeout)
         self._admitted: set[str] = set()
-        self._start_stats: EngineStats | None = None
+        self._start_stats: list[EngineStats | None] = [None] * dp  # each replica's, read by start()
         # called with every finished (or aborted) request's last output, e.g. for metrics
         self.finished_callbacks: list[Callable[[RequestOutput], None]] = []
 
@@ -90,7 +91,8 @@ class AsyncLLM:
     async def start(self) -> CoreInfo:
         info = await self.client.start()
         self.input_processor.max_seq_len = info.max_seq_len
-        self._start_stats = await self.client.call("stats")  # /metrics has numbers before the first step
+        # /metrics has numbers for every replica before its first step
+        self._start_stats = await self.client.call_each("stats")
         logger.info("engine core ready: %d KV blocks of %d tokens, longest sequence %d tokens",
                     info.num_blocks, info.block_size, info.max_seq_len)
         return info
@@ -200,10 +202,20 @@ class AsyncLLM:
 
     # engine
     async def get_stats(self, fresh: bool = True) -> EngineStats | None:
-        """The core's stats; ``fresh`` asks the core (after every message sent before)."""
+        """The core's stats (under ``-dp`` the replicas' merged); ``fresh`` asks the core (after
+        every message sent before), else the latest (``get_replica_stats``)."""
         if fresh and not self.client.is_dead:
             return await self.client.call("stats", timeout=10.0)
-        return self.client.stats or self._start_stats
+        latest = await self.get_replica_stats(fresh=False)
+        return merge_stats(latest) if all(s is not None for s in latest) else None
+
+    async def get_replica_stats(self, fresh: bool = True) -> list[EngineStats | None]:
+        """Each replica's stats by data-parallel rank (one entry without ``-dp``); ``fresh`` asks
+        every core, else each one's latest: what it sent with its last step or abort, its
+        start-up stats before that (None before ``start``)."""
+        if fresh and not self.client.is_dead:
+            return await self.client.call_each("stats", timeout=10.0)
+        return [latest or start for latest, start in zip(self.client.replica_stats, self._start_stats)]
 
     async def start_profile(self) -> None:
         await self.client.call("start_profile")

@@ -105,6 +105,11 @@ class AsyncEngineCoreClient(CoreClientBase):
         self._reader = asyncio.create_task(self._read_loop(), name="atom-engine-core-reader")
         return self.info
 
+    @property
+    def replica_stats(self) -> list[EngineStats | None]:
+        """The latest stats of each replica, by index: here the one core's (``-dp`` lists N)."""
+        return [self.stats]
+
     # requests (sends never block: the socket's queue is unbounded)
     def add_request(self, req: EngineCoreRequest) -> None:
         self._send(req)
@@ -126,6 +131,10 @@ class AsyncEngineCoreClient(CoreClientBase):
         if not ok:
             raise RuntimeError(result)
         return result
+
+    async def call_each(self, method: str, *args, timeout: float = 60.0) -> list[Any]:
+        """``call`` on each replica, its results by replica index (here a list of one)."""
+        return [await self.call(method, *args, timeout=timeout)]
 
     def _send(self, msg: EngineCoreRequest | AbortRequests | UtilityCall | Shutdown) -> None:
         if self.is_dead:

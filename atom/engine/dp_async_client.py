@@ -1,7 +1,8 @@
 """The server's engine under ``-dp N``: N ``AsyncEngineCoreClient``s (one engine-core
 process each, a full replica) behind that client's own interface, so ``AsyncLLM`` needs
 no other change. New requests go to the replica with the fewest outstanding requests,
-aborts to the replica that owns the request; stats and start-up info are merged. A
+aborts to the replica that owns the request; stats and start-up info are merged (each
+replica's stats stay readable apart, by index, for the per-engine metrics). A
 replica that dies makes the whole engine dead (the server reports it as with a dead
 tensor-parallel rank); shutdown stops every replica.
 """
@@ -29,9 +30,14 @@ class DPAsyncEngineCoreClient(CoreClientBase):
         self.balancer = LoadBalancer(len(self.clients))
 
     @property
+    def replica_stats(self) -> list[EngineStats | None]:
+        """The latest stats each replica sent, by replica index (None for one that sent none yet)."""
+        return [c.stats for c in self.clients]
+
+    @property
     def stats(self) -> EngineStats | None:
         """The latest stats every replica sent, merged (None until each has sent some)."""
-        latest = [c.stats for c in self.clients]
+        latest = self.replica_stats
         return merge_stats(latest) if all(s is not None for s in latest) else None
 
     async def start(self) -> CoreInfo:
@@ -57,8 +63,12 @@ class DPAsyncEngineCoreClient(CoreClientBase):
 
     async def call(self, method: str, *args, timeout: float = 60.0) -> Any:
         """A utility method on every replica ('stats' merged; otherwise replica 0's result)."""
-        results = await asyncio.gather(*(c.call(method, *args, timeout=timeout) for c in self.clients))
+        results = await self.call_each(method, *args, timeout=timeout)
         return merge_stats(results) if method == "stats" else results[0]
+
+    async def call_each(self, method: str, *args, timeout: float = 60.0) -> list[Any]:
+        """A utility method on every replica at once; their results by replica index."""
+        return list(await asyncio.gather(*(c.call(method, *args, timeout=timeout) for c in self.clients)))
 
     async def shutdown(self) -> None:
         await asyncio.gather(*(c.shutdown() for c in self.clients))

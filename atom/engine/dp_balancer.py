@@ -64,7 +64,10 @@ class LoadBalancer:
 
 
 def merge_stats(stats: Sequence[EngineStats]) -> EngineStats:
-    """The replicas' stats as one engine's: counts add up, KV usage is over all blocks."""
+    """The replicas' stats as one engine's: counts add up, KV usage is over all blocks. One
+    replica's are returned as they are (speculative-decoding stats included)."""
+    if len(stats) == 1:
+        return stats[0]
     blocks = sum(s.num_blocks for s in stats)
     return EngineStats(
         num_running=sum(s.num_running for s in stats),
