@@ -179,7 +179,9 @@ class AsyncLLM:
         self._admitted.discard(request_id)
         finished = False
         try:
-            self.client.add_request(EngineCoreRequest(request_id, ids, params, self.eos_token_ids, arrival))
+            # the replica that runs it: its outputs and metrics are attributed to it
+            req.state.engine_index = self.client.add_request(
+                EngineCoreRequest(request_id, ids, params, self.eos_token_ids, arrival))
             while not finished:
                 item = await req.queue.get()
                 if isinstance(item, BaseException):

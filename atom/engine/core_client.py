@@ -111,8 +111,10 @@ class AsyncEngineCoreClient(CoreClientBase):
         return [self.stats]
 
     # requests (sends never block: the socket's queue is unbounded)
-    def add_request(self, req: EngineCoreRequest) -> None:
+    def add_request(self, req: EngineCoreRequest) -> int:
+        """Send a request; returns the index of the replica that runs it (0: there is one)."""
         self._send(req)
+        return 0
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids and not self.is_dead:

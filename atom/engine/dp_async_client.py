@@ -51,11 +51,14 @@ class DPAsyncEngineCoreClient(CoreClientBase):
         self.info = merge_info(infos)
         return self.info
 
-    def add_request(self, req: EngineCoreRequest) -> None:
+    def add_request(self, req: EngineCoreRequest) -> int:
+        """Send a request to the balancer's choice; returns that replica's index."""
         if self.is_dead:
             raise EngineDeadError(f"the engine is dead: {self.dead_reason}")
         usage = [c.stats.kv_cache_usage if c.stats else 0.0 for c in self.clients]
-        self.clients[self.balancer.assign(req.request_id, usage)].add_request(req)
+        replica = self.balancer.assign(req.request_id, usage)
+        self.clients[replica].add_request(req)
+        return replica
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for r, ids in self.balancer.release(request_ids).items():

@@ -93,6 +93,9 @@ class RequestOutput:
     num_cached_tokens: int = 0
     stop_reason: str | int | None = None
     error: str | None = None  # with finish_reason "error": what failed
+    # the data-parallel replica that ran it, for the server's per-engine metrics (AsyncLLM sets it;
+    # 0 without -dp, and always 0 from LLMEngine)
+    engine_index: int = 0
 
     def to_dict(self) -> dict:
         """The serving guide's result dict."""
@@ -118,6 +121,8 @@ class RequestState:
         self.detokenizer = (IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
                             if tokenizer else None)  # fmt: skip
         self.stream_callback = stream_callback
+        # the data-parallel replica that runs it, known once the request is added (AsyncLLM sets it)
+        self.engine_index = 0
         self.token_ids: list[int] = []
         self.text = ""  # full decoded text, before stop-string truncation
         self.emitted = 0  # characters of text already streamed
@@ -230,4 +235,5 @@ class RequestState:
             num_cached_tokens=out.num_cached_tokens,
             stop_reason=self.stop_reason,
             error=out.error,
+            engine_index=self.engine_index,
         )
