@@ -125,7 +125,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
     """The FastAPI app; its lifespan logs the engine's stats every ``log_stats_interval``
     seconds (None: never) and shuts the engine down (``serve`` starts it before the port
     opens). The reasoning parser is the engine's (``--reasoning-parser``)."""
-    metrics = ServerMetrics(served_model_names[0])
+    metrics = ServerMetrics(served_model_names[0], engine.config.parallel_config.data_parallel_size)
     engine.finished_callbacks.append(metrics.observe_finished)
     chat = OpenAIServingChat(engine, served_model_names, request_timeout, trust_request_chat_template,
                              enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
@@ -189,10 +189,10 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
 
     @app.get("/metrics")
     async def prometheus_metrics():
-        # the stats the core sent with its latest step (or abort): a scrape never waits on a step
-        stats = await engine.get_stats(fresh=False)
-        if stats is not None:
-            metrics.set_engine_stats(stats)
+        # the stats each replica sent with its latest step (or abort): a scrape never waits on a step
+        for engine_index, stats in enumerate(await engine.get_replica_stats(fresh=False)):
+            if stats is not None:
+                metrics.set_engine_stats(engine_index, stats)
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/start_profile")

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import psutil
 import requests
+from prometheus_client.parser import text_string_to_metric_families
 
 MAX_MODEL_LEN = 512
 STARTUP_TIMEOUT_S = 240
@@ -85,14 +86,28 @@ class ServerProcess:
     def post(self, path: str, body: dict, **kwargs) -> requests.Response:
         return requests.post(f"{self.url}{path}", json=body, headers=self.headers, timeout=60, **kwargs)
 
-    def metrics(self) -> dict[str, float]:
-        """``atom:*`` samples of /metrics by name (labels dropped)."""
+    def samples(self) -> list[tuple[str, dict[str, str], float]]:
+        """Every ``atom:*`` sample of /metrics as (name, labels, value)."""
         text = requests.get(f"{self.url}/metrics", timeout=30).text
-        result = {}
-        for line in text.splitlines():
-            if line.startswith("atom:"):
-                name, value = line.rsplit(" ", 1)
-                result[name.split("{")[0]] = float(value)
+        return [(s.name, s.labels, s.value) for family in text_string_to_metric_families(text)
+                for s in family.samples if s.name.startswith("atom:")]
+
+    def metrics(self) -> dict[str, float]:
+        """``atom:*`` samples of /metrics by name, summed over the engines (data-parallel
+        replicas); of a name's other label sets (finish reasons, buckets) the last wins. Ratios
+        (KV usage, acceptance rate) add up too: read them per engine under -dp."""
+        summed: dict[tuple[str, tuple], float] = {}
+        for name, labels, value in self.samples():
+            key = (name, tuple(sorted((k, v) for k, v in labels.items() if k != "engine")))
+            summed[key] = summed.get(key, 0.0) + value
+        return {name: value for (name, _), value in summed.items()}
+
+    def per_engine(self, name: str, **labels: str) -> dict[str, float]:
+        """One metric's samples by ``engine`` label, summed over the others (those with ``labels``)."""
+        result: dict[str, float] = {}
+        for sample_name, sample_labels, value in self.samples():
+            if sample_name == name and labels.items() <= sample_labels.items():
+                result[sample_labels["engine"]] = result.get(sample_labels["engine"], 0.0) + value
         return result
 
     def stop(self, timeout: float = 60) -> int:

@@ -9,7 +9,6 @@ import http.client
 import importlib.util
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -448,10 +447,8 @@ for line in r.iter_lines():
 
 
 def aborted_requests(server) -> float:
-    """``atom:request_success_total{finished_reason="abort"}``: 0 before the first abort."""
-    text = requests.get(f"{server.url}/metrics", timeout=30).text
-    found = re.search(r'^atom:request_success_total\{.*finished_reason="abort".*\} (\S+)$', text, re.M)
-    return float(found.group(1)) if found else 0.0
+    """``atom:request_success_total{finished_reason="abort"}`` over every engine: 0 before the first abort."""
+    return sum(server.per_engine("atom:request_success_total", finished_reason="abort").values())
 
 
 def test_killed_client_frees_blocks(server):
@@ -484,6 +481,17 @@ def test_disconnected_non_streaming_client_frees_blocks(server):
         conn.close()  # hang up before the answer comes
     assert_all_blocks_free(server, timeout=10)
     assert aborted_requests(server) == aborted + 1
+
+
+def test_metrics_are_labelled_engine_0_without_dp(server, tiny_model):
+    """As vLLM's: every metric has ``model_name`` and ``engine``, "0" for the one engine."""
+    before = server.per_engine("atom:request_success_total").get("0", 0.0)
+    assert_serving(server)
+    samples = server.samples()
+    assert {labels["engine"] for _, labels, _ in samples} == {"0"}
+    assert {labels["model_name"] for _, labels, _ in samples} == {tiny_model}
+    assert server.per_engine("atom:num_kv_blocks")["0"] > 0
+    assert server.per_engine("atom:request_success_total") == {"0": before + 1}
 
 
 # profiling

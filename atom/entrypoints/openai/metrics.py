@@ -1,5 +1,7 @@
 """Prometheus metrics of ``GET /metrics``: engine gauges read from the core when scraped,
-request counters and latency histograms fed by every finished request."""
+request counters and latency histograms fed by every finished request. As vLLM's, every
+metric has the labels ``model_name`` and ``engine``: the data-parallel replica ("0" without
+``-dp``), so each replica's gauges are its own and a request counts for the replica that ran it."""
 
 from __future__ import annotations
 
@@ -12,24 +14,32 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
                     10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 _TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
                  0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+_LABELS = ["model_name", "engine"]
 
 
 class ServerMetrics:
-    """One registry per server (not the global one), so that tests can build several apps."""
+    """One registry per server (not the global one), so that tests can build several apps.
+    Each of the ``num_engines`` replicas has every metric from the start, at 0 until it reports
+    (an idle replica shows zeros, not nothing; a server without speculative decoding shows its
+    gauges at 0)."""
 
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, num_engines: int = 1):
         self.registry = CollectorRegistry()
-        labels = ["model_name"]
+        self.model_name = model_name
         r = self.registry
+        per_engine: list[Gauge | Counter | Histogram] = []  # labelled by model and engine alone
 
         def gauge(name, doc):
-            return Gauge(f"atom:{name}", doc, labels, registry=r).labels(model_name)
+            per_engine.append(Gauge(f"atom:{name}", doc, _LABELS, registry=r))
+            return per_engine[-1]
 
         def counter(name, doc):
-            return Counter(f"atom:{name}", doc, labels, registry=r).labels(model_name)
+            per_engine.append(Counter(f"atom:{name}", doc, _LABELS, registry=r))
+            return per_engine[-1]
 
         def histogram(name, doc, buckets):
-            return Histogram(f"atom:{name}", doc, labels, buckets=buckets, registry=r).labels(model_name)
+            per_engine.append(Histogram(f"atom:{name}", doc, _LABELS, buckets=buckets, registry=r))
+            return per_engine[-1]
 
         self.num_running = gauge("num_requests_running", "Requests in the running batch.")
         self.num_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
@@ -45,22 +55,29 @@ class ServerMetrics:
         self.tpot = histogram("time_per_output_token_seconds", "Mean time per output token after the first.",
                               _TPOT_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency.", _LATENCY_BUCKETS)
-        self._spec_gauges(gauge, labels)
+        self._spec_gauges(gauge)
         self._success = Counter("atom:request_success", "Finished requests by finish reason.",
-                                labels + ["finished_reason"], registry=r)
-        self.model_name = model_name
+                                _LABELS + ["finished_reason"], registry=r)
+        for engine_index in range(num_engines):
+            for metric in per_engine:
+                metric.labels(*self._labels(engine_index))
+
+    def _labels(self, engine_index: int) -> tuple[str, str]:
+        return self.model_name, str(engine_index)
 
     def observe_finished(self, out: RequestOutput) -> None:
-        self.prompt_tokens.inc(len(out.prompt_token_ids))
-        self.generation_tokens.inc(len(out.token_ids))
-        self._success.labels(self.model_name, out.finish_reason or "unknown").inc()
+        """Count a finished (or aborted) request for the replica that ran it."""
+        labels = self._labels(out.engine_index)
+        self.prompt_tokens.labels(*labels).inc(len(out.prompt_token_ids))
+        self.generation_tokens.labels(*labels).inc(len(out.token_ids))
+        self._success.labels(*labels, out.finish_reason or "unknown").inc()
         if out.token_ids:
-            self.ttft.observe(out.ttft)
-            self.e2e.observe(out.latency)
+            self.ttft.labels(*labels).observe(out.ttft)
+            self.e2e.labels(*labels).observe(out.latency)
         if len(out.token_ids) > 1:
-            self.tpot.observe(out.tpot)
+            self.tpot.labels(*labels).observe(out.tpot)
 
-    def _spec_gauges(self, gauge, labels) -> None:
+    def _spec_gauges(self, gauge) -> None:
         """Speculative decoding (vLLM's names; totals since start-up, read from the core)."""
         self.spec_drafts = gauge("spec_decode_num_drafts", "Verify steps of requests with draft tokens.")
         self.spec_draft_tokens = gauge("spec_decode_num_draft_tokens", "Draft tokens verified.")
@@ -69,27 +86,25 @@ class ServerMetrics:
         self.spec_length = gauge("spec_decode_mean_accepted_length",
                                  "Tokens per verify step: accepted drafts plus the sampled token.")
         self._spec_per_pos = Gauge("atom:spec_decode_num_accepted_tokens_per_pos",
-                                   "Draft tokens accepted, by position in the draft.", labels + ["position"],
+                                   "Draft tokens accepted, by position in the draft.", _LABELS + ["position"],
                                    registry=self.registry)
 
-    def set_engine_stats(self, stats: EngineStats) -> None:
-        self.num_running.set(stats.num_running)
-        self.num_waiting.set(stats.num_waiting)
-        self.kv_usage.set(stats.kv_cache_usage)
-        self.free_blocks.set(stats.num_free_blocks)
-        self.total_blocks.set(stats.num_blocks)
-        self.preemptions.set(stats.num_preemptions)
-        self.prefix_queries.set(stats.prefix_cache_queries)
-        self.prefix_hits.set(stats.prefix_cache_hits)
+    def set_engine_stats(self, engine_index: int, stats: EngineStats) -> None:
+        """The gauges of one replica, from the latest stats it reported."""
+        labels = self._labels(engine_index)
+        values = [(self.num_running, stats.num_running), (self.num_waiting, stats.num_waiting),
+                  (self.kv_usage, stats.kv_cache_usage), (self.free_blocks, stats.num_free_blocks),
+                  (self.total_blocks, stats.num_blocks), (self.preemptions, stats.num_preemptions),
+                  (self.prefix_queries, stats.prefix_cache_queries), (self.prefix_hits, stats.prefix_cache_hits)]
         spec = stats.spec
         if spec is not None:
-            self.spec_drafts.set(spec.num_drafts)
-            self.spec_draft_tokens.set(spec.num_draft_tokens)
-            self.spec_accepted.set(spec.num_accepted_tokens)
-            self.spec_rate.set(spec.acceptance_rate)
-            self.spec_length.set(spec.mean_accepted_length)
+            values += [(self.spec_drafts, spec.num_drafts), (self.spec_draft_tokens, spec.num_draft_tokens),
+                       (self.spec_accepted, spec.num_accepted_tokens), (self.spec_rate, spec.acceptance_rate),
+                       (self.spec_length, spec.mean_accepted_length)]
             for pos, n in enumerate(spec.accepted_per_position):
-                self._spec_per_pos.labels(self.model_name, str(pos)).set(n)
+                self._spec_per_pos.labels(*labels, str(pos)).set(n)
+        for gauge, value in values:
+            gauge.labels(*labels).set(value)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
