@@ -16,6 +16,7 @@ from atom import LLMEngine, SamplingParams
 from atom.config import ParallelConfig
 from atom.engine.dp_balancer import LoadBalancer, merge_stats
 from atom.engine.outputs import EngineStats
+from atom.spec_decode.stats import SpecDecodeStats
 from atom.worker.executor import RankFailure
 
 PROMPTS = [
@@ -118,3 +119,5 @@ def test_merged_stats_add_up_and_weigh_kv_usage_by_blocks():
     a = EngineStats(1, 2, 0.5, 50, 100, 3, 10, 4)
     b = EngineStats(3, 0, 0.0, 300, 300, 1, 6, 2)
     assert merge_stats([a, b]) == EngineStats(4, 2, 0.125, 350, 400, 4, 16, 6)
+    spec = EngineStats(1, 2, 0.5, 50, 100, 3, 10, 4, SpecDecodeStats(2, 4, 3, [2, 2], [2, 1]))
+    assert merge_stats([spec]) is spec  # one replica: as it is, speculative-decoding stats kept
