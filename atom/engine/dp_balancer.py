@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 
 from atom.config import Config
 from atom.engine.outputs import CoreInfo, EngineStats
+from atom.spec_decode.stats import merge_spec_stats
 
 
 def replica_configs(config: Config) -> list[Config]:
@@ -64,11 +65,10 @@ class LoadBalancer:
 
 
 def merge_stats(stats: Sequence[EngineStats]) -> EngineStats:
-    """The replicas' stats as one engine's: counts add up, KV usage is over all blocks. One
-    replica's are returned as they are (speculative-decoding stats included)."""
-    if len(stats) == 1:
-        return stats[0]
+    """The replicas' stats as one engine's: counts add up (speculative decoding's too), KV usage
+    is over all blocks."""
     blocks = sum(s.num_blocks for s in stats)
+    spec = [s.spec for s in stats if s.spec is not None]
     return EngineStats(
         num_running=sum(s.num_running for s in stats),
         num_waiting=sum(s.num_waiting for s in stats),
@@ -78,6 +78,7 @@ def merge_stats(stats: Sequence[EngineStats]) -> EngineStats:
         num_preemptions=sum(s.num_preemptions for s in stats),
         prefix_cache_queries=sum(s.prefix_cache_queries for s in stats),
         prefix_cache_hits=sum(s.prefix_cache_hits for s in stats),
+        spec=merge_spec_stats(spec) if spec else None,
     )
 
 

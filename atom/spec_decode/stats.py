@@ -47,6 +47,17 @@ class SpecDecodeStats(msgspec.Struct, frozen=True):
         )
 
 
+def merge_spec_stats(stats: list[SpecDecodeStats]) -> SpecDecodeStats:
+    """Several engines' statistics as one (``-dp`` replicas): the counts add up, position by position."""
+    return SpecDecodeStats(
+        sum(s.num_drafts for s in stats),
+        sum(s.num_draft_tokens for s in stats),
+        sum(s.num_accepted_tokens for s in stats),
+        [sum(p) for p in zip(*(s.drafted_per_position for s in stats), strict=True)],
+        [sum(p) for p in zip(*(s.accepted_per_position for s in stats), strict=True)],
+    )
+
+
 class SpecStats:
     """The scheduler's running counts."""
 

@@ -120,4 +120,8 @@ def test_merged_stats_add_up_and_weigh_kv_usage_by_blocks():
     b = EngineStats(3, 0, 0.0, 300, 300, 1, 6, 2)
     assert merge_stats([a, b]) == EngineStats(4, 2, 0.125, 350, 400, 4, 16, 6)
     spec = EngineStats(1, 2, 0.5, 50, 100, 3, 10, 4, SpecDecodeStats(2, 4, 3, [2, 2], [2, 1]))
-    assert merge_stats([spec]) is spec  # one replica: as it is, speculative-decoding stats kept
+    assert merge_stats([spec]) == spec  # one replica: as it is, speculative-decoding stats kept
+    other = EngineStats(0, 0, 0.0, 100, 100, 0, 0, 0, SpecDecodeStats(3, 6, 1, [3, 3], [1, 0]))
+    merged = merge_stats([spec, other]).spec  # replicas' counts add up, position by position
+    assert merged == SpecDecodeStats(5, 10, 4, [5, 5], [3, 1])
+    assert merged.acceptance_rate == 0.4 and merged.mean_accepted_length == 1.8
