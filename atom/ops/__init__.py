@@ -305,7 +305,7 @@ mla_decode = register_op(
 mla_prefill_attention = register_op(
     "mla_prefill_attention",
     triton=f"{_T}.mla_prefill:mla_prefill_attention",
-    fake=lambda q, kv, k_pe, cu_seqlens_q, max_seqlen_q, scale, v_head_dim: q.new_empty(
+    fake=lambda q, kv, k_pe, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale, v_head_dim: q.new_empty(
         (q.shape[0], q.shape[1], v_head_dim)
     ),
 )(mla.mla_prefill_attention)

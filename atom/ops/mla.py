@@ -92,25 +92,32 @@ def mla_decode(
 
 
 def mla_prefill_attention(
-    q: torch.Tensor, kv: torch.Tensor, k_pe: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_q: int,
-    scale: float, v_head_dim: int,
+    q: torch.Tensor, kv: torch.Tensor, k_pe: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int, scale: float, v_head_dim: int,
 ) -> torch.Tensor:  # fmt: skip
-    """Causal attention within each of the step's sequences, each a whole prompt: sequence
-    ``i``'s rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` attend to each other. ``q`` [T, H,
-    nope + rope] (rotated); ``kv`` [T, H, nope + v], ``kv_b_proj`` of the latents (the keys'
-    nope part, then the values); ``k_pe`` [T, rope], the rotated RoPE keys, shared by the
-    heads. ``max_seqlen_q`` sizes the kernel's grid. Returns [T, H, v]."""
+    """Causal attention of each of the step's sequences over its keys: sequence ``i``'s query
+    rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` are the last of its key rows
+    ``cu_seqlens_k[i]:cu_seqlens_k[i+1]`` (the same rows for a whole prompt; a chunk after
+    earlier rows has more keys than queries). ``q`` [Tq, H, nope + rope] (rotated); ``kv``
+    [Tk, H, nope + v], ``kv_b_proj`` of the latents (the keys' nope part, then the values);
+    ``k_pe`` [Tk, rope], the rotated RoPE keys, shared by the heads. ``max_seqlen_q`` sizes the
+    kernel's grid. Returns [Tq, H, v]."""
     nope = kv.shape[-1] - v_head_dim
     k = torch.cat((kv[..., :nope], k_pe.unsqueeze(1).expand(-1, kv.shape[1], -1)), dim=-1)
     v = kv[..., nope:]
     out = q.new_empty(q.shape[0], q.shape[1], v_head_dim)
-    cu = cu_seqlens_q.tolist()
-    for start, end in zip(cu, cu[1:]):
-        if end > start:  # SDPA's is_causal: no mask built
-            rows = slice(start, end)
-            o = F.scaled_dot_product_attention(*(t[rows].transpose(0, 1) for t in (q, k, v)), is_causal=True,
-                                               scale=scale)  # fmt: skip
-            out[rows] = o.transpose(0, 1)
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for q0, q1, k0, k1 in zip(cu_q, cu_q[1:], cu_k, cu_k[1:]):
+        if q1 == q0:
+            continue
+        qs, ks, vs = q[q0:q1].transpose(0, 1), k[k0:k1].transpose(0, 1), v[k0:k1].transpose(0, 1)
+        if q1 - q0 == k1 - k0:  # SDPA's is_causal: no mask built
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
+        else:  # query j sits at key position (k1 - k0) - (q1 - q0) + j
+            q_pos = torch.arange(k1 - k0 - (q1 - q0), k1 - k0, device=q.device)
+            mask = torch.arange(k1 - k0, device=q.device)[None, :] <= q_pos[:, None]
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
+        out[q0:q1] = o.transpose(0, 1)
     return out
 
 
@@ -135,7 +142,8 @@ def mla_prefill(
     step's rows (a whole prompt, or the memory-profiling run without a cache, reads only
     these); ``kv_b_weight``: [H * (nope + v), r]. Whole prompts go to ``attend``
     (``mla_prefill_attention``'s signature: its reference, or ``ops.mla_prefill_attention``)
-    together, after one ``kv_b_proj`` GEMM over the step's rows. Returns [T, H, v].
+    together, after one ``kv_b_proj`` GEMM over the step's rows; a sequence with earlier rows
+    goes on its own, over all its keys read back from the cache. Returns [T, H, v].
 
     An fp8 cache (``k_scale``) is always read back, this step's rows included: every row then
     sees the quantised latents that decode reads, so chunking, prefix caching and
@@ -154,21 +162,17 @@ def mla_prefill(
             for i in (i for i, w in enumerate(whole) if w and q_lens[i]):
                 lat[cu[i] : cu[i + 1]] = from_cache(_latents(kv_cache, block_tables[i], lens[i]), q.dtype, k_scale)
         kv = F.linear(lat[:, :rank], kv_b_weight).view(q.shape[0], num_heads, nope + v_head_dim)
-        out = attend(q, kv, lat[:, rank:], cu_seqlens_q, max(q_lens), scale, v_head_dim)
+        out = attend(q, kv, lat[:, rank:], cu_seqlens_q, cu_seqlens_q, max(q_lens), scale, v_head_dim)
     else:
         out = q.new_empty(q.shape[0], num_heads, v_head_dim)
     for i, seq_len in enumerate(lens):
         start, end = cu[i], cu[i + 1]
         if whole[i] or end == start:
             continue
-        # a cached prefix or earlier chunks: read the sequence back
+        # a cached prefix or earlier chunks: the sequence read back, its keys expanded one
+        # sequence at a time (a long prefix expands to H x (nope + v) values a token)
         lat = from_cache(_latents(kv_cache, block_tables[i], seq_len), q.dtype, k_scale)
         kv = F.linear(lat[:, :rank], kv_b_weight).view(seq_len, num_heads, nope + v_head_dim)
-        k_pe = lat[:, rank:].unsqueeze(1).expand(-1, num_heads, -1)
-        k = torch.cat((kv[..., :nope], k_pe), dim=-1).transpose(0, 1)  # [H, S, nope + rope]
-        v = kv[..., nope:].transpose(0, 1)
-        q_pos = torch.arange(seq_len - (end - start), seq_len, device=q.device)
-        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
-        o = F.scaled_dot_product_attention(q[start:end].transpose(0, 1), k, v, attn_mask=mask, scale=scale)
-        out[start:end] = o.transpose(0, 1)
+        cu_q, cu_k = (torch.tensor([0, n], dtype=torch.int32, device=q.device) for n in (end - start, seq_len))
+        out[start:end] = attend(q[start:end], kv, lat[:, rank:], cu_q, cu_k, end - start, scale, v_head_dim)
     return out

@@ -82,14 +82,16 @@ def test_mla_decode_gluon(num_heads, lens, page, splits):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("num_heads", [16, 128])
 def test_mla_prefill_attention_v3_shapes(num_heads, dtype):
-    """The Triton MLA prefill (whole prompts; ATOM_MLA_TRITON_PREFILL=0 turns it off) at DeepSeek's
-    dims: nope 128, rope 64, v 128."""
+    """The Triton MLA prefill (ATOM_MLA_TRITON_PREFILL=0 turns it off) at DeepSeek's dims: nope
+    128, rope 64, v 128; whole prompts and chunks after earlier rows in one launch."""
     lens = [1, 4097, 17, 300, 2048, 64]
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+    k_lens = [1, 4097, 17 + 4000, 300, 2048 + 65, 64]  # two chunks after earlier rows
+    cu, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+                for n in (lens, k_lens))  # fmt: skip
     q = torch.randn(sum(lens), num_heads, 192, dtype=dtype, device=DEV)
-    kv = torch.randn(sum(lens), num_heads, 256, dtype=dtype, device=DEV)
-    k_pe = torch.randn(sum(lens), 576, dtype=dtype, device=DEV)[:, 512:]
-    args = (q, kv, k_pe, cu, max(lens), 192**-0.5, 128)
+    kv = torch.randn(sum(k_lens), num_heads, 256, dtype=dtype, device=DEV)
+    k_pe = torch.randn(sum(k_lens), 576, dtype=dtype, device=DEV)[:, 512:]
+    args = (q, kv, k_pe, cu, cu_k, max(lens), 192**-0.5, 128)
     ref = reference.mla_prefill_attention(*(a.float() if torch.is_tensor(a) and a.is_floating_point() else a
                                             for a in args))  # fmt: skip
     assert_close(tk.mla_prefill_attention(*args), ref, dtype)

@@ -230,14 +230,27 @@ def test_mla_decode_deepseek_heads(num_heads, fp8, assert_close):
 
 
 @pytest.mark.parametrize("num_heads, nope, rope, v_dim", [(3, 8, 4, 6), (2, 32, 16, 32)])
-def test_mla_prefill_attention(num_heads, nope, rope, v_dim, dtype, assert_close):
-    """Whole prompts in one launch: sequences shorter than, equal to and longer than a query
+@pytest.mark.parametrize("prefix", [False, True])
+def test_mla_prefill_attention(num_heads, nope, rope, v_dim, prefix, dtype, assert_close):
+    """All sequences in one launch: sequences shorter than, equal to and longer than a query
     tile, an empty one, head dims that are not powers of two; the keys' two parts (per-head
-    nope, shared rope) against the reference's concatenated keys."""
-    lens = [1, 70, 0, 17, 64]
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-    q = torch.randn(sum(lens), num_heads, nope + rope, dtype=dtype)
-    kv = torch.randn(sum(lens), num_heads, nope + v_dim, dtype=dtype)
-    latents = torch.randn(sum(lens), 5 + rope, dtype=dtype)  # k_pe: a strided slice, as the layer passes it
-    args = (q, kv, latents[:, 5:], cu, max(lens), 0.3, v_dim)
+    nope, shared rope) against the reference's concatenated keys. With ``prefix`` the queries
+    are the last rows of longer key sequences (chunks after earlier rows: prefixes ending
+    inside and on the edge of a tile, and one with no earlier rows)."""
+    q_lens = [1, 70, 0, 17, 64]
+    k_lens = [1 + 40, 70 + 64, 5, 17, 64 + 130] if prefix else q_lens
+    cu, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32) for n in (q_lens, k_lens))
+    q = torch.randn(sum(q_lens), num_heads, nope + rope, dtype=dtype)
+    kv = torch.randn(sum(k_lens), num_heads, nope + v_dim, dtype=dtype)
+    latents = torch.randn(sum(k_lens), 5 + rope, dtype=dtype)  # k_pe: a strided slice, as the layer passes it
+    args = (q, kv, latents[:, 5:], cu, cu_k, max(q_lens), 0.3, v_dim)
     assert_close(mla_prefill_attention(*args), reference.mla_prefill_attention(*args), dtype)
+
+
+def test_mla_prefill_attention_reference_offsets():
+    """The reference's chunk after earlier rows is the whole sequence's attention, last rows."""
+    q, kv, k_pe = torch.randn(9, 2, 12), torch.randn(9, 2, 14), torch.randn(9, 4)
+    cu = torch.tensor([0, 9], dtype=torch.int32)
+    whole = reference.mla_prefill_attention(q, kv, k_pe, cu, cu, 9, 0.3, 6)
+    chunk = reference.mla_prefill_attention(q[6:], kv, k_pe, torch.tensor([0, 3], dtype=torch.int32), cu, 3, 0.3, 6)
+    torch.testing.assert_close(chunk, whole[6:])
