@@ -2,7 +2,7 @@
 attention's split-K factor, timed as ``tests/gpu/kernel_bench.py`` times its cases (how the defaults in
 ``atom.ops.triton`` were picked). GPU only:
 
-    python tests/gpu/kernel_sweep.py [moe] [prefill] [mla] [decode] [--output-json sweep.json]
+    python tests/gpu/kernel_sweep.py [moe] [prefill] [mla] [mla_prefill] [decode] [--output-json sweep.json]
 
 Prints the best two configs per case and the default; ``--output-json`` writes every row
 (case, config, ms, GB/s, TFLOP/s; prefill rows also the compiler's resource report and the max abs
@@ -34,8 +34,9 @@ from kernel_bench import (
 )
 
 from atom.benchmarks.benchmark_utils import write_to_json
+from atom.ops import mla as mla_reference
 from atom.ops import triton as tk
-from atom.ops.triton import mla, moe, prefill_attention
+from atom.ops.triton import mla, mla_prefill, moe, prefill_attention
 
 
 def _cfgs(keys: str, rows: list[tuple]) -> list[dict]:
@@ -185,6 +186,45 @@ def mla_sweep() -> list[dict]:
     return [r for r in rows if r]
 
 
+MLA_PREFILL_CONFIGS = _cfgs(
+    "BLOCK_M BLOCK_N num_warps num_stages",
+    [(64, 64, 8, 2), (128, 64, 8, 2), (64, 32, 4, 2), (128, 32, 8, 2), (64, 64, 4, 3), (128, 64, 8, 3), (64, 64, 8, 3)],
+)  # no spills in Triton 3.6's compile for sm_90 at DeepSeek's dims (the default: 64, 64, 4, 2)
+
+
+def mla_prefill_sweep() -> list[dict]:
+    """MLA prompt-attention tile configs (``mla_prefill._prefill_config`` patched), bf16, nope 128 / rope 64 /
+    v 128: V2-Lite's 16 heads and V3's 128 over 8 whole prompts of 1024 tokens, and a 2048-token chunk after
+    6144 earlier rows; ``diff``: max abs difference from the float32 reference."""
+    rows, default = [], mla_prefill._prefill_config
+    for heads, (q_lens, k_lens) in itertools.product([16, 128], [([1024] * 8, [1024] * 8), ([2048], [8192])]):
+
+        def builder(heads=heads, q_lens=q_lens, k_lens=k_lens):
+            cu, cu_k = (torch.tensor([0, *itertools.accumulate(n)], dtype=torch.int32, device="cuda")
+                        for n in (q_lens, k_lens))  # fmt: skip
+            q = torch.randn(sum(q_lens), heads, 192, dtype=torch.bfloat16, device="cuda")
+            kv = torch.randn(sum(k_lens), heads, 256, dtype=torch.bfloat16, device="cuda")
+            k_pe = torch.randn(sum(k_lens), 576, dtype=torch.bfloat16, device="cuda")[:, 512:]
+            args = (q, kv, k_pe, cu, cu_k, max(q_lens), 192**-0.5, 128)
+            exact = functools.partial(mla_reference.mla_prefill_attention, q.float(), kv.float(), k_pe.float(),
+                                      *args[3:])  # fmt: skip
+            pairs = sum(n * (k - n) + n * (n + 1) // 2 for n, k in zip(q_lens, k_lens))  # causal (query, key)
+            nbytes = q.nbytes + kv.nbytes + k_pe.nbytes + q.nbytes * 2 // 3
+            return functools.partial(tk.mla_prefill_attention, *args), {EXACT: exact}, nbytes, 2 * heads * pairs * 320
+
+        prepared = prepare(builder)
+        check = functools.partial(_diff_from, prepared[1][EXACT][0]())
+        case = f"mla_prefill h={heads} q={q_lens[0]}x{len(q_lens)} k={k_lens[0]}"
+        try:
+            for cfg in [None, *MLA_PREFILL_CONFIGS]:
+                mla_prefill._prefill_config = default if cfg is None else (lambda _, c=cfg: c)
+                rows.append(_timed(case, cfg or "default", lambda p=prepared: p, check))
+        finally:
+            mla_prefill._prefill_config = default
+        del prepared, check
+    return [r for r in rows if r]
+
+
 def decode_sweep() -> list[dict]:
     """Split-K factors of the decode attention (kernel + merge), Qwen3-8B heads. The decode CUDA graphs
     are captured with max_seqlen_k = max_model_len, so at batch 1 the heuristic's 64 splits run at every
@@ -207,11 +247,13 @@ def decode_sweep() -> list[dict]:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # no argparse choices: Python 3.10 rejects an empty list against them
-    kernels = "moe, prefill, mla and/or decode (default: moe and prefill)"
+    kernels = "moe, prefill, mla, mla_prefill and/or decode (default: moe and prefill)"
     parser.add_argument("kernels", nargs="*", default=["moe", "prefill"], help=kernels)
     parser.add_argument("--output-json", help="write every row here")
     args = parser.parse_args()
-    sweeps = dict(moe=moe_sweep, prefill=prefill_sweep, mla=mla_sweep, decode=decode_sweep)
+    sweeps = dict(
+        moe=moe_sweep, prefill=prefill_sweep, mla=mla_sweep, mla_prefill=mla_prefill_sweep, decode=decode_sweep
+    )
     if unknown := set(args.kernels) - set(sweeps):
         parser.error(f"unknown kernels {sorted(unknown)}: choose from {', '.join(sweeps)}")
     sweep_rows = [r for name in dict.fromkeys(args.kernels) for r in sweeps[name]()]

@@ -73,6 +73,13 @@ def _mla_prefill_kernel(
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & (dv[None, :] < V))
 
 
+def _prefill_config(wide: bool) -> dict:
+    """Tile config (``tests/gpu/kernel_sweep.py mla_prefill`` times others); float32 tiles
+    (``wide``) take half the rows, to stay within shared memory."""
+    block = 32 if wide else 64
+    return dict(BLOCK_M=block, BLOCK_N=block, num_warps=4, num_stages=2)
+
+
 def _pad(dim: int) -> int:
     return max(16, triton.next_power_of_2(dim))  # tl.dot takes 16+ wide operands
 
@@ -87,14 +94,13 @@ def mla_prefill_attention(
         return out
     nope = kv.shape[-1] - v_head_dim
     rope = qk_dim - nope
-    wide = q.element_size() == 4  # float32 tiles: half the rows, to stay within shared memory
-    block_m, block_n = (32, 32) if wide else (64, 64)
-    grid = (cu_seqlens_q.shape[0] - 1, triton.cdiv(max_seqlen_q, block_m), num_heads)
+    wide = q.element_size() == 4
+    cfg = _prefill_config(wide)
+    grid = (cu_seqlens_q.shape[0] - 1, triton.cdiv(max_seqlen_q, cfg["BLOCK_M"]), num_heads)
     _mla_prefill_kernel[grid](
         q, kv, k_pe, out, cu_seqlens_q, cu_seqlens_k, scale * math.log2(math.e), max_seqlen_q,
         q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), k_pe.stride(0), out.stride(0), out.stride(1),
         NOPE=nope, ROPE=rope, V=v_head_dim, P_NOPE=_pad(nope), P_ROPE=_pad(rope), P_V=_pad(v_head_dim),
-        BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION="tf32x3" if wide else "tf32",
-        num_warps=4, num_stages=2,
+        DOT_PRECISION="tf32x3" if wide else "tf32", **cfg,
     )  # fmt: skip
     return out
