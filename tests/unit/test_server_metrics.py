@@ -35,6 +35,8 @@ def test_every_metric_has_both_labels_and_each_engine_starts_at_zero():
     assert by_engine(metrics, "atom:num_kv_blocks") == {"0": 0.0, "1": 0.0}
     assert by_engine(metrics, "atom:prompt_tokens_total") == {"0": 0.0, "1": 0.0}
     assert by_engine(ServerMetrics("m"), "atom:num_requests_running") == {"0": 0.0}  # one engine: "0"
+    for reason in ("stop", "length", "abort", "error"):  # each finish reason's series, as vLLM's
+        assert by_engine(metrics, "atom:request_success_total", finished_reason=reason) == {"0": 0.0, "1": 0.0}
 
 
 def test_gauges_per_replica_from_its_own_stats():
@@ -53,9 +55,10 @@ def test_finished_request_counts_for_the_replica_that_ran_it():
     metrics.observe_finished(finished(engine_index=1))
     metrics.observe_finished(finished(engine_index=1, finish_reason="abort"))
     metrics.observe_finished(finished(engine_index=0, finish_reason="length"))
-    assert by_engine(metrics, "atom:request_success_total", finished_reason="stop") == {"1": 1.0}
-    assert by_engine(metrics, "atom:request_success_total", finished_reason="abort") == {"1": 1.0}
-    assert by_engine(metrics, "atom:request_success_total", finished_reason="length") == {"0": 1.0}
+    assert by_engine(metrics, "atom:request_success_total", finished_reason="stop") == {"0": 0.0, "1": 1.0}
+    assert by_engine(metrics, "atom:request_success_total", finished_reason="abort") == {"0": 0.0, "1": 1.0}
+    assert by_engine(metrics, "atom:request_success_total", finished_reason="length") == {"0": 1.0, "1": 0.0}
+    assert by_engine(metrics, "atom:request_success_total", finished_reason="error") == {"0": 0.0, "1": 0.0}
     assert by_engine(metrics, "atom:prompt_tokens_total") == {"0": 3.0, "1": 6.0}
     assert by_engine(metrics, "atom:generation_tokens_total") == {"0": 2.0, "1": 4.0}
     assert by_engine(metrics, "atom:e2e_request_latency_seconds_count") == {"0": 1.0, "1": 2.0}

@@ -15,6 +15,7 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 _TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
                  0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 _LABELS = ["model_name", "engine"]
+_FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
 class ServerMetrics:
@@ -61,6 +62,8 @@ class ServerMetrics:
         for engine_index in range(num_engines):
             for metric in per_engine:
                 metric.labels(*self._labels(engine_index))
+            for reason in _FINISH_REASONS:  # as vLLM's, each reason's series exists from the start
+                self._success.labels(*self._labels(engine_index), reason)
 
     def _labels(self, engine_index: int) -> tuple[str, str]:
         return self.model_name, str(engine_index)
