@@ -31,7 +31,8 @@ from atom.benchmarks.model_configs import model_dir, redraw_dummy_weights
 
 KINDS = [  # first match wins
     ("all-reduce", r"nccl|all_reduce|allreduce|one_shot|symm|cross_device"),
-    ("attention", r"attn|attention|flash|paged|decode_kernel|merge"),
+    # atom's Gluon kernels too (_prefill_gluon_kernel, _mla_decode_gluon_kernel), and the MLA prompt attention
+    ("attention", r"attn|attention|flash|paged|decode_kernel|merge|_gluon_kernel|mla_prefill"),
     ("moe", r"moe|expert|fused_experts|align|topk"),
     ("gemm", r"gemm|gemv|sm90_xmma|cutlass|cublas|nvjet|matmul|_mm_|wgmma"),
     ("norm/rope/act", r"norm|rope|rotary|silu|gelu|act_and_mul|reshape_and_cache|triton_"),
