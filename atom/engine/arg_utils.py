@@ -135,7 +135,7 @@ class EngineArgs:
         a("--num-speculative-tokens", type=int, default=d.num_speculative_tokens)
         a("--speculative-config", type=json.loads, default=None,
           help='vLLM\'s form, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\'')
-        a("--dtype", type=str, default=d.dtype, choices=["auto", "bfloat16", "float16", "float32"])
+        a("--dtype", type=str, default=d.dtype, choices=["auto", "half", "float16", "bfloat16", "float", "float32"])
         a("--seed", type=int, default=d.seed)
         a("--quantization", "-q", type=str, default=None, choices=["fp8"],
           help="fp8: quantise a bf16 checkpoint's weights on load (FP8 checkpoints need no flag)")

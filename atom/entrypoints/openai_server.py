@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import socket
@@ -25,10 +26,12 @@ from contextlib import asynccontextmanager
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+import atom
 from atom.engine.arg_utils import EngineArgs
 from atom.engine.async_llm import AsyncLLM
 from atom.entrypoints.openai.metrics import ServerMetrics
@@ -121,10 +124,12 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
               max_request_body_size: int = DEFAULT_MAX_REQUEST_BODY_SIZE,
               request_timeout: float | None = None, enable_auto_tool_choice: bool = False,
               tool_call_parser: str | None = None, trust_request_chat_template: bool = False,
-              log_stats_interval: float | None = None, enable_log_requests: bool = False) -> FastAPI:
+              log_stats_interval: float | None = None, enable_log_requests: bool = False,
+              docs: bool = True) -> FastAPI:
     """The FastAPI app; its lifespan logs the engine's stats every ``log_stats_interval``
     seconds (None: never) and shuts the engine down (``serve`` starts it before the port
-    opens). The reasoning parser is the engine's (``--reasoning-parser``)."""
+    opens). The reasoning parser is the engine's (``--reasoning-parser``). ``docs``: FastAPI's
+    /docs, /redoc and /openapi.json."""
     metrics = ServerMetrics(served_model_names[0], engine.config.parallel_config.data_parallel_size)
     engine.finished_callbacks.append(metrics.observe_finished)
     chat = OpenAIServingChat(engine, served_model_names, request_timeout, trust_request_chat_template,
@@ -147,7 +152,8 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
             logger.info("shutting down the engine")
             await engine.shutdown()
 
-    app = FastAPI(title="atom OpenAI-compatible server", lifespan=lifespan)
+    no_docs = {} if docs else dict(docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="atom OpenAI-compatible server", version=atom.__version__, lifespan=lifespan, **no_docs)
     app.state.served_model_names = served_model_names
     app.router.route_class = JSONRoute
     app.add_exception_handler(OpenAIError, lambda request, exc: exc.response())
@@ -186,6 +192,14 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
         if not engine.is_healthy:
             return engine_dead_error(RuntimeError(engine.dead_reason)).response()
         return {"status": "ok"}
+
+    @app.api_route("/ping", methods=["GET", "POST"])  # vLLM's (SageMaker's) health check
+    async def ping():
+        return await health()
+
+    @app.get("/version")
+    async def version():
+        return {"version": atom.__version__}
 
     @app.get("/metrics")
     async def prometheus_metrics():
@@ -229,9 +243,9 @@ def make_arg_parser() -> argparse.ArgumentParser:
                         help="HTTP port (--server-port: the seed guide's name)")
     parser.add_argument("--engine-port", dest="port", type=int, default=EngineArgs.port,
                         help="internal engine communication port (not the HTTP port)")
-    parser.add_argument("--api-key", type=str, default=os.environ.get("ATOM_API_KEY"),
-                        help="require 'Authorization: Bearer KEY' (default: $ATOM_API_KEY; /health and "
-                             "/metrics stay open)")
+    parser.add_argument("--api-key", type=str, default=os.environ.get("ATOM_API_KEY") or os.environ.get("VLLM_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' (default: $ATOM_API_KEY, else $VLLM_API_KEY; "
+                             "/health and /metrics stay open)")
     parser.add_argument("--served-model-name", type=str, nargs="+", default=None,
                         help=f"model names the API accepts (default: MODEL as given; {DEFAULT_MODEL_NAME} for the "
                              "embedded model)")
@@ -264,7 +278,29 @@ def make_arg_parser() -> argparse.ArgumentParser:
                              "every VLLM_LOG_STATS_INTERVAL seconds (default 10)")
     parser.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=False,
                         help="log each request's id and sampling parameters (INFO) and its prompt token ids (DEBUG)")
+    _add_http_args(parser)
     return parser
+
+
+def _add_http_args(parser: argparse.ArgumentParser) -> None:
+    """vLLM's HTTP front-end flags: CORS, TLS, a proxy's root path, the API docs; LoRA's refused."""
+    parser.add_argument("--allowed-origins", type=json.loads, default=["*"], help="CORS origins (a JSON list)")
+    parser.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    parser.add_argument("--allowed-methods", type=json.loads, default=["*"], help="CORS methods (a JSON list)")
+    parser.add_argument("--allowed-headers", type=json.loads, default=["*"], help="CORS headers (a JSON list)")
+    parser.add_argument("--ssl-keyfile", type=str, default=None, help="serve HTTPS with this key file")
+    parser.add_argument("--ssl-certfile", type=str, default=None, help="serve HTTPS with this certificate file")
+    parser.add_argument("--ssl-ca-certs", type=str, default=None, help="CA certificates file (client verification)")
+    parser.add_argument("--root-path", type=str, default=None,
+                        help="the path prefix a reverse proxy serves the API under")
+    parser.add_argument("--disable-fastapi-docs", action="store_true", help="no /docs, /redoc or /openapi.json")
+    for flag in ("--enable-lora", "--lora-modules"):  # vLLM's; refused in one line instead of "unrecognized"
+        parser.add_argument(flag, nargs="*", action=_Unsupported, help=argparse.SUPPRESS)
+
+
+class _Unsupported(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string}: LoRA adapters are not supported by atom")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -306,10 +342,14 @@ def serve(args: argparse.Namespace) -> None:
     names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
     app = build_app(engine, names, args.api_key, args.max_request_body_size, args.request_timeout,
                     args.enable_auto_tool_choice, args.tool_call_parser, args.trust_request_chat_template,
-                    stats_interval, args.enable_log_requests)
+                    stats_interval, args.enable_log_requests, docs=not args.disable_fastapi_docs)
+    app.root_path = args.root_path or ""  # as vLLM's: paths with and without the prefix both route
+    app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins, allow_credentials=args.allow_credentials,
+                       allow_methods=args.allowed_methods, allow_headers=args.allowed_headers)
     uv_config = uvicorn.Config(app, host=args.host, port=args.http_port, log_level=args.uvicorn_log_level,
                                access_log=not args.disable_uvicorn_access_log,
-                               timeout_graceful_shutdown=args.shutdown_timeout)
+                               timeout_graceful_shutdown=args.shutdown_timeout, ssl_keyfile=args.ssl_keyfile,
+                               ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs)
     server = _Server(uv_config, engine)
     server.run(sockets=[sock])
     if server.startup_error is not None:

@@ -14,7 +14,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from atom.entrypoints.openai.serving_engine import OpenAIError
 
 # paths that work without the API key (probes and scrapers)
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics"})
+
+
+def _route_path(scope) -> str:
+    """The request's path without ``--root-path`` (uvicorn puts the root path in front of it)."""
+    root, path = scope.get("root_path", ""), scope["path"]
+    return path[len(root):] if root and path.startswith(root) else path
 
 
 class BodySizeLimitMiddleware:
@@ -81,7 +87,7 @@ class ApiKeyMiddleware:
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or scope["method"] == "OPTIONS":
+        if scope["type"] != "http" or _route_path(scope) in OPEN_PATHS or scope["method"] == "OPTIONS":
             return await self.app(scope, receive, send)
         auth = dict(scope["headers"]).get(b"authorization", b"")
         if not hmac.compare_digest(auth, self.expected):
