@@ -174,9 +174,10 @@ class RequestState:
             self.prompt_logprobs.extend(out.prompt_logprobs)
         finish_reason = out.finish_reason
         new_ids = out.new_token_ids
-        if out.finish_reason == "stop" and new_ids and new_ids[-1] in self.params.stop_token_ids:
-            self.stop_reason = new_ids[-1]
-            if not self.params.include_stop_str_in_output:  # as vLLM: the stop token's text is left out
+        if out.finish_reason == "stop" and new_ids:  # the core stops on an EOS or a stop_token_ids token
+            if new_ids[-1] in self.params.stop_token_ids:
+                self.stop_reason = new_ids[-1]
+            if not self.params.include_stop_str_in_output:  # as vLLM: that token's text is left out
                 new_ids = new_ids[:-1]
         stopped = False
         if self.detokenizer is not None and new_ids:

@@ -10,7 +10,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
 from atom import LLMEngine, SamplingParams
-from atom.engine.output_processor import IncrementalDetokenizer
+from atom.engine.output_processor import IncrementalDetokenizer, RequestState
+from atom.engine.outputs import EngineCoreOutput
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +89,19 @@ def test_stop_token_ids_and_eos(engine):
                           SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_tok]), use_tqdm=False)[0]
     assert out["finish_reason"] == "stop"
     assert out["token_ids"] == full["token_ids"][: full["token_ids"].index(stop_tok) + 1]
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_eos_text_left_out_with_special_tokens_shown(tiny_model, include):
+    """As vLLM: a request the core stopped on EOS (or a stop token id) leaves that token's text
+    out, also with skip_special_tokens=False, unless include_stop_str_in_output; its id stays."""
+    tok = AutoTokenizer.from_pretrained(tiny_model("qwen3"))
+    ids = tok.encode(" Paris")
+    params = SamplingParams(max_tokens=8, skip_special_tokens=False, include_stop_str_in_output=include)
+    state = RequestState("r", None, tok.encode("The capital of France is"), params, tok)
+    out, _ = state.update(EngineCoreOutput("r", [*ids, tok.eos_token_id], finish_reason="stop"))
+    assert out.token_ids == [*ids, tok.eos_token_id] and out.stop_reason is None
+    assert out.text == (" Paris" + tok.eos_token if include else " Paris")
 
 
 def detokenizer(tok, prompt: list[int], stream: bool, **kwargs) -> IncrementalDetokenizer:
