@@ -60,8 +60,9 @@ class LLMEngine:
         stream_callback: Callable[[RequestOutput], None] | None = None,
         request_ids: Sequence[str] | None = None,
     ) -> list[str]:
-        """Queue prompts (strings or token-id lists); returns their request ids. Every prompt
-        is validated before any is queued, so a bad one adds nothing."""
+        """Queue prompts (strings or token-id lists, or vLLM's ``{"prompt": ...}`` /
+        ``{"prompt_token_ids": ...}`` dicts); returns their request ids. Every prompt is
+        validated before any is queued, so a bad one adds nothing."""
         prompts = _as_prompt_list(prompt_or_tokens_list)
         params = sampling_params_list if sampling_params_list is not None else self.get_default_sampling_params()
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
@@ -165,9 +166,19 @@ def _make_core(config):
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
+    if isinstance(prompts, (str, dict)):
+        return [_unwrap(prompts)]
     prompts = list(prompts)
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # a single token-id prompt
-    return prompts
+    return [_unwrap(p) for p in prompts]
+
+
+def _unwrap(prompt):
+    """vLLM's prompt dicts, ``{"prompt": text}`` (TextPrompt) and ``{"prompt_token_ids": ids}``
+    (TokensPrompt), as the text or the ids; anything else as it is."""
+    if not isinstance(prompt, dict):
+        return prompt
+    if set(prompt) in ({"prompt"}, {"prompt_token_ids"}):
+        return next(iter(prompt.values()))
+    raise ValueError(f"a prompt dict takes one key, 'prompt' (text) or 'prompt_token_ids'; got {sorted(prompt)}")

@@ -164,6 +164,18 @@ def test_bad_prompts_fail_alone(engine):
     assert [o.request_id for o in done] == [rid] and len(done[0].token_ids) == 8
 
 
+def test_vllm_prompt_dicts(engine):
+    """vLLM's TextPrompt and TokensPrompt dicts, alone or in a list, give what their text or ids give."""
+    params = SamplingParams(temperature=0, max_tokens=4)
+    text, ids = "The quick brown fox", engine.tokenizer.encode("Once upon a time")
+    plain = engine.generate([text, ids], params, use_tqdm=False)
+    dicts = engine.generate([{"prompt": text}, {"prompt_token_ids": ids}], params, use_tqdm=False)
+    assert [o["token_ids"] for o in dicts] == [o["token_ids"] for o in plain]
+    assert engine.generate({"prompt": text}, params, use_tqdm=False)[0]["token_ids"] == plain[0]["token_ids"]
+    with pytest.raises(ValueError, match="'prompt' \\(text\\) or 'prompt_token_ids'"):
+        engine.add_request({"prompt": text, "multi_modal_data": {}})
+
+
 def test_prompt_larger_than_kv_cache(tiny_model):
     eng = LLMEngine(tiny_model("qwen3"), max_model_len=256, num_gpu_blocks_override=4)
     with pytest.raises(ValueError, match="100 tokens exceeds the limit of 64"):
