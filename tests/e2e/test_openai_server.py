@@ -180,6 +180,28 @@ def test_stop_strings(client, reference, tiny_model):
             assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+def test_return_token_ids(client, reference, tiny_model):
+    """vLLM's return_token_ids: the prompt's and the output's ids beside the text, streamed as the
+    prompt's in the first chunk and each chunk's new ones; null without it."""
+    [plain] = greedy(reference, [PROMPTS[0]], max_tokens=6)
+    prompt_ids = reference.tokenizer.encode(PROMPTS[0])
+    messages = [{"role": "user", "content": PROMPTS[1]}]
+    args = dict(model=tiny_model, max_tokens=6, temperature=0, extra_body={"return_token_ids": True})
+    out = client.completions.create(prompt=PROMPTS[0], **args)
+    assert out.choices[0].prompt_token_ids == prompt_ids and out.choices[0].token_ids == plain["token_ids"]
+    chunks = list(client.completions.create(prompt=PROMPTS[0], stream=True, **args))
+    assert chunks[0].choices[0].prompt_token_ids == prompt_ids
+    assert [t for c in chunks for t in c.choices[0].token_ids] == plain["token_ids"]
+    chat = client.chat.completions.create(messages=messages, **args)
+    assert chat.prompt_token_ids == chat_prompt_ids(reference, messages)
+    assert len(chat.choices[0].token_ids) == chat.usage.completion_tokens
+    chunks = list(client.chat.completions.create(messages=messages, stream=True, **args))
+    assert chunks[0].prompt_token_ids == chat.prompt_token_ids
+    assert [t for c in chunks[1:] for t in c.choices[0].token_ids] == chat.choices[0].token_ids
+    bare = client.completions.create(model=tiny_model, prompt=PROMPTS[0], max_tokens=2).choices[0]
+    assert bare.token_ids is None and bare.prompt_token_ids is None
+
+
 def test_stop_token_text_and_include_stop_str_in_output(client, reference, tiny_model):
     """As vLLM: a stop token id's text is not in the output (its id is), nor is a stop string;
     ``include_stop_str_in_output`` keeps either."""

@@ -121,6 +121,9 @@ class SamplingRequest(OpenAIRequest):
     bad_words: list[Text] | None = None
     allowed_token_ids: list[TokenId] | None = None
     best_of: int | None = None
+    # vLLM's: the prompt's and the output's token ids beside the text (streamed: the prompt's in the
+    # first chunk, each chunk's new ones)
+    return_token_ids: bool | None = None
     # structured output (OpenAI's response_format; vLLM's structured_outputs and guided_*)
     response_format: dict[str, Any] | None = None
     structured_outputs: StructuredOutputsRequest | None = None
@@ -325,6 +328,8 @@ class CompletionResponseChoice(OpenAIBaseModel):
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(OpenAIBaseModel):
@@ -363,6 +368,7 @@ class ChatCompletionResponseChoice(OpenAIBaseModel):
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids
 
 
 class ChatCompletionResponse(OpenAIBaseModel):
@@ -372,6 +378,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
 
 
 class DeltaMessage(OpenAIBaseModel):
@@ -387,6 +394,7 @@ class ChatCompletionStreamChoice(OpenAIBaseModel):
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids: this chunk's
 
 
 class ChatCompletionStreamResponse(OpenAIBaseModel):
@@ -396,6 +404,7 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids: in the first chunk
 
 
 class CompletionStreamResponse(OpenAIBaseModel):

@@ -80,9 +80,11 @@ class OpenAIServingChat(OpenAIServing):
                 index=i, message=ChatResponseMessage(**fields),
                 logprobs=self.logprobs(out.token_ids, out.logprobs) if request.logprobs else None,
                 finish_reason=finish_reason, stop_reason=out.stop_reason,
+                token_ids=out.token_ids if request.return_token_ids else None,
             ))
         usage = self.usage([len(prompt.token_ids)], finals)
-        response = ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage)
+        response = ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage,
+                                          prompt_token_ids=prompt.token_ids if request.return_token_ids else None)
         return JSONResponse(response.model_dump())
 
     def _choice_output(self, request: ChatCompletionRequest, plan: ToolPlan) -> ChoiceOutput:
@@ -96,22 +98,33 @@ class OpenAIServingChat(OpenAIServing):
         parsers = [self._choice_output(request, plan) for _ in range(request.n)]
         plain = not plan.forced and not plan.parse_output and self.reasoning_parser is None
 
-        def chunk(choices, usage=None) -> str:
+        def chunk(choices, usage=None, prompt_token_ids=None) -> str:
             return sse(ChatCompletionStreamResponse(id=request_id, created=created, model=self.model_name,
-                                                    choices=choices, usage=usage))
+                                                    choices=choices, usage=usage, prompt_token_ids=prompt_token_ids))
 
         for i in range(request.n):
-            yield chunk([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+            first_ids = prompt.token_ids if request.return_token_ids and i == 0 else None
+            yield chunk([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))],
+                        prompt_token_ids=first_ids)
+        # return_token_ids: each choice's token ids not yet sent (a chunk held back by a parser sends none)
+        unsent: list[list[int]] = [[] for _ in range(request.n)]
+
+        def token_ids(i: int) -> list[int] | None:
+            if not request.return_token_ids:
+                return None
+            ids, unsent[i] = unsent[i], []
+            return ids
 
         outputs = prepend(first, rest)
         async for i, out in outputs:
             if not out.new_token_ids and not out.finished:
                 continue
+            unsent[i] += out.new_token_ids
             logprobs = self.logprobs(out.new_token_ids, out.new_logprobs) if request.logprobs else None
             if plain:  # no parser: every step's text as it comes (maybe empty: a held-back stop string)
                 yield chunk([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(content=out.delta_text),
                                                         logprobs=logprobs, finish_reason=out.finish_reason,
-                                                        stop_reason=out.stop_reason)])
+                                                        stop_reason=out.stop_reason, token_ids=token_ids(i))])
                 finals[i] = out if out.finished else finals[i]
                 continue
             delta = parsers[i].delta(out.delta_text) if out.delta_text else None
@@ -124,7 +137,8 @@ class OpenAIServingChat(OpenAIServing):
                 continue  # a partial tag held back: nothing to send yet
             fields = delta.to_dict() if delta is not None else {}
             yield chunk([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(**fields), logprobs=logprobs,
-                                                    finish_reason=finish_reason, stop_reason=out.stop_reason)])
+                                                    finish_reason=finish_reason, stop_reason=out.stop_reason,
+                                                    token_ids=token_ids(i))])
         if request.include_usage_in_stream:
             yield chunk([], usage=self.usage([len(prompt.token_ids)], finals))
 

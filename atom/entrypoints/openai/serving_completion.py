@@ -72,8 +72,9 @@ class OpenAIServingCompletion(OpenAIServing):
                 entries = list(zip(prompt.token_ids, out.prompt_logprobs or [])) + entries
         if request.logprobs is not None:
             logprobs = self.logprobs(entries, 0)
+        ids = dict(prompt_token_ids=prompt.token_ids, token_ids=out.token_ids) if request.return_token_ids else {}
         return CompletionResponseChoice(index=index, text=text, logprobs=logprobs,
-                                        finish_reason=out.finish_reason, stop_reason=out.stop_reason)
+                                        finish_reason=out.finish_reason, stop_reason=out.stop_reason, **ids)
 
     async def _stream(self, request: CompletionRequest, request_id: str, prompts: list[Prompt],
                       echoed: list[str | None], first: tuple[int, RequestOutput],
@@ -92,8 +93,11 @@ class OpenAIServingCompletion(OpenAIServing):
             text, entries = out.delta_text, list(zip(out.new_token_ids, out.new_logprobs))
             if request.echo_only:  # the generated token is left out
                 text, entries = "", []
+            ids = dict(token_ids=out.new_token_ids) if request.return_token_ids else {}
             if not started[i]:
                 started[i] = True
+                if request.return_token_ids:
+                    ids["prompt_token_ids"] = prompt.token_ids
                 if request.echo:
                     text = echoed[i // request.n] + text
                     if request.logprobs is not None:
@@ -101,7 +105,7 @@ class OpenAIServingCompletion(OpenAIServing):
             logprobs = self.logprobs(entries, offsets[i]) if request.logprobs is not None else None
             offsets[i] += len(text)
             choice = CompletionResponseChoice(index=i, text=text, logprobs=logprobs, finish_reason=out.finish_reason,
-                                              stop_reason=out.stop_reason)
+                                              stop_reason=out.stop_reason, **ids)
             yield sse(CompletionStreamResponse(id=request_id, created=created, model=self.model_name,
                                                choices=[choice]))
             if out.finished:
