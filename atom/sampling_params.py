@@ -51,7 +51,7 @@ def _is_int(v) -> bool:
 @dataclass
 class SamplingParams:
     temperature: float = 1.0  # 0 means greedy
-    max_tokens: int = 64
+    max_tokens: int | None = 64  # None: as many as the context leaves (vLLM's), set when the request is added
     ignore_eos: bool = False
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: off
@@ -110,7 +110,8 @@ class SamplingParams:
             ("top_p", number(self.top_p) and 0 < self.top_p <= 1, "must be in (0, 1]"),
             ("top_k", count(self.top_k, 0, INT32_MAX), f"must be in [0, {INT32_MAX}] (0 or -1 disables it)"),
             ("min_p", number(self.min_p) and 0 <= self.min_p <= 1, "must be in [0, 1]"),
-            ("max_tokens", count(self.max_tokens, 1, INT64_MAX), f"must be an int in [1, {INT64_MAX}]"),
+            ("max_tokens", self.max_tokens is None or count(self.max_tokens, 1, INT64_MAX),
+             f"must be None or an int in [1, {INT64_MAX}]"),
             (
                 "seed",
                 self.seed is None or count(self.seed, INT64_MIN, INT64_MAX),
@@ -163,7 +164,8 @@ class SamplingParams:
             ),
             (
                 "min_tokens",
-                count(self.min_tokens, 0, INT64_MAX) and self.min_tokens <= self.max_tokens,
+                count(self.min_tokens, 0, INT64_MAX)
+                and (self.max_tokens is None or self.min_tokens <= self.max_tokens),
                 "must be an int in [0, max_tokens]",
             ),
             (

@@ -173,6 +173,7 @@ class AsyncLLM:
         processed = prompt if isinstance(prompt, ProcessedPrompt) else await self.tokenize(prompt)
         self.input_processor.process_params(params)  # a few short words: no need for the pool
         ids = processed.token_ids
+        params = self.input_processor.resolve_max_tokens(params, len(ids))
         req = _Request(RequestState(request_id, prompt_text or processed.text, ids, params, self.tokenizer,
                                     arrival_time=arrival))
         self.requests[request_id] = req

@@ -9,7 +9,7 @@ thread: tokenising a long text must not stall the event loop.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from atom.sampling_params import SamplingParams, is_encodable
@@ -121,6 +121,13 @@ class InputProcessor:
         if len(prompt.token_ids) <= keep:
             return prompt
         return ProcessedPrompt(None, prompt.token_ids[-keep:])
+
+    def resolve_max_tokens(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
+        """``max_tokens=None`` (vLLM's "as many as fit") made the context's rest for this prompt:
+        a copy, so params shared by several prompts stay as given."""
+        if params.max_tokens is not None:
+            return params
+        return replace(params, max_tokens=max(1, self.max_seq_len - prompt_len))
 
     def process_params(self, params: SamplingParams) -> None:
         """Check the token-id fields against the vocabulary and the structured-output grammar,

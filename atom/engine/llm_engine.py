@@ -72,6 +72,7 @@ class LLMEngine:
         tokenized = [self.tokenize(p) for p in prompts]  # checked: empty, vocabulary, length
         for sp in params:
             self.input_processor.process_params(sp)
+        params = [self.input_processor.resolve_max_tokens(sp, len(ids)) for sp, (_, ids) in zip(params, tokenized)]
         for rid, (text, token_ids), sp in zip(ids, tokenized, params):
             self.core.add_request(EngineCoreRequest(rid, token_ids, sp, self.eos_token_ids))
             self.states[rid] = RequestState(rid, text, token_ids, sp, self.tokenizer, stream_callback)

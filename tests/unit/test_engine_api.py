@@ -164,6 +164,18 @@ def test_bad_prompts_fail_alone(engine):
     assert [o.request_id for o in done] == [rid] and len(done[0].token_ids) == 8
 
 
+def test_max_tokens_none_fills_the_context(engine):
+    """vLLM's max_tokens=None: as many tokens as each prompt's context leaves (max_model_len 256),
+    also for params shared by prompts of different lengths; the params object is left as given."""
+    params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
+    prompts = [[5] * 200, [7] * 230]
+    outs = engine.generate(prompts, params, use_tqdm=False)
+    assert [len(o["token_ids"]) for o in outs] == [56, 26] and {o["finish_reason"] for o in outs} == {"length"}
+    assert params.max_tokens is None
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+
+
 def test_vllm_prompt_dicts(engine):
     """vLLM's TextPrompt and TokensPrompt dicts, alone or in a list, give what their text or ids give."""
     params = SamplingParams(temperature=0, max_tokens=4)
