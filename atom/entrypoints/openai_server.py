@@ -243,9 +243,10 @@ def make_arg_parser() -> argparse.ArgumentParser:
                         help="HTTP port (--server-port: the seed guide's name)")
     parser.add_argument("--engine-port", dest="port", type=int, default=EngineArgs.port,
                         help="internal engine communication port (not the HTTP port)")
-    parser.add_argument("--api-key", type=str, default=os.environ.get("ATOM_API_KEY") or os.environ.get("VLLM_API_KEY"),
+    # the environment's key is read in serve(), so that --help never prints it
+    parser.add_argument("--api-key", type=str, default=None,
                         help="require 'Authorization: Bearer KEY' (default: $ATOM_API_KEY, else $VLLM_API_KEY; "
-                             "/health and /metrics stay open)")
+                             "/health, /ping, /version and /metrics stay open)")
     parser.add_argument("--served-model-name", type=str, nargs="+", default=None,
                         help=f"model names the API accepts (default: MODEL as given; {DEFAULT_MODEL_NAME} for the "
                              "embedded model)")
@@ -340,7 +341,8 @@ def serve(args: argparse.Namespace) -> None:
     if chat_template is not None:
         engine.tokenizer.chat_template = chat_template  # chat requests and /tokenize use it
     names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
-    app = build_app(engine, names, args.api_key, args.max_request_body_size, args.request_timeout,
+    api_key = args.api_key or os.environ.get("ATOM_API_KEY") or os.environ.get("VLLM_API_KEY")
+    app = build_app(engine, names, api_key, args.max_request_body_size, args.request_timeout,
                     args.enable_auto_tool_choice, args.tool_call_parser, args.trust_request_chat_template,
                     stats_interval, args.enable_log_requests, docs=not args.disable_fastapi_docs)
     app.root_path = args.root_path or ""  # as vLLM's: paths with and without the prefix both route

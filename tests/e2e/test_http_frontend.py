@@ -62,3 +62,10 @@ def test_lora_flags_refused_in_one_line():
     assert proc.returncode == 2
     last = proc.stderr.strip().splitlines()[-1]
     assert last == "atom serve: error: --lora-modules: LoRA adapters are not supported by atom"
+
+
+def test_help_never_prints_the_environment_key():
+    env = os.environ | {"VLLM_API_KEY": "sekret", "ATOM_API_KEY": "sekret2"}
+    proc = subprocess.run([sys.executable, "-m", "atom.entrypoints.openai_server", "--help"], capture_output=True,
+                          text=True, timeout=120, env=env)  # fmt: skip
+    assert proc.returncode == 0 and "--api-key" in proc.stdout and "sekret" not in proc.stdout
