@@ -18,7 +18,7 @@ OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics"})
 
 
 def _route_path(scope) -> str:
-    """The request's path without ``--root-path`` (uvicorn puts the root path in front of it)."""
+    """The request's path without ``--root-path`` (a reverse proxy may pass the prefix on)."""
     root, path = scope.get("root_path", ""), scope["path"]
     return path[len(root):] if root and path.startswith(root) else path
 
