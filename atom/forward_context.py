@@ -29,6 +29,10 @@ class AttentionMetadata:
     max_seqlen_q: int
     max_seqlen_k: int
     num_decode_tokens: int = 0  # rows with q_len == 1, placed first
+    # host copies of cu_seqlens_q and seq_lens where the builder has them: ops that need the
+    # lengths on the host (the MLA prompt attention) read these instead of syncing with the device
+    cu_seqlens_q_cpu: list[int] | None = None
+    seq_lens_cpu: list[int] | None = None
 
 
 @dataclass(frozen=True, slots=True)

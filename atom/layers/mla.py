@@ -87,9 +87,10 @@ class MLAAttention(Attention):
         q, k_pe = store(q, kv_c, k_pe, positions, cos_sin_cache, self.kv_cache, slots, self.interleaved, self.k_scale)
         # the memory-profiling run has no cache: every row is a prompt row there
         num_decodes = meta.num_decode_tokens if self.kv_cache is not None else 0
+        host = (meta.cu_seqlens_q_cpu, meta.seq_lens_cpu) if meta.seq_lens_cpu is not None else None
         o = latent_attention(q, torch.cat((kv_c, k_pe), dim=-1), self.kv_cache, meta.cu_seqlens_q, meta.seq_lens,
                              meta.block_tables, num_decodes, kv_b_weight, self.scale, self.v_head_dim, self.k_scale,
-                             meta.max_seqlen_q)  # fmt: skip
+                             meta.max_seqlen_q, host)  # fmt: skip
         out[:n] = o.flatten(1)
 
 
@@ -105,13 +106,16 @@ def latent_attention(
     q: torch.Tensor, latents: torch.Tensor, kv_cache: torch.Tensor | None, cu_seqlens_q: torch.Tensor,
     seq_lens: torch.Tensor, block_tables: torch.Tensor, num_decodes: int, kv_b_weight: torch.Tensor, scale: float,
     v_head_dim: int, k_scale: torch.Tensor | None = None, max_query_len: int | None = None,
+    host_lens: tuple[list[int], list[int]] | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Attention over the latent cache (this step's rows already written), shared by atom's
     engine and its vLLM backend. ``q`` [T, H, nope + rope] (rotated), the first
     ``num_decodes`` rows one decode token each; ``latents`` [T, r + rope], this step's
     ``cat(kv_c, k_pe)``; ``kv_b_weight`` [H * (nope + v), r]; ``k_scale``: an fp8 cache's
     scale; ``max_query_len``: the most rows a sequence brings (when known; up to
-    ``SHORT_QUERY`` every row runs as a decode row). Returns [T, H, v]."""
+    ``SHORT_QUERY`` every row runs as a decode row); ``host_lens``: ``cu_seqlens_q`` and
+    ``seq_lens`` as host lists, where the caller has them (the prompt rows then need no device
+    sync). Returns [T, H, v]."""
     num_tokens, num_heads = q.shape[:2]
     kv_lora_rank = kv_b_weight.shape[1]
     nope = q.shape[-1] - (latents.shape[-1] - kv_lora_rank)
@@ -136,8 +140,11 @@ def latent_attention(
             out[p] = absorbed(p, *causal_rows(cu, seq_lens[p], block_tables[p], num_tokens - num_decodes))
         else:
             attend = ops.mla_prefill_attention if TRITON_PREFILL else mla_prefill_attention
+            if host_lens is not None:  # the prompt rows' share, as ``cu`` and ``seq_lens[p]``
+                host_cu, host_seq = host_lens
+                host_lens = ([c - num_decodes for c in host_cu[num_decodes:]], host_seq[num_decodes:])
             out[p] = mla_prefill(q[p], kv_cache, latents[p], cu, seq_lens[p], block_tables[p], kv_b_weight, scale,
-                                 v_head_dim, k_scale, attend)  # fmt: skip
+                                 v_head_dim, k_scale, attend, host_lens)  # fmt: skip
     return out
 
 

@@ -133,6 +133,7 @@ def mla_prefill(
     v_head_dim: int,
     k_scale: torch.Tensor | None = None,
     attend=mla_prefill_attention,
+    host_lens: tuple[list[int], list[int]] | None = None,
 ) -> torch.Tensor:
     """Prompt attention, the latents expanded to per-head keys and values through
     ``kv_b_proj`` (cheaper than absorption when many queries share the keys). Sequence
@@ -143,7 +144,9 @@ def mla_prefill(
     these); ``kv_b_weight``: [H * (nope + v), r]. Whole prompts go to ``attend``
     (``mla_prefill_attention``'s signature: its reference, or ``ops.mla_prefill_attention``)
     together, after one ``kv_b_proj`` GEMM over the step's rows; a sequence with earlier rows
-    goes on its own, over all its keys read back from the cache. Returns [T, H, v].
+    goes on its own, over all its keys read back from the cache. ``host_lens``:
+    ``cu_seqlens_q`` and ``seq_lens`` as host lists (else read from the device: a sync that
+    stalls the GPU in every layer). Returns [T, H, v].
 
     An fp8 cache (``k_scale``) is always read back, this step's rows included: every row then
     sees the quantised latents that decode reads, so chunking, prefix caching and
@@ -151,7 +154,7 @@ def mla_prefill(
     ordinary attention; vLLM's MLA prefill uses the new rows unquantised)."""
     num_heads, rope_dim = q.shape[1], new_latents.shape[-1] - kv_b_weight.shape[1]
     rank, nope = kv_b_weight.shape[1], q.shape[-1] - rope_dim
-    cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    cu, lens = host_lens if host_lens is not None else (cu_seqlens_q.tolist(), seq_lens.tolist())
     fp8 = kv_cache is not None and kv_cache.dtype == torch.float8_e4m3fn
     q_lens = [end - start for start, end in zip(cu, cu[1:])]
     whole = [kv_cache is None or seq_len == n for seq_len, n in zip(lens, q_lens)]
@@ -173,6 +176,8 @@ def mla_prefill(
         # sequence at a time (a long prefix expands to H x (nope + v) values a token)
         lat = from_cache(_latents(kv_cache, block_tables[i], seq_len), q.dtype, k_scale)
         kv = F.linear(lat[:, :rank], kv_b_weight).view(seq_len, num_heads, nope + v_head_dim)
-        cu_q, cu_k = (torch.tensor([0, n], dtype=torch.int32, device=q.device) for n in (end - start, seq_len))
+        # [0, rows] and [0, keys] cut from the device tensors: no host-to-device copy, no sync
+        cu_q = (cu_seqlens_q[i : i + 2] - cu_seqlens_q[i]).to(torch.int32)
+        cu_k = F.pad(seq_lens[i : i + 1], (1, 0)).to(torch.int32)
         out[start:end] = attend(q[start:end], kv, lat[:, rank:], cu_q, cu_k, end - start, scale, v_head_dim)
     return out

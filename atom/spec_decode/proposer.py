@@ -111,5 +111,7 @@ def rows_metadata(
         max_seqlen_q=1 if decode_rows else max(lengths),
         max_seqlen_k=max(seq_lens),
         num_decode_tokens=t if decode_rows else (len(requests) if all(n == 1 for n in lengths) else 0),
+        cu_seqlens_q_cpu=cu,
+        seq_lens_cpu=seq_lens,
     )
     return field[0], meta

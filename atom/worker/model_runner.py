@@ -239,6 +239,8 @@ class ModelRunner:
             max_seqlen_q=max_query,
             max_seqlen_k=max(seq_lens),
             num_decode_tokens=num_decodes,
+            cu_seqlens_q_cpu=cu,
+            seq_lens_cpu=seq_lens,
         )
         return input_ids, dev[t : 2 * t], meta
 

@@ -97,6 +97,34 @@ def test_mla_prefill_attention_v3_shapes(num_heads, dtype):
     assert_close(tk.mla_prefill_attention(*args), ref, dtype)
 
 
+def test_latent_attention_prompt_rows_never_sync():
+    """A mixed step (decode rows, whole prompts, a chunk after earlier rows) at V2-Lite's dims with
+    the runner's host lengths: no device-to-host sync (each one idled the GPU in every layer
+    of a prompt step), and the output of the device-length path."""
+    from atom.layers.mla import latent_attention
+
+    heads, nope, rope, rank, v_dim, block_size = 16, 128, 64, 512, 128, 16
+    q_lens, earlier = [1, 1, 700, 300, 500], [90, 4000, 0, 0, 2100]
+    seq_lens = [n + e for n, e in zip(q_lens, earlier)]
+    width = -(-max(seq_lens) // block_size)
+    cache = torch.randn(len(q_lens) * width, block_size, rank + rope, dtype=torch.bfloat16, device=DEV)
+    tables = torch.randperm(len(cache), device=DEV).view(len(q_lens), width).int()
+    cu_host = [0, *torch.tensor(q_lens).cumsum(0).tolist()]
+    cu, lens = (torch.tensor(x, dtype=torch.int32, device=DEV) for x in (cu_host, seq_lens))
+    q = torch.randn(sum(q_lens), heads, nope + rope, dtype=torch.bfloat16, device=DEV)
+    latents = torch.randn(sum(q_lens), rank + rope, dtype=torch.bfloat16, device=DEV)
+    w = torch.randn(heads * (nope + v_dim), rank, dtype=torch.bfloat16, device=DEV) * 0.05
+    args = (q, latents, cache, cu, lens, tables, 2, w, 192**-0.5, v_dim, None, max(q_lens))
+    expect = latent_attention(*args)  # also compiles the kernels outside the sync check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = latent_attention(*args, host_lens=(cu_host, seq_lens))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(out, expect)
+
+
 @pytest.mark.parametrize("interleaved", [True, False])
 def test_mla_rope_store_v3_shapes(interleaved):
     dtype, num_tokens, heads, rank, rope = torch.bfloat16, 300, 128, 512, 64

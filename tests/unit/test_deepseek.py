@@ -146,14 +146,13 @@ def test_mtp_needs_next_n_layers(tiny_model):
         DeepseekMTP(hf)
 
 
-@pytest.mark.parametrize("q_lens", [[1, 3, 2, 4], [2, 2], [SHORT_QUERY, 1]])
-def test_short_queries_run_as_decode_rows(q_lens):
-    """Sequences bringing at most SHORT_QUERY rows (MTP's K + 1) attend as absorbed decode rows
-    over their causal prefix of the cache: the prompt path's output (latents expanded per head),
-    in float32, for a batch with and without a decode row first, one sequence all new rows."""
-    torch.manual_seed(0)
-    heads, nope, rope, rank, v_dim, block_size, max_blocks = 4, 16, 8, 32, 12, 4, 4
-    seq_lens = [len_q + extra for len_q, extra in zip(q_lens, [4, 6, 0, 9])]
+def _latent_batch(q_lens: list[int], earlier: list[int]):
+    """A batch over a random latent cache: sequence ``i`` brings ``q_lens[i]`` rows after
+    ``earlier[i]`` (0: a whole prompt); ``latent_attention``'s leading arguments, and each row's
+    position and sequence."""
+    heads, nope, rope, rank, v_dim, block_size = 4, 16, 8, 32, 12, 4
+    seq_lens = [len_q + extra for len_q, extra in zip(q_lens, earlier)]
+    max_blocks = -(-max(seq_lens) // block_size)
     num_decodes = sum(1 for n in q_lens[:1] if n == 1)
     cache = torch.randn(len(q_lens) * max_blocks, block_size, rank + rope)
     tables = torch.randperm(len(cache)).view(len(q_lens), max_blocks).int()
@@ -165,8 +164,31 @@ def test_short_queries_run_as_decode_rows(q_lens):
     q = torch.randn(len(seqs), heads, nope + rope)
     w = torch.randn(heads * (nope + v_dim), rank) * 0.2
     lens = torch.tensor(seq_lens, dtype=torch.int32)
-    args = (q, latents, cache, cu, lens, tables, num_decodes, w, 0.3, v_dim)
+    return (q, latents, cache, cu, lens, tables, num_decodes, w, 0.3, v_dim), positions, seqs
+
+
+@pytest.mark.parametrize("q_lens", [[1, 3, 2, 4], [2, 2], [SHORT_QUERY, 1]])
+def test_short_queries_run_as_decode_rows(q_lens):
+    """Sequences bringing at most SHORT_QUERY rows (MTP's K + 1) attend as absorbed decode rows
+    over their causal prefix of the cache: the prompt path's output (latents expanded per head),
+    in float32, for a batch with and without a decode row first, one sequence all new rows."""
+    torch.manual_seed(0)
+    args, positions, seqs = _latent_batch(q_lens, [4, 6, 0, 9])
+    cu, lens, tables = args[3:6]
     short = latent_attention(*args, max_query_len=max(q_lens))
     torch.testing.assert_close(short, latent_attention(*args), rtol=1e-5, atol=1e-5)  # the prompt path
     row_lens, row_tables = causal_rows(cu, lens, tables, len(seqs))
     assert row_lens.tolist() == [p + 1 for p in positions] and torch.equal(row_tables, tables[seqs])
+
+
+@pytest.mark.parametrize("q_lens, earlier", [([1, 13, 20, 9], [6, 5, 0, 0]), ([12, 1], [0, 3]), ([10, 11], [7, 30])])
+def test_prompt_rows_take_host_lengths(q_lens, earlier):
+    """The runner's host copies of cu_seqlens_q and seq_lens (``host_lens``, what keeps the
+    prompt rows from syncing with the device) give the output the device tensors give: decode
+    rows first or not, whole prompts and chunks after earlier rows in one batch."""
+    torch.manual_seed(1)
+    args, _, _ = _latent_batch(q_lens, earlier)
+    cu, lens = args[3], args[4]
+    host = (cu.tolist(), lens.tolist())
+    torch.testing.assert_close(latent_attention(*args, max_query_len=max(q_lens), host_lens=host),
+                               latent_attention(*args, max_query_len=max(q_lens)), rtol=0, atol=0)  # fmt: skip

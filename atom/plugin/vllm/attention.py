@@ -87,6 +87,10 @@ class ATOMAttentionMetadata:
     block_table: torch.Tensor  # [B, max_blocks] int32
     slot_mapping: torch.Tensor  # [T] int64
     num_decode_tokens: int = 0  # mixed batches: rows with q_len == 1, placed first
+    # host copies (vLLM's query_start_loc_cpu, and seq_lens where exact): the MLA prompt
+    # attention reads its lengths here instead of syncing with the device
+    query_start_loc_cpu: list[int] | None = None
+    seq_lens_cpu: list[int] | None = None
 
 
 class ATOMAttentionMetadataBuilder(AttentionMetadataBuilder[ATOMAttentionMetadata]):
@@ -97,6 +101,8 @@ class ATOMAttentionMetadataBuilder(AttentionMetadataBuilder[ATOMAttentionMetadat
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self._init_reorder_batch_threshold(1)
+        # vLLM's host seq_lens are an upper bound under (async) speculative decoding
+        self._exact_host_seq_lens = vllm_config.speculative_config is None
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
@@ -109,9 +115,13 @@ class ATOMAttentionMetadataBuilder(AttentionMetadataBuilder[ATOMAttentionMetadat
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> ATOMAttentionMetadata:
         m = common_attn_metadata
-        num_decodes = 0
+        num_decodes, host_cu, host_seq = 0, None, None
         if m.max_query_len > 1:  # from the host copy of the query lengths: no device sync
             num_decodes = split_decodes_and_prefills(m, decode_threshold=1)[0]
+            host_seq = getattr(m, "seq_lens_cpu_upper_bound", None) if self._exact_host_seq_lens else None
+            if host_seq is not None:
+                rows = m.seq_lens.shape[0]  # the device tensors' lengths (padded requests included)
+                host_cu, host_seq = m.query_start_loc_cpu[: rows + 1].tolist(), host_seq[:rows].tolist()
         return ATOMAttentionMetadata(
             num_actual_tokens=m.num_actual_tokens,
             max_query_len=m.max_query_len,
@@ -121,6 +131,8 @@ class ATOMAttentionMetadataBuilder(AttentionMetadataBuilder[ATOMAttentionMetadat
             block_table=m.block_table_tensor,
             slot_mapping=m.slot_mapping,
             num_decode_tokens=num_decodes,
+            query_start_loc_cpu=host_cu,
+            seq_lens_cpu=host_seq,
         )
 
 
