@@ -88,10 +88,10 @@ class MLAAttention(Attention):
         # the memory-profiling run has no cache: every row is a prompt row there
         num_decodes = meta.num_decode_tokens if self.kv_cache is not None else 0
         host = (meta.cu_seqlens_q_cpu, meta.seq_lens_cpu) if meta.seq_lens_cpu is not None else None
-        o = latent_attention(q, torch.cat((kv_c, k_pe), dim=-1), self.kv_cache, meta.cu_seqlens_q, meta.seq_lens,
-                             meta.block_tables, num_decodes, kv_b_weight, self.scale, self.v_head_dim, self.k_scale,
-                             meta.max_seqlen_q, host)  # fmt: skip
-        out[:n] = o.flatten(1)
+        o = latent_attention(q, kv_c, k_pe, self.kv_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
+                             num_decodes, kv_b_weight, self.scale, self.v_head_dim, self.k_scale, meta.max_seqlen_q,
+                             host)  # fmt: skip
+        out[:n].view(o.shape).copy_(o)  # one copy from the (strided) result
 
 
 # sequences bringing at most this many rows (MTP's K + 1) run them as decode rows
@@ -103,24 +103,23 @@ TRITON_PREFILL = os.environ.get("ATOM_MLA_TRITON_PREFILL", "1") == "1"
 
 
 def latent_attention(
-    q: torch.Tensor, latents: torch.Tensor, kv_cache: torch.Tensor | None, cu_seqlens_q: torch.Tensor,
-    seq_lens: torch.Tensor, block_tables: torch.Tensor, num_decodes: int, kv_b_weight: torch.Tensor, scale: float,
-    v_head_dim: int, k_scale: torch.Tensor | None = None, max_query_len: int | None = None,
-    host_lens: tuple[list[int], list[int]] | None = None,
+    q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor | None,
+    cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, num_decodes: int,
+    kv_b_weight: torch.Tensor, scale: float, v_head_dim: int, k_scale: torch.Tensor | None = None,
+    max_query_len: int | None = None, host_lens: tuple[list[int], list[int]] | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Attention over the latent cache (this step's rows already written), shared by atom's
     engine and its vLLM backend. ``q`` [T, H, nope + rope] (rotated), the first
-    ``num_decodes`` rows one decode token each; ``latents`` [T, r + rope], this step's
-    ``cat(kv_c, k_pe)``; ``kv_b_weight`` [H * (nope + v), r]; ``k_scale``: an fp8 cache's
+    ``num_decodes`` rows one decode token each; ``kv_c`` [T, r] and ``k_pe`` [T, rope] (rotated):
+    this step's latents (read only by prompt rows); ``kv_b_weight`` [H * (nope + v), r]; ``k_scale``: an fp8 cache's
     scale; ``max_query_len``: the most rows a sequence brings (when known; up to
     ``SHORT_QUERY`` every row runs as a decode row); ``host_lens``: ``cu_seqlens_q`` and
     ``seq_lens`` as host lists, where the caller has them (the prompt rows then need no device
     sync). Returns [T, H, v]."""
     num_tokens, num_heads = q.shape[:2]
     kv_lora_rank = kv_b_weight.shape[1]
-    nope = q.shape[-1] - (latents.shape[-1] - kv_lora_rank)
+    nope = q.shape[-1] - k_pe.shape[-1]
     w = kv_b_weight.view(num_heads, nope + v_head_dim, kv_lora_rank)
-    out = q.new_empty(num_tokens, num_heads, v_head_dim)
 
     def absorbed(rows: slice, lens: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
         q_lat = torch.bmm(q[rows, :, :nope].transpose(0, 1), w[:, :nope]).transpose(0, 1)
@@ -130,6 +129,9 @@ def latent_attention(
                        k_scale)  # fmt: skip
         return torch.bmm(o_lat.transpose(0, 1), w[:, nope:].transpose(1, 2)).transpose(0, 1)
 
+    if num_decodes == num_tokens:  # decode steps: no copy into a joint output
+        return absorbed(slice(None), seq_lens, block_tables)
+    out = q.new_empty(num_tokens, num_heads, v_head_dim)
     if num_decodes:
         d = slice(0, num_decodes)
         out[d] = absorbed(d, seq_lens[d], block_tables[d])
@@ -143,7 +145,8 @@ def latent_attention(
             if host_lens is not None:  # the prompt rows' share, as ``cu`` and ``seq_lens[p]``
                 host_cu, host_seq = host_lens
                 host_lens = ([c - num_decodes for c in host_cu[num_decodes:]], host_seq[num_decodes:])
-            out[p] = mla_prefill(q[p], kv_cache, latents[p], cu, seq_lens[p], block_tables[p], kv_b_weight, scale,
+            latents = torch.cat((kv_c[p], k_pe[p]), dim=-1)
+            out[p] = mla_prefill(q[p], kv_cache, latents, cu, seq_lens[p], block_tables[p], kv_b_weight, scale,
                                  v_head_dim, k_scale, attend, host_lens)  # fmt: skip
     return out
 

@@ -1,7 +1,7 @@
 """DeepSeek-V2 and DeepSeek-V3 (also R1, Kimi-K2, Moonlight): Llama's decoder blocks with
 multi-head latent attention (``atom.layers.mla``) and, after the first
 ``first_k_dense_replace`` dense layers, a mixture of experts with shared experts and
-grouped top-k routing (``atom.layers.moe_routing``).
+grouped top-k routing (``ops.grouped_topk``).
 
 Tensor parallelism splits the heads (``q_b_proj``/``q_proj``, ``kv_b_proj``, ``o_proj``) and
 the experts as for the other models; the down-projections to the latent (``q_a_proj``,
@@ -24,12 +24,12 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
+from atom import ops
 from atom.distributed.parallel_state import TPInfo
 from atom.layers.layernorm import RMSNorm
 from atom.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from atom.layers.mla import MLAAttention
 from atom.layers.moe import FusedMoE
-from atom.layers.moe_routing import grouped_topk
 from atom.layers.rotary_embedding import RotaryEmbedding, rope_parameters
 from atom.model_loader.weight_utils import load_weights
 from atom.models.llama import LlamaForCausalLM, LlamaMLP
@@ -87,12 +87,13 @@ class DeepseekAttention(nn.Module):
 
 
 class DeepseekRouter(nn.Module):
-    """The gate: router logits in float32, and V3's ``e_score_correction_bias`` (kept in
-    float32 whatever the model dtype, as the reference does)."""
+    """The gate: router logits in float32, as the reference computes them (its weight upcast
+    at every call: here once, when loaded, so a step has no conversion kernel), and V3's
+    ``e_score_correction_bias``; both kept in float32 whatever the model dtype."""
 
     def __init__(self, hidden_size: int, num_experts: int, correction_bias: bool):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32), requires_grad=False)
         self.e_score_correction_bias = (
             nn.Parameter(torch.zeros(num_experts, dtype=torch.float32), requires_grad=False)
             if correction_bias
@@ -100,7 +101,7 @@ class DeepseekRouter(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.weight.float())
+        return F.linear(x.float(), self.weight)
 
 
 class DeepseekMoE(nn.Module):
@@ -125,8 +126,8 @@ class DeepseekMoE(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = grouped_topk(self.gate(x), self.top_k, self.scoring, self.num_groups, self.topk_groups,
-                                    self.gate.e_score_correction_bias, self.renormalize, self.scaling)  # fmt: skip
+        weights, ids = ops.grouped_topk(self.gate(x), self.top_k, self.scoring, self.num_groups, self.topk_groups,
+                                        self.gate.e_score_correction_bias, self.renormalize, self.scaling)  # fmt: skip
         out = self.experts.forward_routed(x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)

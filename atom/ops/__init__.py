@@ -29,6 +29,7 @@ __all__ = [
     "fused_moe",
     "fp8_linear",
     "fused_moe_fp8",
+    "grouped_topk",
     "linear",
     "mla_decode",
     "mla_prefill_attention",
@@ -249,6 +250,14 @@ moe_topk = register_op(
         logits.new_empty((logits.shape[0], top_k), dtype=torch.int64),
     ),
 )(reference.moe_topk)
+grouped_topk = register_op(
+    "grouped_topk",
+    triton=f"{_T}.moe:grouped_topk",
+    fake=lambda logits, top_k, *args: (
+        logits.new_empty((logits.shape[0], top_k), dtype=torch.float32),
+        logits.new_empty((logits.shape[0], top_k), dtype=torch.int64),
+    ),
+)(reference.grouped_topk)
 fused_moe = register_op("fused_moe", triton=f"{_T}.moe:fused_moe", fake=lambda x, *args: _empty_like(x))(
     reference.fused_moe
 )

@@ -179,6 +179,49 @@ def moe_topk(
     return weights, ids
 
 
+def grouped_topk(
+    router_logits: torch.Tensor,
+    top_k: int,
+    scoring: str,
+    num_groups: int,
+    topk_groups: int,
+    correction_bias: torch.Tensor | None,
+    renormalize: bool,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's expert routing, top-k within the best expert groups; returns (weights
+    float32 [T, k], ids int64 [T, k]). DeepSeek-V2 scores experts with a softmax and picks
+    groups by their best expert (``group_limited_greedy``; plain ``greedy`` has one group);
+    DeepSeek-V3 scores with a sigmoid, adds the ``noaux_tc`` load-balancing bias to the scores
+    used for the choice only, and picks groups by the sum of their two best experts. The
+    weights are the chosen experts' unbiased scores, optionally renormalised, times
+    ``scaling`` (``routed_scaling_factor``). In float32, as Hugging Face routes."""
+    logits = router_logits.float()
+    if scoring == "sigmoid":
+        scores = logits.sigmoid()
+    elif scoring == "softmax":
+        scores = logits.softmax(dim=-1)
+    else:
+        raise ValueError(f"unknown expert scoring function {scoring!r} (expected 'sigmoid' or 'softmax')")
+    choice = scores if correction_bias is None else scores + correction_bias.float()
+    if num_groups > 1 and topk_groups < num_groups:
+        grouped = choice.view(choice.shape[0], num_groups, -1)
+        if correction_bias is None:
+            group_scores = grouped.max(dim=-1).values
+        else:
+            group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+        group_idx = group_scores.topk(topk_groups, dim=-1, sorted=False)[1]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
+        keep = keep.unsqueeze(-1).expand_as(grouped).reshape_as(choice)
+        # V2 zeroes the other groups' softmax scores, V3 rules them out
+        choice = choice.masked_fill(~keep, 0.0 if correction_bias is None else float("-inf"))
+    ids = choice.topk(top_k, dim=-1, sorted=False)[1]
+    weights = (scores if correction_bias is not None else choice).gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
+
+
 def fused_moe(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
 ) -> torch.Tensor:

@@ -234,8 +234,9 @@ def test_fp8_latent_cache_through_the_backend():
                                  num_decode_tokens=1)
     out = impl.forward(layer, q, kv_c[20:], k_pe[20:], kv_cache, meta, torch.empty(6, heads * v_dim))
     deq = from_cache(kv_cache.view(torch.float8_e4m3fn), torch.float32, layer._k_scale)
-    ref = latent_attention(q, deq[slots // block_size, slots % block_size], deq, meta.query_start_loc,
-                           meta.seq_lens, meta.block_table, 1, kv_b.weight, 0.1, v_dim)
+    rows = deq[slots // block_size, slots % block_size]
+    ref = latent_attention(q, rows[:, :-rope], rows[:, -rope:], deq, meta.query_start_loc, meta.seq_lens,
+                           meta.block_table, 1, kv_b.weight, 0.1, v_dim)  # fmt: skip
     assert torch.allclose(out, ref.flatten(1), atol=1e-5)
 
 

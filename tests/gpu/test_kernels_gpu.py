@@ -293,6 +293,39 @@ def test_fused_moe_dtypes(dtype):
     assert_close(out, ref, dtype)
 
 
+# DeepSeek routings at their real sizes: V2-Lite, V2 (group-limited), V3/R1 (noaux_tc), Kimi-K2
+DEEPSEEK_ROUTINGS = {
+    "v2_lite": (64, 6, "softmax", 1, 1, False, False, 1.0),
+    "v2": (160, 6, "softmax", 8, 3, False, False, 16.0),
+    "v3": (256, 8, "sigmoid", 8, 4, True, True, 2.5),
+    "kimi_k2": (384, 8, "sigmoid", 1, 1, True, True, 2.827),
+}
+
+
+@pytest.mark.parametrize("num_tokens", [1, 256, 8192])
+@pytest.mark.parametrize("routing", DEEPSEEK_ROUTINGS.values(), ids=DEEPSEEK_ROUTINGS.keys())
+def test_grouped_topk_deepseek(routing, num_tokens):
+    """The one-launch routing against the reference on float32 logits: the same experts (as
+    sets) and weights."""
+    num_experts, top_k, scoring, groups, topk_groups, bias, renormalize, scaling = routing
+    logits = torch.randn(num_tokens, num_experts, device=DEV) * 2
+    correction = torch.randn(num_experts, device=DEV) * 0.5 if bias else None
+    args = (top_k, scoring, groups, topk_groups, correction, renormalize, scaling)
+    weights, ids = tk.grouped_topk(logits, *args)
+    ref_weights, ref_ids = reference.grouped_topk(logits, *args)
+    order, ref_order = ids.argsort(dim=1), ref_ids.argsort(dim=1)
+    assert torch.equal(ids.gather(1, order), ref_ids.gather(1, ref_order))
+    torch.testing.assert_close(weights.gather(1, order), ref_weights.gather(1, ref_order), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(1, 6, 2048), (8192, 6, 2048), (256, 8, 7168)])
+def test_moe_sum_deepseek(shape):
+    from atom.ops.triton.moe import moe_sum
+
+    pairs = torch.randn(*shape, dtype=torch.bfloat16, device=DEV)
+    assert_close(moe_sum(pairs), pairs.double().sum(dim=1), torch.bfloat16)
+
+
 # --- sampling ---------------------------------------------------------------------------
 
 

@@ -114,7 +114,7 @@ def test_latent_attention_prompt_rows_never_sync():
     q = torch.randn(sum(q_lens), heads, nope + rope, dtype=torch.bfloat16, device=DEV)
     latents = torch.randn(sum(q_lens), rank + rope, dtype=torch.bfloat16, device=DEV)
     w = torch.randn(heads * (nope + v_dim), rank, dtype=torch.bfloat16, device=DEV) * 0.05
-    args = (q, latents, cache, cu, lens, tables, 2, w, 192**-0.5, v_dim, None, max(q_lens))
+    args = (q, latents[:, :rank], latents[:, rank:], cache, cu, lens, tables, 2, w, 192**-0.5, v_dim, None, max(q_lens))
     expect = latent_attention(*args)  # also compiles the kernels outside the sync check
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from atom.ops import reference
-from atom.ops.triton import fused_moe, moe_topk
+from atom.ops.triton import fused_moe, grouped_topk, moe_topk
+from atom.ops.triton.moe import moe_sum
 
 
 @pytest.mark.parametrize("renormalize", [True, False])
@@ -17,6 +18,46 @@ def test_moe_topk(num_tokens, num_experts, top_k, renormalize, dtype):
     probs = torch.softmax(logits, dim=-1, dtype=torch.float)
     torch.testing.assert_close(probs.gather(1, ids), probs.gather(1, ref_ids))
     assert (ids.sort(dim=1).values.diff(dim=1) > 0).all()
+
+
+@pytest.mark.parametrize("num_tokens, top_k, hidden", [(1, 6, 2048), (9, 8, 1000), (3, 1, 64)])
+def test_moe_sum(num_tokens, top_k, hidden, dtype):
+    """The experts' outputs summed per token in float32, rounded once to the pairs' dtype."""
+    pairs = torch.randn(num_tokens, top_k, hidden, dtype=dtype)
+    out, exact = moe_sum(pairs), pairs.double().sum(dim=1)
+    assert out.dtype == dtype
+    # at most the final rounding (16-bit) or float32's accumulation error
+    torch.testing.assert_close(out.double(), exact, rtol=2**-8 if dtype != torch.float32 else 1e-6, atol=1e-6)
+
+
+# (experts, top_k, scoring, groups, topk_groups, bias, renormalize, scaling)
+ROUTINGS = {
+    "v2_lite_greedy": (64, 6, "softmax", 1, 1, False, False, 1.0),
+    "v2_group_limited": (160, 6, "softmax", 8, 3, False, False, 16.0),
+    "v3_noaux_tc": (256, 8, "sigmoid", 8, 4, True, True, 2.5),
+    "kimi_k2": (384, 8, "sigmoid", 1, 1, True, True, 2.827),
+    "moonlight": (64, 6, "sigmoid", 1, 1, True, True, 2.446),
+    "small_groups": (12, 3, "sigmoid", 4, 2, True, False, 1.0),
+}
+
+
+@pytest.mark.parametrize("num_tokens", [1, 37])
+@pytest.mark.parametrize("routing", ROUTINGS.values(), ids=ROUTINGS.keys())
+def test_grouped_topk(routing, num_tokens):
+    """DeepSeek's routing in one kernel against the reference: the same experts (as sets: the
+    reference's top-k is unsorted) with the same weights, float32 logits as the gate gives."""
+    num_experts, top_k, scoring, groups, topk_groups, bias, renormalize, scaling = routing
+    logits = torch.randn(num_tokens, num_experts) * 2
+    correction = torch.randn(num_experts) * 0.5 if bias else None
+    args = (top_k, scoring, groups, topk_groups, correction, renormalize, scaling)
+    weights, ids = grouped_topk(logits, *args)
+    ref_weights, ref_ids = reference.grouped_topk(logits, *args)
+    assert ids.dtype == torch.int64 and weights.dtype == torch.float32
+    order, ref_order = ids.argsort(dim=1), ref_ids.argsort(dim=1)
+    assert torch.equal(ids.gather(1, order), ref_ids.gather(1, ref_order))
+    torch.testing.assert_close(weights.gather(1, order), ref_weights.gather(1, ref_order), rtol=1e-5, atol=1e-6)
+    if groups > 1:  # every pick from the chosen groups (V3: no expert of a dropped group)
+        assert all(len(set((row // (num_experts // groups)).tolist())) <= topk_groups for row in ids)
 
 
 @pytest.mark.parametrize(

@@ -19,8 +19,8 @@ from atom.config import Config, ModelConfig
 from atom.distributed.parallel_state import SINGLE
 from atom.forward_context import AttentionMetadata, set_forward_context
 from atom.layers.mla import SHORT_QUERY, MLAAttention, causal_rows, latent_attention
-from atom.layers.moe_routing import grouped_topk
 from atom.models.deepseek_mtp import DeepseekMTP
+from atom.ops.reference import grouped_topk
 from atom.spec_decode.mtp_loader import load_mtp
 from atom.worker.model_runner import ModelRunner
 
@@ -164,7 +164,8 @@ def _latent_batch(q_lens: list[int], earlier: list[int]):
     q = torch.randn(len(seqs), heads, nope + rope)
     w = torch.randn(heads * (nope + v_dim), rank) * 0.2
     lens = torch.tensor(seq_lens, dtype=torch.int32)
-    return (q, latents, cache, cu, lens, tables, num_decodes, w, 0.3, v_dim), positions, seqs
+    args = (q, latents[:, :rank], latents[:, rank:], cache, cu, lens, tables, num_decodes, w, 0.3, v_dim)
+    return args, positions, seqs
 
 
 @pytest.mark.parametrize("q_lens", [[1, 3, 2, 4], [2, 2], [SHORT_QUERY, 1]])
@@ -174,7 +175,7 @@ def test_short_queries_run_as_decode_rows(q_lens):
     in float32, for a batch with and without a decode row first, one sequence all new rows."""
     torch.manual_seed(0)
     args, positions, seqs = _latent_batch(q_lens, [4, 6, 0, 9])
-    cu, lens, tables = args[3:6]
+    cu, lens, tables = args[4:7]
     short = latent_attention(*args, max_query_len=max(q_lens))
     torch.testing.assert_close(short, latent_attention(*args), rtol=1e-5, atol=1e-5)  # the prompt path
     row_lens, row_tables = causal_rows(cu, lens, tables, len(seqs))
@@ -188,7 +189,7 @@ def test_prompt_rows_take_host_lengths(q_lens, earlier):
     rows first or not, whole prompts and chunks after earlier rows in one batch."""
     torch.manual_seed(1)
     args, _, _ = _latent_batch(q_lens, earlier)
-    cu, lens = args[3], args[4]
+    cu, lens = args[4], args[5]
     host = (cu.tolist(), lens.tolist())
     torch.testing.assert_close(latent_attention(*args, max_query_len=max(q_lens), host_lens=host),
                                latent_attention(*args, max_query_len=max(q_lens)), rtol=0, atol=0)  # fmt: skip

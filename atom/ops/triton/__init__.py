@@ -5,7 +5,7 @@ from atom.ops.triton.activation import silu_and_mul
 from atom.ops.triton.attention import paged_attention
 from atom.ops.triton.mla import mla_decode, mla_rope_store
 from atom.ops.triton.mla_prefill import mla_prefill_attention
-from atom.ops.triton.moe import fused_moe, moe_topk
+from atom.ops.triton.moe import fused_moe, grouped_topk, moe_topk
 from atom.ops.triton.norm import rms_norm
 from atom.ops.triton.rope_cache import qk_norm_rope_store, rotary_embedding, store_kv_cache
 from atom.ops.triton.sampling import top_k_top_p_min_p
@@ -17,6 +17,7 @@ __all__ = [
     "mla_prefill_attention",
     "mla_rope_store",
     "moe_topk",
+    "grouped_topk",
     "paged_attention",
     "qk_norm_rope_store",
     "rms_norm",

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from atom.ops.triton.mla import _has_wgmma
+
 
 @triton.jit(do_not_specialize=["max_seqlen"])
 def _mla_prefill_kernel(
@@ -73,11 +75,17 @@ def _mla_prefill_kernel(
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & (dv[None, :] < V))
 
 
-def _prefill_config(wide: bool) -> dict:
+def _prefill_config(wide: bool, hopper: bool) -> dict:
     """Tile config (``tests/gpu/kernel_sweep.py mla_prefill`` times others); float32 tiles
-    (``wide``) take half the rows, to stay within shared memory."""
-    block = 32 if wide else 64
-    return dict(BLOCK_M=block, BLOCK_N=block, num_warps=4, num_stages=2)
+    (``wide``) take half the rows, to stay within shared memory. On Hopper 16-bit tiles of 128
+    query rows, 8 warps and 3 stages (~170 KB of shared memory): a 2048-token chunk after 6144
+    earlier rows 1.13x (16 heads) and 1.17x (128 heads) faster than 64 x 64 / 4 warps / 2 stages,
+    whole 1k prompts the same (H200, session 22)."""
+    if wide:
+        return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2)
+    if hopper:
+        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
+    return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
 
 
 def _pad(dim: int) -> int:
@@ -95,7 +103,7 @@ def mla_prefill_attention(
     nope = kv.shape[-1] - v_head_dim
     rope = qk_dim - nope
     wide = q.element_size() == 4
-    cfg = _prefill_config(wide)
+    cfg = _prefill_config(wide, _has_wgmma(q.device))
     grid = (cu_seqlens_q.shape[0] - 1, triton.cdiv(max_seqlen_q, cfg["BLOCK_M"]), num_heads)
     _mla_prefill_kernel[grid](
         q, kv, k_pe, out, cu_seqlens_q, cu_seqlens_k, scale * math.log2(math.e), max_seqlen_q,

@@ -71,6 +71,85 @@ def moe_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tupl
     return weights, ids
 
 
+@triton.jit
+def _grouped_topk_kernel(
+    logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_experts, group_size, stride_l, scaling,
+    TOP_K: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, NUM_GROUPS: tl.constexpr,
+    TOPK_GROUPS: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+):  # fmt: skip
+    # One program per token: scores, the group choice, top-k, renormalised weights; in float32.
+    row = tl.program_id(0).to(tl.int64)
+    offs_e = tl.arange(0, BLOCK_E)
+    valid = offs_e < num_experts
+    x = tl.load(logits_ptr + row * stride_l + offs_e, mask=valid, other=float("-inf")).to(tl.float32)
+    if SIGMOID:
+        scores = tl.sigmoid(x)
+    else:
+        p = tl.exp(x - tl.max(x, axis=0))
+        scores = p / tl.sum(p, axis=0)
+    choice = scores
+    if HAS_BIAS:
+        choice = scores + tl.load(bias_ptr + offs_e, mask=valid, other=0.0).to(tl.float32)
+    choice = tl.where(valid, choice, float("-inf"))  # padding experts are never picked
+    if NUM_GROUPS > 1 and TOPK_GROUPS < NUM_GROUPS:
+        group = offs_e // group_size
+        offs_g = tl.arange(0, BLOCK_G)
+        group_scores = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        for g in tl.static_range(NUM_GROUPS):
+            c = tl.where(group == g, choice, float("-inf"))
+            best = tl.max(c, axis=0)
+            if HAS_BIAS:  # V3: the sum of the group's two best
+                best += tl.max(tl.where(offs_e == tl.argmax(c, axis=0), float("-inf"), c), axis=0)
+            group_scores = tl.where(offs_g == g, best, group_scores)
+        keep = offs_e < 0
+        for _ in tl.static_range(TOPK_GROUPS):
+            g = tl.argmax(group_scores, axis=0)
+            keep = keep | (group == g)
+            group_scores = tl.where(offs_g == g, float("-inf"), group_scores)
+        # V2 zeroes the other groups' scores, V3 rules them out
+        choice = tl.where(keep, choice, float("-inf") if HAS_BIAS else 0.0)
+        choice = tl.where(valid, choice, float("-inf"))
+    picked = scores if HAS_BIAS else choice  # the weights: unbiased scores
+    offs_k = tl.arange(0, BLOCK_K)
+    top_w = tl.zeros([BLOCK_K], tl.float32)
+    top_id = tl.zeros([BLOCK_K], tl.int64)
+    for j in tl.static_range(TOP_K):
+        best = tl.argmax(choice, axis=0)
+        top_w = tl.where(offs_k == j, tl.sum(tl.where(offs_e == best, picked, 0.0), axis=0), top_w)
+        top_id = tl.where(offs_k == j, best, top_id)
+        choice = tl.where(offs_e == best, float("-inf"), choice)
+    if RENORMALIZE:
+        top_w = top_w / (tl.sum(top_w, axis=0) + 1e-20)
+    tl.store(weights_ptr + row * TOP_K + offs_k, top_w * scaling, mask=offs_k < TOP_K)
+    tl.store(ids_ptr + row * TOP_K + offs_k, top_id, mask=offs_k < TOP_K)
+
+
+def grouped_topk(
+    router_logits: torch.Tensor, top_k: int, scoring: str, num_groups: int, topk_groups: int,
+    correction_bias: torch.Tensor | None, renormalize: bool, scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """One launch for DeepSeek's routing (the reference: scores, group choice, top-k and
+    weights as five to seven torch kernels)."""
+    if scoring not in ("sigmoid", "softmax"):
+        raise ValueError(f"unknown expert scoring function {scoring!r} (expected 'sigmoid' or 'softmax')")
+    num_tokens, num_experts = router_logits.shape
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=router_logits.device)
+    if num_tokens == 0:
+        return weights, ids
+    logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
+    bias = correction_bias if correction_bias is not None else logits
+    _grouped_topk_kernel[(num_tokens,)](
+        logits, bias, weights, ids, num_experts, num_experts // num_groups, logits.stride(0), float(scaling),
+        TOP_K=top_k, SIGMOID=scoring == "sigmoid", HAS_BIAS=correction_bias is not None, NUM_GROUPS=num_groups,
+        TOPK_GROUPS=topk_groups, RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(num_experts),
+        BLOCK_K=triton.next_power_of_2(top_k), BLOCK_G=triton.next_power_of_2(num_groups),
+        num_warps=4 if num_experts > 128 else 2,
+    )  # fmt: skip
+    return weights, ids
+
+
 @triton.jit(do_not_specialize=["num_pairs"])
 def _count_experts_kernel(ids_ptr, counts_ptr, num_pairs, BLOCK: tl.constexpr):
     # One program per expert; the id list is small and stays in L2.
@@ -328,4 +407,26 @@ def fused_moe(
     out_pairs = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     down = {**config, **config.get("down", {})}  # the down GEMM may use wider tiles (same BLOCK_M)
     _moe_gemm(inter, w2, out_pairs, weights, sorted_ids, expert_ids, num_padded, hidden, 1, False, down)
-    return out_pairs.view(num_tokens, top_k, hidden).sum(dim=1)
+    return moe_sum(out_pairs.view(num_tokens, top_k, hidden))
+
+
+@triton.jit
+def _moe_sum_kernel(x_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    token, cols = tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < hidden
+    acc = tl.zeros([BLOCK], tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(x_ptr + (token * TOP_K + j) * hidden + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def moe_sum(pairs: torch.Tensor) -> torch.Tensor:
+    """``pairs.sum(dim=1)`` for contiguous [T, k, H] expert outputs, accumulated in float32 as
+    torch does: torch's reduction kernel ran this at ~1 TB/s on an H200 (210 us a layer for an
+    8k-token DeepSeek-V2-Lite prompt step; 4.8 us at batch 1)."""
+    num_tokens, top_k, hidden = pairs.shape
+    out = torch.empty(num_tokens, hidden, dtype=pairs.dtype, device=pairs.device)
+    block = min(1024, triton.next_power_of_2(hidden))
+    _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block))](pairs, out, hidden, TOP_K=top_k, BLOCK=block,
+                                                              num_warps=4)  # fmt: skip
+    return out

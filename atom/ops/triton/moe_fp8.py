@@ -12,7 +12,7 @@ import triton.language as tl
 
 from atom.ops.triton.fp8_configs import moe_config
 from atom.ops.triton.fp8_gemm import per_token_group_quant_fp8
-from atom.ops.triton.moe import _row_tile, _sort_by_expert, _store_tile
+from atom.ops.triton.moe import _row_tile, _sort_by_expert, _store_tile, moe_sum
 
 
 # vary by batch (as in moe.py): the pairs, and the column-major activation scales' group
@@ -116,4 +116,4 @@ def fused_moe_fp8(
     out_pairs = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     _gemm(a, a_scale, w2, w2_scale, out_pairs, weights, sorted_ids, expert_ids, num_padded, hidden, 1, False,
           group_k, down)  # fmt: skip
-    return out_pairs.view(num_tokens, top_k, hidden).sum(dim=1)
+    return moe_sum(out_pairs.view(num_tokens, top_k, hidden))
