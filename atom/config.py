@@ -80,11 +80,16 @@ class ModelConfig:
     # vLLM's --generation-config: "auto" (the model's generation_config.json recommends the
     # sampling defaults), "vllm" (none), or a folder holding a generation_config.json
     generation_config: str = "auto"
+    # vLLM's --max-logprobs: the most logprobs (and prompt logprobs) a request may ask for per
+    # position; -1: no cap (the vocabulary)
+    max_logprobs: int = 20
 
     def __post_init__(self):
         limit = getattr(self.hf_config, "max_position_embeddings", None)
         if self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be -1 (no cap) or at least 0, got {self.max_logprobs}")
         if limit is not None and self.max_model_len > limit:
             raise ValueError(
                 f"max_model_len ({self.max_model_len}) is larger than the model's "

@@ -16,7 +16,6 @@ logger = logging.getLogger(__name__)
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 INT32_MAX = 2**31 - 1
-MAX_LOGPROBS = 20  # top-N logprobs per position, as vLLM's default max_logprobs
 # below this a temperature overflows the scaled logits to inf (vLLM clamps the same way)
 MIN_TEMPERATURE = 1e-2
 
@@ -125,13 +124,13 @@ class SamplingParams:
             ("stop_token_ids", all(count(t, 0, INT64_MAX) for t in self.stop_token_ids), "must be non-negative ints"),
             (
                 "logprobs",
-                self.logprobs is None or count(self.logprobs, 0, MAX_LOGPROBS),
-                f"must be in [0, {MAX_LOGPROBS}]",
+                self.logprobs is None or count(self.logprobs, 0, INT64_MAX),
+                "must be None or an int >= 0 (at most the engine's max_logprobs)",
             ),
             (
                 "prompt_logprobs",
-                self.prompt_logprobs is None or count(self.prompt_logprobs, 0, MAX_LOGPROBS),
-                f"must be in [0, {MAX_LOGPROBS}]",
+                self.prompt_logprobs is None or count(self.prompt_logprobs, 0, INT64_MAX),
+                "must be None or an int >= 0 (at most the engine's max_logprobs)",
             ),
         ]
         checks += self._processing_checks(number, count)

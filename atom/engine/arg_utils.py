@@ -83,6 +83,7 @@ class EngineArgs:
     # structured output starts after the reasoning of a reasoning model (vLLM's --reasoning-parser)
     reasoning_parser: str | None = None
     generation_config: str = ModelConfig.generation_config
+    max_logprobs: int = ModelConfig.max_logprobs
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -146,6 +147,9 @@ class EngineArgs:
           help="sampling defaults for requests that leave them out: auto (the model's generation_config.json: "
                "temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), vllm (none), or a folder "
                "with a generation_config.json")
+        a("--max-logprobs", type=int, default=d.max_logprobs,
+          help="the most logprobs a request may ask for per token (completions' logprobs, chat's top_logprobs); "
+               "more is a 400; -1: no cap (the vocabulary)")
         a("--reasoning-parser", type=str, default=None, choices=sorted(REASONING_TAGS),
           help="the model reasons in <think>...</think> first: the server returns it as reasoning_content and "
                "structured output constrains only what follows")
@@ -195,6 +199,7 @@ class EngineArgs:
             seed=self.seed,
             quantization=self.quantization,
             generation_config=self.generation_config,
+            max_logprobs=self.max_logprobs,
         )
         return Config(
             model_config=model_config,

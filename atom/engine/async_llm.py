@@ -66,7 +66,8 @@ class AsyncLLM:
         # a prompt when its first token comes, each generated token when it does
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
-        self.input_processor = InputProcessor(self.tokenizer, mc.hf_config.vocab_size, mc.max_model_len)
+        self.input_processor = InputProcessor(self.tokenizer, mc.hf_config.vocab_size, mc.max_model_len,
+                                              max_logprobs=mc.max_logprobs)
         # one thread, as vLLM's server: a fast tokenizer releases the GIL while it works,
         # and its settings (truncation) must not change under a concurrent call
         self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="atom-tokenizer")

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from atom.config import ModelConfig
 from atom.sampling_params import SamplingParams, is_encodable
 from atom.structured_output import GrammarSpec
 from atom.worker.penalty_inputs import bad_words_token_ids
@@ -33,9 +34,12 @@ class ProcessedPrompt:
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, max_seq_len: int | None = None):
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, max_seq_len: int | None = None,
+                 max_logprobs: int = ModelConfig.max_logprobs):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        # --max-logprobs: the most logprobs per position a request may ask for (-1: the vocabulary)
+        self.max_logprobs = vocab_size if max_logprobs == -1 else max_logprobs
         self.max_model_len = max_model_len
         # the longest sequence the engine holds: min(max_model_len, KV cache capacity),
         # known once the KV cache is allocated
@@ -132,7 +136,12 @@ class InputProcessor:
     def process_params(self, params: SamplingParams) -> None:
         """Check the token-id fields against the vocabulary and the structured-output grammar,
         and tokenize ``bad_words`` once (into ``params.bad_words_token_ids``), as vLLM does
-        when a request arrives."""
+        when a request arrives; and the logprobs asked for against ``--max-logprobs``."""
+        for name, what in (("logprobs", "sample logprobs"), ("prompt_logprobs", "prompt logprobs")):
+            wanted = getattr(params, name)
+            if wanted is not None and wanted > self.max_logprobs:  # vLLM's message
+                raise InvalidInputError(f"Requested {what} of {wanted}, which is greater than max allowed: "
+                                        f"{self.max_logprobs} (--max-logprobs)", name)
         try:
             params.check_token_ids(self.vocab_size)
         except ValueError as e:

@@ -39,7 +39,7 @@ class LLMEngine:
         self.default_sampling_params = sampling_defaults(mc)
         self.core = _make_core(self.config)
         self.input_processor = InputProcessor(self.tokenizer, mc.hf_config.vocab_size, mc.max_model_len,
-                                              self.core.info().max_seq_len)
+                                              self.core.info().max_seq_len, mc.max_logprobs)
         self.states: dict[str, RequestState] = {}
         self._ids = itertools.count()
 

@@ -27,8 +27,8 @@ from atom.engine.input_processor import InputProcessor, InvalidInputError
         ("temperature", math.inf),
         ("top_p", math.nan),
         ("min_p", math.nan),
-        ("logprobs", 21),
-        ("prompt_logprobs", 10**6),
+        ("logprobs", -1),
+        ("prompt_logprobs", 2**63),
         ("stop", ["\ud800"]),
         ("stop_token_ids", [2**64]),
     ],
@@ -39,7 +39,8 @@ def test_sampling_params_refuse_what_the_engine_cannot_run(field, value):
 
 
 def test_sampling_params_edges_are_accepted():
-    SamplingParams(seed=2**63 - 1, top_k=2**31 - 1, logprobs=20, prompt_logprobs=0)
+    # logprobs has no cap here: the engine's max_logprobs (--max-logprobs) is checked when a request is added
+    SamplingParams(seed=2**63 - 1, top_k=2**31 - 1, logprobs=10**6, prompt_logprobs=0)
     SamplingParams(seed=-(2**63), top_k=-1)
     assert SamplingParams(temperature=1e-6).temperature == 0.01  # clamped, as vLLM does
     assert SamplingParams(temperature=0).temperature == 0
@@ -49,6 +50,18 @@ def test_sampling_params_edges_are_accepted():
 def processor(tiny_model) -> InputProcessor:
     tokenizer = AutoTokenizer.from_pretrained(tiny_model("qwen3"))
     return InputProcessor(tokenizer, vocab_size=len(tokenizer), max_model_len=64)
+
+
+@pytest.mark.parametrize("max_logprobs", [20, 3, -1])
+def test_logprobs_are_checked_against_max_logprobs(processor, max_logprobs):
+    """vLLM's --max-logprobs (default 20; -1: the vocabulary), for logprobs and prompt logprobs."""
+    limited = InputProcessor(processor.tokenizer, processor.vocab_size, 64, max_logprobs=max_logprobs)
+    limit = processor.vocab_size if max_logprobs == -1 else max_logprobs
+    for field in ("logprobs", "prompt_logprobs"):
+        limited.process_params(SamplingParams(**{field: limit}))
+        with pytest.raises(InvalidInputError, match=f"greater than max allowed: {limit}") as info:
+            limited.process_params(SamplingParams(**{field: limit + 1}))
+        assert info.value.param == field
 
 
 def test_tokenize_matches_the_tokenizer(processor):

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from atom.sampling_params import INT32_MAX, INT64_MAX, INT64_MIN, MAX_LOGPROBS, is_encodable
+from atom.sampling_params import INT32_MAX, INT64_MAX, INT64_MIN, is_encodable
 
 logger = logging.getLogger(__name__)
 
@@ -231,7 +231,7 @@ class ChatCompletionRequest(SamplingRequest):
     prompt: list[ChatMessage] | None = None  # the serving guide's alias for messages
     max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=0, le=INT64_MAX)  # at most --max-logprobs
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: Text | None = None  # vLLM's: a Jinja template of the request's own
@@ -264,7 +264,7 @@ class CompletionRequest(SamplingRequest):
     # 0 with echo (vLLM's echo without generation): the prompt and, with logprobs, its logprobs only
     max_tokens: int | None = Field(None, ge=0, le=INT64_MAX)
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(None, ge=0, le=INT64_MAX)  # at most --max-logprobs
     suffix: Text | None = None
 
     @field_validator("prompt")
