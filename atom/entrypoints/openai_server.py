@@ -125,17 +125,20 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
               request_timeout: float | None = None, enable_auto_tool_choice: bool = False,
               tool_call_parser: str | None = None, trust_request_chat_template: bool = False,
               log_stats_interval: float | None = None, enable_log_requests: bool = False,
-              docs: bool = True) -> FastAPI:
+              docs: bool = True, response_role: str = "assistant", return_tokens_as_token_ids: bool = False) -> FastAPI:
     """The FastAPI app; its lifespan logs the engine's stats every ``log_stats_interval``
     seconds (None: never) and shuts the engine down (``serve`` starts it before the port
     opens). The reasoning parser is the engine's (``--reasoning-parser``). ``docs``: FastAPI's
-    /docs, /redoc and /openapi.json."""
+    /docs, /redoc and /openapi.json. ``response_role``, ``return_tokens_as_token_ids``: vLLM's
+    --response-role and --return-tokens-as-token-ids."""
     metrics = ServerMetrics(served_model_names[0], engine.config.parallel_config.data_parallel_size)
     engine.finished_callbacks.append(metrics.observe_finished)
     chat = OpenAIServingChat(engine, served_model_names, request_timeout, trust_request_chat_template,
-                             enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
-                             reasoning_parser=engine.config.reasoning_parser)
-    completion = OpenAIServingCompletion(engine, served_model_names, request_timeout)
+                             return_tokens_as_token_ids, enable_auto_tool_choice=enable_auto_tool_choice,
+                             tool_call_parser=tool_call_parser, reasoning_parser=engine.config.reasoning_parser,
+                             response_role=response_role)
+    completion = OpenAIServingCompletion(engine, served_model_names, request_timeout,
+                                         return_tokens_as_token_ids=return_tokens_as_token_ids)
     chat.log_requests = completion.log_requests = enable_log_requests
     tokenization = OpenAIServingTokenization(engine, served_model_names,
                                              trust_request_chat_template=trust_request_chat_template)
@@ -277,6 +280,11 @@ def make_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--disable-log-stats", action="store_true",
                         help="no periodic stats line (throughput, running and waiting requests, KV-cache usage) "
                              "every VLLM_LOG_STATS_INTERVAL seconds (default 10)")
+    parser.add_argument("--response-role", type=str, default="assistant",
+                        help="the role of chat responses when the request starts a new turn (add_generation_prompt; "
+                             "else the last message's role)")
+    parser.add_argument("--return-tokens-as-token-ids", action="store_true",
+                        help='logprobs show tokens as "token_id:{id}" (a request\'s return_tokens_as_token_ids wins)')
     parser.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=False,
                         help="log each request's id and sampling parameters (INFO) and its prompt token ids (DEBUG)")
     _add_http_args(parser)
@@ -344,7 +352,8 @@ def serve(args: argparse.Namespace) -> None:
     api_key = args.api_key or os.environ.get("ATOM_API_KEY") or os.environ.get("VLLM_API_KEY")
     app = build_app(engine, names, api_key, args.max_request_body_size, args.request_timeout,
                     args.enable_auto_tool_choice, args.tool_call_parser, args.trust_request_chat_template,
-                    stats_interval, args.enable_log_requests, docs=not args.disable_fastapi_docs)
+                    stats_interval, args.enable_log_requests, docs=not args.disable_fastapi_docs,
+                    response_role=args.response_role, return_tokens_as_token_ids=args.return_tokens_as_token_ids)
     app.root_path = args.root_path or ""  # as vLLM's: paths with and without the prefix both route
     app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins, allow_credentials=args.allow_credentials,
                        allow_methods=args.allowed_methods, allow_headers=args.allowed_headers)

@@ -273,7 +273,6 @@ def test_null_fields_and_vllm_request_options(server, reference, tiny_model):
     assert r.json()["tokens"] == chat_prompt_ids(reference, MESSAGES)[: r.json()["count"]]
     assert r.json()["count"] < len(chat_prompt_ids(reference, MESSAGES))  # no assistant turn started
     for path, body, name in [("/v1/completions", {"prompt": "Hi", "prompt_logprobs": 1}, "prompt_logprobs"),
-                             ("/v1/chat/completions", {"messages": MESSAGES, "echo": True}, "echo"),
                              ("/v1/completions", {"prompt": "Hi", "spaces_between_special_tokens": False},
                               "spaces_between_special_tokens")]:
         r = server.post(path, {**body, "max_tokens": 1})

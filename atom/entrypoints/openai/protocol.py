@@ -103,7 +103,8 @@ class SamplingRequest(OpenAIRequest):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
     min_p: float | None = Field(None, ge=0, le=1)
-    # None: the model's max_new_tokens (--generation-config), else 256; less if the context is shorter
+    # None: the model's max_new_tokens (--generation-config), else what the context leaves (chat, vLLM's)
+    # or 256 (completions); at most what the context leaves
     max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     n: int = Field(1, ge=1, le=128)
     stop: Text | list[Text] | None = None
@@ -124,6 +125,8 @@ class SamplingRequest(OpenAIRequest):
     # vLLM's: the prompt's and the output's token ids beside the text (streamed: the prompt's in the
     # first chunk, each chunk's new ones)
     return_token_ids: bool | None = None
+    # vLLM's: logprobs' tokens as "token_id:{id}" (None: the server's --return-tokens-as-token-ids)
+    return_tokens_as_token_ids: bool | None = None
     # structured output (OpenAI's response_format; vLLM's structured_outputs and guided_*)
     response_format: dict[str, Any] | None = None
     structured_outputs: StructuredOutputsRequest | None = None
@@ -236,7 +239,7 @@ class ChatCompletionRequest(SamplingRequest):
     continue_final_message: bool = False
     chat_template: Text | None = None  # vLLM's: a Jinja template of the request's own
     chat_template_kwargs: dict[str, Any] | None = None
-    echo: bool = False
+    echo: bool = False  # vLLM's: the last message's content first, if its role is the response's
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -247,8 +250,6 @@ class ChatCompletionRequest(SamplingRequest):
             self.messages = self.prompt
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
-        if self.echo:
-            raise ValueError("echo is not supported by atom's chat completions")
         if self.continue_final_message and self.add_generation_prompt:  # vLLM's rule
             raise ValueError("continue_final_message=true needs add_generation_prompt=false (the final message "
                              "is continued, so no new assistant turn is started)")

@@ -33,8 +33,9 @@ from atom.entrypoints.openai.structured_request import ToolPlan, structured_outp
 
 class OpenAIServingChat(OpenAIServing):
     def __init__(self, *args, enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
-                 reasoning_parser: str | None = None, **kwargs):
+                 reasoning_parser: str | None = None, response_role: str = "assistant", **kwargs):
         super().__init__(*args, **kwargs)
+        self.response_role = response_role  # --response-role
         self.enable_auto_tool_choice = enable_auto_tool_choice
         self.tool_call_parser = tool_call_parser
         self.reasoning_parser = reasoning_parser
@@ -64,7 +65,8 @@ class OpenAIServingChat(OpenAIServing):
             chat_template_kwargs=template_kwargs,
             chat_template=request.chat_template,
             truncate=request.truncate_prompt_tokens)
-        max_tokens = self.max_tokens(request.requested_max_tokens, len(prompt.token_ids), "messages")
+        # left out: what the context leaves (or the model's max_new_tokens), as vLLM's chat
+        max_tokens = self.max_tokens(request.requested_max_tokens, len(prompt.token_ids), "messages", default=None)
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = self.sampling_params(request, max_tokens, logprobs=logprobs, structured=plan.constraint or structured)
         outputs = self.generate(request_id, [prompt], [params], request.n)
@@ -73,12 +75,16 @@ class OpenAIServingChat(OpenAIServing):
             chunks = self._stream(request, request_id, prompt, plan, first, outputs)
             return StreamingResponse(self.stream_errors(request_id, chunks, outputs), media_type="text/event-stream")
         finals = await self.collect(outputs, request.n)
+        role, echoed = self.request_role(request), self.echoed(request)
         choices = []
         for i, out in enumerate(finals):
             fields, finish_reason = self._choice_output(request, plan).message(out.text, out.finish_reason)
+            if echoed:
+                fields["content"] = echoed + (fields["content"] or "")
             choices.append(ChatCompletionResponseChoice(
-                index=i, message=ChatResponseMessage(**fields),
-                logprobs=self.logprobs(out.token_ids, out.logprobs) if request.logprobs else None,
+                index=i, message=ChatResponseMessage(role=role, **fields),
+                logprobs=self.logprobs(out.token_ids, out.logprobs, self.tokens_as_ids(request))
+                if request.logprobs else None,
                 finish_reason=finish_reason, stop_reason=out.stop_reason,
                 token_ids=out.token_ids if request.return_token_ids else None,
             ))
@@ -86,6 +92,16 @@ class OpenAIServingChat(OpenAIServing):
         response = ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage,
                                           prompt_token_ids=prompt.token_ids if request.return_token_ids else None)
         return JSONResponse(response.model_dump())
+
+    def request_role(self, request: ChatCompletionRequest) -> str:
+        """The role of the response's messages: --response-role, or the last message's when no new
+        turn is started (vLLM's get_chat_request_role)."""
+        return self.response_role if request.add_generation_prompt else request.messages[-1].role
+
+    def echoed(self, request: ChatCompletionRequest) -> str:
+        """With echo: the last message's content, if its role is the response's (vLLM's)."""
+        last = request.messages[-1]
+        return last.text() if request.echo and last.role == self.request_role(request) else ""
 
     def _choice_output(self, request: ChatCompletionRequest, plan: ToolPlan) -> ChoiceOutput:
         thinking = (request.chat_template_kwargs or {}).get("enable_thinking", True)
@@ -102,10 +118,14 @@ class OpenAIServingChat(OpenAIServing):
             return sse(ChatCompletionStreamResponse(id=request_id, created=created, model=self.model_name,
                                                     choices=choices, usage=usage, prompt_token_ids=prompt_token_ids))
 
+        role, echoed, as_ids = self.request_role(request), self.echoed(request), self.tokens_as_ids(request)
         for i in range(request.n):
             first_ids = prompt.token_ids if request.return_token_ids and i == 0 else None
-            yield chunk([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))],
+            yield chunk([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role=role, content=""))],
                         prompt_token_ids=first_ids)
+        if echoed:  # echo: the last message's content comes first, as vLLM sends it
+            for i in range(request.n):
+                yield chunk([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(content=echoed))])
         # return_token_ids: each choice's token ids not yet sent (a chunk held back by a parser sends none)
         unsent: list[list[int]] = [[] for _ in range(request.n)]
 
@@ -120,7 +140,7 @@ class OpenAIServingChat(OpenAIServing):
             if not out.new_token_ids and not out.finished:
                 continue
             unsent[i] += out.new_token_ids
-            logprobs = self.logprobs(out.new_token_ids, out.new_logprobs) if request.logprobs else None
+            logprobs = self.logprobs(out.new_token_ids, out.new_logprobs, as_ids) if request.logprobs else None
             if plain:  # no parser: every step's text as it comes (maybe empty: a held-back stop string)
                 yield chunk([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(content=out.delta_text),
                                                         logprobs=logprobs, finish_reason=out.finish_reason,
@@ -142,15 +162,20 @@ class OpenAIServingChat(OpenAIServing):
         if request.include_usage_in_stream:
             yield chunk([], usage=self.usage([len(prompt.token_ids)], finals))
 
-    def logprobs(self, token_ids: list[int], logprobs: list[TokenLogprobs] | None) -> ChatCompletionLogProbs:
+    def logprobs(self, token_ids: list[int], logprobs: list[TokenLogprobs] | None,
+                 as_ids: bool = False) -> ChatCompletionLogProbs:
+        """``as_ids``: tokens as "token_id:{id}"; the chosen token's bytes stay its text's, the
+        alternatives' are the shown string's (as vLLM's)."""
         content = []
         for token_id, lp in zip(token_ids, logprobs or []):
-            top = [self._entry(t, v) for t, v in lp.top]
-            content.append(ChatLogProbsContent(**self._entry(token_id, lp.logprob).model_dump(), top_logprobs=top))
+            top = [self._entry(t, v, as_ids) for t, v in lp.top]
+            text_bytes = list(self.token_str(token_id).encode("utf-8"))
+            content.append(ChatLogProbsContent(token=self.logprob_token(token_id, as_ids), logprob=lp.logprob,
+                                               bytes=text_bytes, top_logprobs=top))
         return ChatCompletionLogProbs(content=content)
 
-    def _entry(self, token_id: int, logprob: float) -> ChatLogProb:
-        token = self.token_str(token_id)
+    def _entry(self, token_id: int, logprob: float, as_ids: bool) -> ChatLogProb:
+        token = self.logprob_token(token_id, as_ids)
         return ChatLogProb(token=token, logprob=logprob, bytes=list(token.encode("utf-8")))
 
 

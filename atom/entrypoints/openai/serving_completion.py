@@ -71,7 +71,7 @@ class OpenAIServingCompletion(OpenAIServing):
             if request.logprobs is not None:
                 entries = list(zip(prompt.token_ids, out.prompt_logprobs or [])) + entries
         if request.logprobs is not None:
-            logprobs = self.logprobs(entries, 0)
+            logprobs = self.logprobs(entries, 0, self.tokens_as_ids(request))
         ids = dict(prompt_token_ids=prompt.token_ids, token_ids=out.token_ids) if request.return_token_ids else {}
         return CompletionResponseChoice(index=index, text=text, logprobs=logprobs,
                                         finish_reason=out.finish_reason, stop_reason=out.stop_reason, **ids)
@@ -102,7 +102,8 @@ class OpenAIServingCompletion(OpenAIServing):
                     text = echoed[i // request.n] + text
                     if request.logprobs is not None:
                         entries = list(zip(prompt.token_ids, out.prompt_logprobs or [])) + entries
-            logprobs = self.logprobs(entries, offsets[i]) if request.logprobs is not None else None
+            logprobs = (self.logprobs(entries, offsets[i], self.tokens_as_ids(request))
+                        if request.logprobs is not None else None)
             offsets[i] += len(text)
             choice = CompletionResponseChoice(index=i, text=text, logprobs=logprobs, finish_reason=out.finish_reason,
                                               stop_reason=out.stop_reason, **ids)
@@ -115,11 +116,13 @@ class OpenAIServingCompletion(OpenAIServing):
             yield sse(CompletionStreamResponse(id=request_id, created=created, model=self.model_name, choices=[],
                                                usage=usage))
 
-    def logprobs(self, entries: list[tuple[int, TokenLogprobs | None]], offset: int) -> CompletionLogProbs:
-        """Legacy completion logprobs; ``None`` entries (the first prompt token) have none."""
+    def logprobs(self, entries: list[tuple[int, TokenLogprobs | None]], offset: int,
+                 as_ids: bool = False) -> CompletionLogProbs:
+        """Legacy completion logprobs; ``None`` entries (the first prompt token) have none.
+        ``as_ids``: tokens as "token_id:{id}" (offsets count those strings, as vLLM's)."""
         result = CompletionLogProbs()
         for token_id, lp in entries:
-            token = self.token_str(token_id)
+            token = self.logprob_token(token_id, as_ids)
             result.tokens.append(token)
             result.text_offset.append(offset)
             offset += len(token)
@@ -128,7 +131,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 result.top_logprobs.append(None)
                 continue
             result.token_logprobs.append(lp.logprob)
-            top = {self.token_str(t): v for t, v in lp.top}
+            top = {self.logprob_token(t, as_ids): v for t, v in lp.top}
             top.setdefault(token, lp.logprob)  # the chosen token is always listed, as vLLM does
             result.top_logprobs.append(top)
         return result

@@ -85,12 +85,13 @@ def sse(data: BaseModel | str) -> str:
 
 class OpenAIServing:
     def __init__(self, engine: AsyncLLM, served_model_names: list[str], request_timeout: float | None = None,
-                 trust_request_chat_template: bool = False):
+                 trust_request_chat_template: bool = False, return_tokens_as_token_ids: bool = False):
         self.engine = engine
         self.served_model_names = served_model_names
         self.tokenizer = engine.tokenizer
         self.request_timeout = request_timeout
         self.trust_request_chat_template = trust_request_chat_template
+        self.return_tokens_as_token_ids = return_tokens_as_token_ids  # --return-tokens-as-token-ids
         self.log_requests = False  # --enable-log-requests
 
     def check_chat_template(self, chat_template: str | None, chat_template_kwargs: dict | None) -> None:
@@ -121,15 +122,19 @@ class OpenAIServing:
         except Exception as e:
             raise to_openai_error(e, request_id) from e
 
-    def max_tokens(self, requested: int | None, prompt_len: int, param: str) -> int:
-        """The request's max_tokens, checked against the context length (400 if over)."""
+    def max_tokens(self, requested: int | None, prompt_len: int, param: str,
+                   default: int | None = DEFAULT_MAX_TOKENS) -> int:
+        """The request's max_tokens, checked against the context length (400 if over). Left out:
+        the model's max_new_tokens (--generation-config), else ``default`` (None: no cap), at
+        most what the context leaves."""
         limit = self.engine.max_seq_len
         if prompt_len >= limit:
             raise OpenAIError(f"The prompt has {prompt_len} tokens, but this model's maximum context length "
                               f"is {limit} tokens. Please reduce the length of the prompt.",
                               param=param, code="context_length_exceeded")
         if requested is None:
-            return min(self.engine.default_sampling_params.get("max_tokens", DEFAULT_MAX_TOKENS), limit - prompt_len)
+            cap = self.engine.default_sampling_params.get("max_tokens", default)
+            return limit - prompt_len if cap is None else min(cap, limit - prompt_len)
         if prompt_len + requested > limit:
             raise OpenAIError(f"This model's maximum context length is {limit} tokens. However, you requested "
                               f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} in the "
@@ -225,6 +230,16 @@ class OpenAIServing:
     @functools.lru_cache(maxsize=65536)  # noqa: B019 - one serving object lives as long as the server
     def token_str(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
+
+    def tokens_as_ids(self, request: SamplingRequest) -> bool:
+        """Whether logprobs show tokens as "token_id:{id}": the request's return_tokens_as_token_ids,
+        else the server's --return-tokens-as-token-ids (vLLM's)."""
+        wanted = request.return_tokens_as_token_ids
+        return self.return_tokens_as_token_ids if wanted is None else wanted
+
+    def logprob_token(self, token_id: int, as_id: bool) -> str:
+        """A token as logprobs show it: its text, or vLLM's "token_id:{id}"."""
+        return f"token_id:{token_id}" if as_id else self.token_str(token_id)
 
     async def stream_errors(self, request_id: str, chunks: AsyncIterator[str],
                             outputs: AsyncIterator) -> AsyncIterator[str]:
