@@ -50,6 +50,9 @@ def test_left_out_fields_take_the_models_defaults(server, model, reference):
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="EMPTY", max_retries=0, timeout=120)
     out = client.completions.create(model=model, prompt=PROMPT, temperature=0, extra_body={"ignore_eos": True})
     assert out.usage.completion_tokens == 9  # the model's max_new_tokens
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
+                                          temperature=0, extra_body={"ignore_eos": True})
+    assert chat.usage.completion_tokens == 9  # chat's default too: what the context leaves, at most max_new_tokens
     penalised = reference(max_tokens=9, repetition_penalty=1.3)
     assert penalised["token_ids"] != reference(max_tokens=9)["token_ids"]  # the penalty matters here
     assert out.choices[0].text == penalised["text"]
