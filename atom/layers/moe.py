@@ -13,16 +13,23 @@ from atom.model_loader.checkpoint_slice import materialize
 class FusedMoE(nn.Module):
     """``w13_weight`` [E, 2I, H] (gate rows, then up rows) and ``w2_weight`` [E, H, I].
     Tensor parallelism shards the intermediate dim of every expert; expert parallelism
-    (``tp.expert_parallel``) instead keeps whole experts, E / size of them per rank."""
+    (``tp.expert_parallel``) instead keeps whole experts, E / size of them per rank.
+
+    ``num_shared``: shared experts (DeepSeek's) held as experts ``E .. E + S - 1`` after the
+    routed ones, each an ``I``-wide slice of the shared MLP (an MLP is the sum of its
+    intermediate channels' contributions), so one fused MoE launch runs them with weight 1
+    (``ops.grouped_topk(..., num_fused_shared=S)`` routes every token to them)."""
 
     quant_method = None  # set by atom.layers.quantization for FP8 experts
 
     def __init__(
         self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
-        renormalize: bool, tp: TPInfo = SINGLE,
+        renormalize: bool, tp: TPInfo = SINGLE, num_shared: int = 0,
     ):
         super().__init__()
         tp = tp.moe or tp  # data-parallel attention: experts over all replicas
+        if num_shared and tp.expert_parallel:
+            raise ValueError("shared experts are fused into the MoE only without expert parallelism")
         self.local_experts = tp.local_experts(num_experts)
         slices = 1 if tp.expert_parallel else tp.size
         if intermediate_size % slices:
@@ -30,26 +37,47 @@ class FusedMoE(nn.Module):
         self.num_experts, self.top_k, self.renormalize, self.tp = num_experts, top_k, renormalize, tp
         self.intermediate = intermediate_size // slices
         self.slice_rank = 0 if tp.expert_parallel else tp.rank
-        local = len(self.local_experts)
+        self.num_shared = num_shared
+        local = len(self.local_experts) + num_shared
         self.w13_weight = nn.Parameter(torch.empty(local, 2 * self.intermediate, hidden_size), requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(local, hidden_size, self.intermediate), requires_grad=False)
         self.w13_weight.weight_loader = self.weight_loader
         self.w2_weight.weight_loader = self.weight_loader
 
     @staticmethod
-    def expert_mapping(num_experts: int, prefix: str = "experts") -> list[tuple[str, str, int, str]]:
-        """(parameter name, checkpoint name fragment, expert, shard) for the loader."""
+    def expert_mapping(
+        num_experts: int, prefix: str = "experts", num_shared: int = 0
+    ) -> list[tuple[str, str, int, str]]:
+        """(parameter name, checkpoint name fragment, expert, shard) for the loader; with
+        ``num_shared``, the shared MLP's tensors (``shared_experts.*``) as expert ``E``."""
         mapping = []
         for e in range(num_experts):
             for ckpt, shard in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")):
                 param = f"{prefix}.w2_weight" if shard == "w2" else f"{prefix}.w13_weight"
                 mapping.append((param, f"{prefix}.{e}.{ckpt}.weight", e, shard))
+        if num_shared:
+            for ckpt, shard in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")):
+                param = f"{prefix}.w2_weight" if shard == "w2" else f"{prefix}.w13_weight"
+                mapping.append((param, f"shared_{prefix}.{ckpt}.weight", num_experts, shard))
         return mapping
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str, expert_id: int) -> None:
+        if expert_id == self.num_experts and self.num_shared:  # the shared MLP: S experts' slices
+            full = self.intermediate * (self.tp.size if not self.tp.expert_parallel else 1)
+            dim = 1 if shard_id == "w2" else 0
+            if loaded.shape[dim] != full * self.num_shared:
+                raise ValueError(f"shared experts {shard_id}: shape {tuple(loaded.shape)}, expected "
+                                 f"{self.num_shared} x {full} along dim {dim}")  # fmt: skip
+            for s in range(self.num_shared):
+                self._load_expert(param, loaded.narrow(dim, s * full, full), shard_id, len(self.local_experts) + s)
+            return
         if expert_id not in self.local_experts:  # another rank's expert
             return
-        size, index = self.intermediate, expert_id - self.local_experts.start
+        self._load_expert(param, loaded, shard_id, expert_id - self.local_experts.start)
+
+    def _load_expert(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str, index: int) -> None:
+        """One expert's gate, up or down weight (the whole expert's) into local slot ``index``."""
+        size = self.intermediate
         if shard_id == "w2":
             loaded = loaded.narrow(1, self.slice_rank * size, size)
             target = param.data[index]
@@ -57,7 +85,7 @@ class FusedMoE(nn.Module):
             loaded = loaded.narrow(0, self.slice_rank * size, size)
             target = param.data[index].narrow(0, 0 if shard_id == "w1" else size, size)
         if target.shape != loaded.shape:
-            raise ValueError(f"expert {expert_id} {shard_id}: shape {tuple(loaded.shape)}, "
+            raise ValueError(f"expert slot {index} {shard_id}: shape {tuple(loaded.shape)}, "
                              f"expected {tuple(target.shape)}")
         target.copy_(materialize(loaded))
 

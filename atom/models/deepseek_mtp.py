@@ -30,10 +30,15 @@ from atom.distributed.parallel_state import SINGLE, TPInfo
 from atom.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from atom.layers.layernorm import RMSNorm
 from atom.layers.linear import ReplicatedLinear
-from atom.layers.moe import FusedMoE
 from atom.layers.rotary_embedding import share_cos_sin_caches
 from atom.model_loader.weight_utils import load_weights
-from atom.models.deepseek_v2 import DeepseekAttention, DeepseekV3ForCausalLM, deepseek_mlp, mtp_layer_index
+from atom.models.deepseek_v2 import (
+    DeepseekAttention,
+    DeepseekV3ForCausalLM,
+    deepseek_mlp,
+    mtp_layer_index,
+    shared_expert_mapping,
+)
 from atom.models.llama import DecoderLayer
 
 
@@ -101,7 +106,7 @@ class DeepseekMTP(nn.Module):
 
     def expert_mapping(self) -> list[tuple[str, str, int, str]]:
         n = getattr(self.config, "n_routed_experts", None)
-        return FusedMoE.expert_mapping(n) if n else []
+        return shared_expert_mapping(self, n) if n else []
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return load_weights(self, self._mtp_weights(weights))

@@ -118,20 +118,42 @@ class DeepseekMoE(nn.Module):
         self.num_groups = (getattr(config, "n_group", None) or 1) if grouped else 1
         self.topk_groups = (getattr(config, "topk_group", None) or self.num_groups) if grouped else 1
         self.gate = DeepseekRouter(config.hidden_size, num_experts, correction_bias=topk_method == "noaux_tc")
-        self.experts = FusedMoE(num_experts, self.top_k, config.hidden_size, config.moe_intermediate_size,
-                                self.renormalize, tp)  # fmt: skip
         shared = getattr(config, "n_shared_experts", None) or 0
+        self.num_fused_shared = fused_shared_experts(config, tp)
+        self.experts = FusedMoE(num_experts, self.top_k, config.hidden_size, config.moe_intermediate_size,
+                                self.renormalize, tp, self.num_fused_shared)  # fmt: skip
         self.shared_experts = (
-            LlamaMLP(config.hidden_size, config.moe_intermediate_size * shared, tp) if shared else None
+            LlamaMLP(config.hidden_size, config.moe_intermediate_size * shared, tp)
+            if shared and not self.num_fused_shared
+            else None
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = ops.grouped_topk(self.gate(x), self.top_k, self.scoring, self.num_groups, self.topk_groups,
-                                        self.gate.e_score_correction_bias, self.renormalize, self.scaling)  # fmt: skip
+                                        self.gate.e_score_correction_bias, self.renormalize, self.scaling,
+                                        self.num_fused_shared)  # fmt: skip
         out = self.experts.forward_routed(x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
+
+
+def fused_shared_experts(config: PretrainedConfig, tp: TPInfo) -> int:
+    """How many shared experts run inside the fused MoE (``FusedMoE``'s ``num_shared``): all of
+    them (one launch instead of the shared MLP's three kernels and an add: ~16 us of a
+    DeepSeek-V2-Lite layer at batch 1) where every rank holds a slice of every expert; none
+    with expert parallelism or data-parallel attention (a shared expert belongs to every rank's
+    tokens there), nor for FP8 checkpoints (their block scales would need the same split)."""
+    shared = getattr(config, "n_shared_experts", None) or 0
+    if tp.expert_parallel or tp.moe is not None or getattr(config, "quantization_config", None):
+        return 0
+    return shared
+
+
+def shared_expert_mapping(model: nn.Module, num_experts: int) -> list[tuple[str, str, int, str]]:
+    """``FusedMoE.expert_mapping`` for the model's MoE layers (their fused shared experts too)."""
+    num_shared = next((m.num_shared for m in model.modules() if isinstance(m, FusedMoE)), 0)
+    return FusedMoE.expert_mapping(num_experts, num_shared=num_shared)
 
 
 def is_moe_layer(config: PretrainedConfig, layer_idx: int) -> bool:
@@ -167,7 +189,7 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         return deepseek_mlp(config, tp, layer_idx, self.default_topk_method)
 
     def expert_mapping(self) -> list[tuple[str, str, int, str]]:
-        return FusedMoE.expert_mapping(self.config.n_routed_experts) if self.config.n_routed_experts else []
+        return shared_expert_mapping(self, self.config.n_routed_experts) if self.config.n_routed_experts else []
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Skips the next-n prediction (MTP) layers: they are the draft model's."""

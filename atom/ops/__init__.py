@@ -250,14 +250,15 @@ moe_topk = register_op(
         logits.new_empty((logits.shape[0], top_k), dtype=torch.int64),
     ),
 )(reference.moe_topk)
-grouped_topk = register_op(
-    "grouped_topk",
-    triton=f"{_T}.moe:grouped_topk",
-    fake=lambda logits, top_k, *args: (
-        logits.new_empty((logits.shape[0], top_k), dtype=torch.float32),
-        logits.new_empty((logits.shape[0], top_k), dtype=torch.int64),
-    ),
-)(reference.grouped_topk)
+def _grouped_topk_fake(logits, top_k, scoring, num_groups, topk_groups, correction_bias, renormalize, scaling,
+                       num_fused_shared=0):  # fmt: skip
+    shape = (logits.shape[0], top_k + num_fused_shared)
+    return logits.new_empty(shape, dtype=torch.float32), logits.new_empty(shape, dtype=torch.int64)
+
+
+grouped_topk = register_op("grouped_topk", triton=f"{_T}.moe:grouped_topk", fake=_grouped_topk_fake)(
+    reference.grouped_topk
+)
 fused_moe = register_op("fused_moe", triton=f"{_T}.moe:fused_moe", fake=lambda x, *args: _empty_like(x))(
     reference.fused_moe
 )

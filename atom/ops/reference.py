@@ -188,9 +188,12 @@ def grouped_topk(
     correction_bias: torch.Tensor | None,
     renormalize: bool,
     scaling: float,
+    num_fused_shared: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek's expert routing, top-k within the best expert groups; returns (weights
-    float32 [T, k], ids int64 [T, k]). DeepSeek-V2 scores experts with a softmax and picks
+    float32 [T, k + S], ids int64 [T, k + S]), ``S = num_fused_shared``: every token's shared
+    experts as experts ``E .. E + S - 1`` of weight 1 after its routed ones (``FusedMoE``'s
+    ``num_shared``). DeepSeek-V2 scores experts with a softmax and picks
     groups by their best expert (``group_limited_greedy``; plain ``greedy`` has one group);
     DeepSeek-V3 scores with a sigmoid, adds the ``noaux_tc`` load-balancing bias to the scores
     used for the choice only, and picks groups by the sum of their two best experts. The
@@ -219,7 +222,12 @@ def grouped_topk(
     weights = (scores if correction_bias is not None else choice).gather(1, ids)
     if renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * scaling, ids
+    weights = weights * scaling
+    if num_fused_shared:
+        shared = torch.arange(scores.shape[1], scores.shape[1] + num_fused_shared, device=ids.device)
+        ids = torch.cat((ids, shared.expand(ids.shape[0], -1)), dim=1)
+        weights = torch.cat((weights, weights.new_ones(weights.shape[0], num_fused_shared)), dim=1)
+    return weights, ids
 
 
 def fused_moe(

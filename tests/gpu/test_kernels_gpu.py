@@ -306,11 +306,11 @@ DEEPSEEK_ROUTINGS = {
 @pytest.mark.parametrize("routing", DEEPSEEK_ROUTINGS.values(), ids=DEEPSEEK_ROUTINGS.keys())
 def test_grouped_topk_deepseek(routing, num_tokens):
     """The one-launch routing against the reference on float32 logits: the same experts (as
-    sets) and weights."""
+    sets) and weights, the fused shared experts (V2's two, V3's one) included."""
     num_experts, top_k, scoring, groups, topk_groups, bias, renormalize, scaling = routing
     logits = torch.randn(num_tokens, num_experts, device=DEV) * 2
     correction = torch.randn(num_experts, device=DEV) * 0.5 if bias else None
-    args = (top_k, scoring, groups, topk_groups, correction, renormalize, scaling)
+    args = (top_k, scoring, groups, topk_groups, correction, renormalize, scaling, 1 if bias else 2)
     weights, ids = tk.grouped_topk(logits, *args)
     ref_weights, ref_ids = reference.grouped_topk(logits, *args)
     order, ref_order = ids.argsort(dim=1), ref_ids.argsort(dim=1)

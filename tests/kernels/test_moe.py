@@ -41,23 +41,28 @@ ROUTINGS = {
 }
 
 
+@pytest.mark.parametrize("num_shared", [0, 2])
 @pytest.mark.parametrize("num_tokens", [1, 37])
 @pytest.mark.parametrize("routing", ROUTINGS.values(), ids=ROUTINGS.keys())
-def test_grouped_topk(routing, num_tokens):
+def test_grouped_topk(routing, num_tokens, num_shared):
     """DeepSeek's routing in one kernel against the reference: the same experts (as sets: the
-    reference's top-k is unsorted) with the same weights, float32 logits as the gate gives."""
+    reference's top-k is unsorted) with the same weights, float32 logits as the gate gives; fused
+    shared experts last, weight 1."""
     num_experts, top_k, scoring, groups, topk_groups, bias, renormalize, scaling = routing
     logits = torch.randn(num_tokens, num_experts) * 2
     correction = torch.randn(num_experts) * 0.5 if bias else None
-    args = (top_k, scoring, groups, topk_groups, correction, renormalize, scaling)
+    args = (top_k, scoring, groups, topk_groups, correction, renormalize, scaling, num_shared)
     weights, ids = grouped_topk(logits, *args)
     ref_weights, ref_ids = reference.grouped_topk(logits, *args)
+    assert ids.shape == (num_tokens, top_k + num_shared)
+    assert (ids[:, top_k:] == torch.arange(num_experts, num_experts + num_shared)).all()
+    assert (weights[:, top_k:] == 1).all()
     assert ids.dtype == torch.int64 and weights.dtype == torch.float32
     order, ref_order = ids.argsort(dim=1), ref_ids.argsort(dim=1)
     assert torch.equal(ids.gather(1, order), ref_ids.gather(1, ref_order))
     torch.testing.assert_close(weights.gather(1, order), ref_weights.gather(1, ref_order), rtol=1e-5, atol=1e-6)
     if groups > 1:  # every pick from the chosen groups (V3: no expert of a dropped group)
-        assert all(len(set((row // (num_experts // groups)).tolist())) <= topk_groups for row in ids)
+        assert all(len(set((row // (num_experts // groups)).tolist())) <= topk_groups for row in ids[:, :top_k])
 
 
 @pytest.mark.parametrize(

@@ -25,7 +25,11 @@ def test_weight_bytes_is_what_a_batch_1_step_reads(name, tmp_path):
     for pname, p in model.named_parameters():  # a tied LM head is listed once, as the embedding
         if p.dim() == 1 or pname == "model.embed_tokens.weight" and not config.tie_word_embeddings:
             continue
-        read += p.numel() * top_k // p.shape[0] if pname.endswith(("w13_weight", "w2_weight")) else p.numel()
+        if pname.endswith(("w13_weight", "w2_weight")):  # the token's experts: top-k and any fused shared ones
+            experts = model.get_submodule(pname.rpartition(".")[0])
+            read += p.numel() * (top_k + experts.num_shared) // p.shape[0]
+        else:
+            read += p.numel()
     assert weight_bytes(CONFIGS[name]) == read * 2
 
 

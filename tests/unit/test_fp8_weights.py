@@ -130,7 +130,13 @@ def _check_deepseek_layers(model: torch.nn.Module) -> None:
         assert proj.weight.dtype == FP8
     assert attn.kv_a_proj_with_mqa.weight.dtype == FP8 and attn.o_proj.weight.dtype == FP8
     assert attn.kv_b_proj.weight.dtype == torch.float32 and attn.kv_b_proj.quant_method is None
-    assert moe.experts.w13_weight.dtype == FP8 and moe.shared_experts.gate_up_proj.weight.dtype == FP8
+    assert moe.experts.w13_weight.dtype == FP8 and moe.experts.w2_weight.dtype == FP8
+    # an FP8 checkpoint's shared experts stay an MLP of their own; quantised on load, they are
+    # the fused MoE's last experts
+    if moe.shared_experts is not None:
+        assert moe.shared_experts.gate_up_proj.weight.dtype == FP8 and moe.experts.num_shared == 0
+    else:
+        assert moe.experts.num_shared == moe.num_fused_shared > 0
     assert moe.gate.weight.dtype == torch.float32 and model.lm_head.weight.dtype == torch.float32
 
 
@@ -181,17 +187,26 @@ def test_fp8_deepseek_mtp_layer_loads_exact_weights(tiny_model, tmp_path):
     layer = fp8["model.layers.3"]
     assert layer.eh_proj.weight.dtype == torch.float32 and layer.eh_proj.quant_method is None
     assert layer.self_attn.kv_b_proj.weight.dtype == torch.float32
+    # the unquantised draft runs its shared experts inside the fused MoE, after the routed ones
+    ref_experts = ref["model.layers.3.mlp.experts"]
+    num_routed, inter = ref_experts.num_experts, ref_experts.intermediate
+    shared_w13, shared_w2 = ref_experts.w13_weight[num_routed:], ref_experts.w2_weight[num_routed:]
+    shared_ref = {
+        "model.layers.3.mlp.shared_experts.gate_up_proj": torch.cat(
+            (shared_w13[:, :inter].flatten(0, 1), shared_w13[:, inter:].flatten(0, 1))),
+        "model.layers.3.mlp.shared_experts.down_proj": torch.cat(tuple(shared_w2), dim=1),
+    }  # fmt: skip
     checked = 0
     for name, module in fp8.items():
         method = getattr(module, "quant_method", None)
         if isinstance(method, Fp8LinearMethod):
             w = reference_fp8.dequantize(module.weight, getattr(module, method.config.scale_name), method.group_k)
-            assert torch.equal(w, ref[name].weight), name
+            assert torch.equal(w, shared_ref[name] if name in shared_ref else ref[name].weight), name
         elif isinstance(method, Fp8MoEMethod):
             for weight, scale in zip(("w13_weight", "w2_weight"), method._names()):
                 q, s = getattr(module, weight), getattr(module, scale)
                 w = torch.stack([reference_fp8.dequantize(q[e], s[e], method.group_k) for e in range(q.shape[0])])
-                assert torch.equal(w, getattr(ref[name], weight)), name
+                assert torch.equal(w, getattr(ref[name], weight)[: q.shape[0]]), name
         else:
             continue
         checked += 1

@@ -75,8 +75,8 @@ def moe_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tupl
 def _grouped_topk_kernel(
     logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_experts, group_size, stride_l, scaling,
     TOP_K: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, NUM_GROUPS: tl.constexpr,
-    TOPK_GROUPS: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_G: tl.constexpr,
+    TOPK_GROUPS: tl.constexpr, RENORMALIZE: tl.constexpr, NUM_SHARED: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr,
 ):  # fmt: skip
     # One program per token: scores, the group choice, top-k, renormalised weights; in float32.
     row = tl.program_id(0).to(tl.int64)
@@ -121,21 +121,27 @@ def _grouped_topk_kernel(
         choice = tl.where(offs_e == best, float("-inf"), choice)
     if RENORMALIZE:
         top_w = top_w / (tl.sum(top_w, axis=0) + 1e-20)
-    tl.store(weights_ptr + row * TOP_K + offs_k, top_w * scaling, mask=offs_k < TOP_K)
-    tl.store(ids_ptr + row * TOP_K + offs_k, top_id, mask=offs_k < TOP_K)
+    # the fused shared experts after the routed ones, weight 1
+    shared = (offs_k >= TOP_K) & (offs_k < TOP_K + NUM_SHARED)
+    top_w = tl.where(shared, 1.0, top_w * scaling)
+    top_id = tl.where(shared, num_experts + offs_k - TOP_K, top_id)
+    width = TOP_K + NUM_SHARED
+    tl.store(weights_ptr + row * width + offs_k, top_w, mask=offs_k < width)
+    tl.store(ids_ptr + row * width + offs_k, top_id, mask=offs_k < width)
 
 
 def grouped_topk(
     router_logits: torch.Tensor, top_k: int, scoring: str, num_groups: int, topk_groups: int,
-    correction_bias: torch.Tensor | None, renormalize: bool, scaling: float,
+    correction_bias: torch.Tensor | None, renormalize: bool, scaling: float, num_fused_shared: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """One launch for DeepSeek's routing (the reference: scores, group choice, top-k and
-    weights as five to seven torch kernels)."""
+    weights as five to seven torch kernels), the fused shared experts' columns included."""
     if scoring not in ("sigmoid", "softmax"):
         raise ValueError(f"unknown expert scoring function {scoring!r} (expected 'sigmoid' or 'softmax')")
     num_tokens, num_experts = router_logits.shape
-    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
-    ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=router_logits.device)
+    width = top_k + num_fused_shared
+    weights = torch.empty(num_tokens, width, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(num_tokens, width, dtype=torch.int64, device=router_logits.device)
     if num_tokens == 0:
         return weights, ids
     logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
@@ -143,8 +149,9 @@ def grouped_topk(
     _grouped_topk_kernel[(num_tokens,)](
         logits, bias, weights, ids, num_experts, num_experts // num_groups, logits.stride(0), float(scaling),
         TOP_K=top_k, SIGMOID=scoring == "sigmoid", HAS_BIAS=correction_bias is not None, NUM_GROUPS=num_groups,
-        TOPK_GROUPS=topk_groups, RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(num_experts),
-        BLOCK_K=triton.next_power_of_2(top_k), BLOCK_G=triton.next_power_of_2(num_groups),
+        TOPK_GROUPS=topk_groups, RENORMALIZE=renormalize, NUM_SHARED=num_fused_shared,
+        BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_K=triton.next_power_of_2(width),
+        BLOCK_G=triton.next_power_of_2(num_groups),
         num_warps=4 if num_experts > 128 else 2,
     )  # fmt: skip
     return weights, ids
