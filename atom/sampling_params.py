@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +75,9 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] | None = None
     # output constrained by a grammar (vLLM's field name)
     structured_outputs: StructuredOutputsParams | None = None
+    # samples per prompt (vLLM's; last, so that positional arguments keep their places): each
+    # its own engine request, with the params ``sample(i)`` gives
+    n: int = 1
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -105,6 +108,7 @@ class SamplingParams:
             return _is_int(v) and lo <= v <= hi
 
         checks = [
+            ("n", count(self.n, 1, INT32_MAX), f"must be an int in [1, {INT32_MAX}]"),
             ("temperature", number(self.temperature) and self.temperature >= 0, "must be a finite number >= 0"),
             ("top_p", number(self.top_p) and 0 < self.top_p <= 1, "must be in (0, 1]"),
             ("top_k", count(self.top_k, 0, INT32_MAX), f"must be in [0, {INT32_MAX}] (0 or -1 disables it)"),
@@ -115,6 +119,11 @@ class SamplingParams:
                 "seed",
                 self.seed is None or count(self.seed, INT64_MIN, INT64_MAX),
                 f"must be a signed 64-bit int in [{INT64_MIN}, {INT64_MAX}]",
+            ),
+            (
+                "seed",
+                not (_is_int(self.seed) and _is_int(self.n)) or self.seed + self.n - 1 <= INT64_MAX,
+                f"+ n - 1 must be at most {INT64_MAX} (sample i gets seed + i)",
             ),
             (
                 "stop",
@@ -192,6 +201,13 @@ class SamplingParams:
                 "must be a non-empty list of token ids (ints >= 0)",
             ),
         ]
+
+    def sample(self, index: int) -> SamplingParams:
+        """The params of sample ``index`` of ``n`` (vLLM's child request): n=1, and a given seed
+        made ``seed + index``, so that the samples differ and each is reproducible."""
+        if self.n == 1 and (self.seed is None or index == 0):
+            return self
+        return replace(self, n=1, seed=None if self.seed is None else self.seed + index)
 
     def check_token_ids(self, vocab_size: int) -> None:
         """The token-id fields against the vocabulary (known only to the engine)."""

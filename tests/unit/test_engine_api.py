@@ -143,7 +143,7 @@ def test_streamed_detokenization_equals_the_window_scheme(tiny_model, skip_speci
 
 @pytest.mark.parametrize("field, value", [
     ("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -3), ("min_p", 2.0), ("max_tokens", 0),
-    ("stop", [""]), ("stop_token_ids", [-1]),
+    ("stop", [""]), ("stop_token_ids", [-1]), ("n", 0),
 ])
 def test_invalid_sampling_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):

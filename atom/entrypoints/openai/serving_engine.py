@@ -4,7 +4,6 @@ length checks, sampling parameters, running n sub-requests per prompt, usage and
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import logging
 import re
@@ -19,7 +18,7 @@ from atom.engine.core_client import EngineDeadError
 from atom.engine.input_processor import InvalidInputError, ProcessedPrompt
 from atom.engine.output_processor import RequestOutput
 from atom.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, SamplingRequest, UsageInfo
-from atom.sampling_params import INT64_MAX, SamplingParams, StructuredOutputsParams
+from atom.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -145,8 +144,6 @@ class OpenAIServing:
     def sampling_params(self, request: SamplingRequest, max_tokens: int, logprobs: int | None = None,
                         prompt_logprobs: int | None = None,
                         structured: StructuredOutputsParams | None = None) -> SamplingParams:
-        if request.seed is not None and request.seed + request.n - 1 > INT64_MAX:
-            raise OpenAIError(f"seed + n - 1 must be at most {INT64_MAX} (sample i gets seed + i)", param="seed")
         # a field the request leaves out: the model's recommended default (--generation-config), else vLLM's
         default = self.engine.default_sampling_params
         try:
@@ -156,6 +153,7 @@ class OpenAIServing:
                 top_k=_or(request.top_k, default.get("top_k", 0)),
                 min_p=_or(request.min_p, default.get("min_p", 0.0)),
                 max_tokens=max_tokens,
+                n=request.n,  # SamplingParams checks that seed + n - 1 fits; sample(i) makes each choice's params
                 seed=request.seed,
                 stop=request.stop,
                 stop_token_ids=request.stop_token_ids or [],
@@ -193,8 +191,7 @@ class OpenAIServing:
         streams = []
         for p, (prompt, sp) in enumerate(zip(prompts, params)):
             for i in range(n):
-                sub = sp if sp.seed is None or i == 0 else dataclasses.replace(sp, seed=sp.seed + i)
-                streams.append(self.engine.generate(prompt, sub, ids[p * n + i]))
+                streams.append(self.engine.generate(prompt, sp.sample(i), ids[p * n + i]))
         return _release_after(with_timeout(merge_async_iterators(*streams), self.request_timeout),
                               functools.partial(self.engine.release, ids))
 
