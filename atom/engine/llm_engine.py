@@ -16,7 +16,7 @@ from atom.engine.arg_utils import (  # noqa: F401 - load_tokenizer re-exported
     sampling_defaults,
 )
 from atom.engine.engine_core import EngineCore
-from atom.engine.input_processor import InputProcessor
+from atom.engine.input_processor import InputProcessor, ProcessedPrompt
 from atom.engine.output_processor import RequestOutput, RequestState
 from atom.engine.outputs import EngineCoreRequest
 from atom.sampling_params import SamplingParams
@@ -62,21 +62,39 @@ class LLMEngine:
     ) -> list[str]:
         """Queue prompts (strings or token-id lists, or vLLM's ``{"prompt": ...}`` /
         ``{"prompt_token_ids": ...}`` dicts); returns their request ids. Every prompt is
-        validated before any is queued, so a bad one adds nothing."""
-        prompts = _as_prompt_list(prompt_or_tokens_list)
-        params = sampling_params_list if sampling_params_list is not None else self.get_default_sampling_params()
+        validated before any is queued, so a bad one adds nothing. A prompt with ``n`` > 1
+        samples is ``n`` requests, ``f"{i}_{id}"`` (vLLM's child request ids), all returned."""
+        tokenized = [self.input_processor.tokenize(p) for p in _as_prompt_list(prompt_or_tokens_list)]
+        groups = self._add(tokenized, sampling_params_list, stream_callback, request_ids)
+        return [rid for group in groups for rid in group]
+
+    def _add(
+        self,
+        prompts: list[ProcessedPrompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        stream_callback: Callable[[RequestOutput], None] | None = None,
+        request_ids: Sequence[str] | None = None,
+    ) -> list[list[str]]:
+        """Queue checked prompts; returns the request ids of each prompt's samples."""
+        params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         ids = list(request_ids) if request_ids is not None else [str(next(self._ids)) for _ in prompts]
-        tokenized = [self.tokenize(p) for p in prompts]  # checked: empty, vocabulary, length
         for sp in params:
             self.input_processor.process_params(sp)
-        params = [self.input_processor.resolve_max_tokens(sp, len(ids)) for sp, (_, ids) in zip(params, tokenized)]
-        for rid, (text, token_ids), sp in zip(ids, tokenized, params):
-            self.core.add_request(EngineCoreRequest(rid, token_ids, sp, self.eos_token_ids))
-            self.states[rid] = RequestState(rid, text, token_ids, sp, self.tokenizer, stream_callback)
-        return ids
+        params = [self.input_processor.resolve_max_tokens(sp, len(p.token_ids)) for sp, p in zip(params, prompts)]
+        groups = []
+        for rid, prompt, sp in zip(ids, prompts, params):
+            # vLLM's parallel sampling: each sample is a request of its own (its own seed if seeded)
+            group = [rid] if sp.n == 1 else [f"{i}_{rid}" for i in range(sp.n)]
+            for i, sample_id in enumerate(group):
+                sample = sp.sample(i)
+                state = RequestState(sample_id, prompt.text, prompt.token_ids, sample, self.tokenizer, stream_callback)
+                self.core.add_request(EngineCoreRequest(sample_id, prompt.token_ids, sample, self.eos_token_ids))
+                self.states[sample_id] = state
+            groups.append(group)
+        return groups
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What a request without sampling params gets: the model's recommended defaults
@@ -126,7 +144,13 @@ class LLMEngine:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[dict]:
-        ids = self.add_request(prompts, sampling_params)
+        """One result dict per prompt, in order (see ``_result``)."""
+        tokenized = [self.input_processor.tokenize(p) for p in _as_prompt_list(prompts)]
+        return self._run(self._add(tokenized, sampling_params), use_tqdm)
+
+    def _run(self, groups: list[list[str]], use_tqdm: bool) -> list[dict]:
+        """Step until every request of ``groups`` has finished; one result dict per group."""
+        ids = [rid for group in groups for rid in group]
         results: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="Generating", disable=not use_tqdm, dynamic_ncols=True) as bar:
             while len(results) < len(ids):
@@ -135,7 +159,7 @@ class LLMEngine:
                 for out in self.step():
                     results[out.request_id] = out
                     bar.update(1)
-        return [results[i].to_dict() for i in ids]
+        return [_result([results[rid] for rid in group]) for group in groups]
 
     # the serving guide's extras
     def start_profile(self) -> None:
@@ -164,6 +188,13 @@ def _make_core(config):
     from atom.engine.dp_client import DPEngineCoreClient  # ZMQ: imported only when needed
 
     return DPEngineCoreClient(config)
+
+
+def _result(samples: list[RequestOutput]) -> dict:
+    """A prompt's result: the serving guide's dict of its first sample, and in ``outputs`` the
+    dict of each of its ``n`` samples with its ``index`` (vLLM's ``RequestOutput.outputs``)."""
+    outputs = [{"index": i, **out.to_dict()} for i, out in enumerate(samples)]
+    return {**samples[0].to_dict(), "outputs": outputs}
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:

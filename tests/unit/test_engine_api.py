@@ -25,7 +25,8 @@ def test_generate_returns_guide_fields(engine):
     assert len(out) == 2
     for o in out:
         assert set(o) == {"text", "token_ids", "latency", "finish_reason", "num_tokens_input",
-                          "num_tokens_output", "ttft", "tpot"}
+                          "num_tokens_output", "ttft", "tpot", "outputs"}
+        assert o["outputs"] == [{"index": 0, **{k: v for k, v in o.items() if k != "outputs"}}]
         assert o["num_tokens_output"] == len(o["token_ids"]) == 5
         assert o["finish_reason"] == "length"
         assert 0 < o["ttft"] <= o["latency"]
@@ -186,6 +187,34 @@ def test_vllm_prompt_dicts(engine):
     assert engine.generate({"prompt": text}, params, use_tqdm=False)[0]["token_ids"] == plain[0]["token_ids"]
     with pytest.raises(ValueError, match="'prompt' \\(text\\) or 'prompt_token_ids'"):
         engine.add_request({"prompt": text, "multi_modal_data": {}})
+
+
+def test_n_samples_per_prompt(engine):
+    """vLLM's SamplingParams(n=N): N samples per prompt in ``outputs``, each with its index; with
+    a seed, sample i is seeded seed + i: the samples differ, a rerun repeats them, and sample 0 is
+    the n=1 request with that seed."""
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
+    outs = engine.generate(["Once upon a time", [5, 6, 7, 8]], params, use_tqdm=False)
+    assert len(outs) == 2
+    for o in outs:
+        assert [s["index"] for s in o["outputs"]] == [0, 1, 2]
+        samples = [tuple(s["token_ids"]) for s in o["outputs"]]
+        assert len(set(samples)) == 3 and all(len(t) == 8 for t in samples)
+        assert o["token_ids"] == o["outputs"][0]["token_ids"]  # the top-level fields are sample 0's
+    again = engine.generate(["Once upon a time", [5, 6, 7, 8]], params, use_tqdm=False)
+    assert [[s["token_ids"] for s in o["outputs"]] for o in again] == [[s["token_ids"] for s in o["outputs"]]
+                                                                         for o in outs]
+    one = engine.generate(["Once upon a time"], SamplingParams(temperature=1.0, seed=7, max_tokens=8, ignore_eos=True),
+                          use_tqdm=False)[0]
+    assert one["token_ids"] == outs[0]["token_ids"]
+    ids = engine.add_request(["Hello"], SamplingParams(n=2, max_tokens=2), request_ids=["r"])
+    assert ids == ["0_r", "1_r"]  # vLLM's child request ids
+    done = []
+    while not engine.is_finished():
+        done += engine.step()
+    assert sorted(o.request_id for o in done) == ids
+    with pytest.raises(ValueError, match="seed \\+ n - 1"):
+        SamplingParams(n=2, seed=2**63 - 1)
 
 
 def test_prompt_larger_than_kv_cache(tiny_model):
