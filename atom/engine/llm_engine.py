@@ -6,6 +6,7 @@ import dataclasses
 import itertools
 import logging
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from tqdm.auto import tqdm
 
@@ -147,6 +148,30 @@ class LLMEngine:
         """One result dict per prompt, in order (see ``_result``)."""
         tokenized = [self.input_processor.tokenize(p) for p in _as_prompt_list(prompts)]
         return self._run(self._add(tokenized, sampling_params), use_tqdm)
+
+    def chat(
+        self,
+        messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[dict]:
+        """vLLM's ``LLM.chat``: each conversation (a list of ``{"role", "content"}`` messages;
+        ``messages`` is one conversation or a list of them) through the chat template (the
+        tokenizer's, or ``chat_template``), then generated as ``generate`` does: one result
+        dict per conversation, in order."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        kwargs = dict(chat_template_kwargs or {})
+        if tools is not None:
+            kwargs["tools"] = tools  # rendered by the template, as in the server's chat requests
+        prompts = [self.input_processor.apply_chat_template(list(c), add_generation_prompt, continue_final_message,
+                                                            kwargs, chat_template=chat_template)
+                   for c in conversations]  # fmt: skip
+        return self._run(self._add(prompts, sampling_params), use_tqdm)
 
     def _run(self, groups: list[list[str]], use_tqdm: bool) -> list[dict]:
         """Step until every request of ``groups`` has finished; one result dict per group."""

@@ -217,6 +217,39 @@ def test_n_samples_per_prompt(engine):
         SamplingParams(n=2, seed=2**63 - 1)
 
 
+def test_chat_applies_the_chat_template(engine):
+    """vLLM's LLM.chat: a conversation (or a list of them) through the tokenizer's chat template
+    (no second BOS: the template holds the special tokens), then generated as generate does."""
+    params = SamplingParams(temperature=0, max_tokens=6)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Where is Paris?"}]
+    tok = engine.tokenizer
+
+    def templated(messages, **kwargs) -> list[int]:
+        return tok.encode(tok.apply_chat_template(messages, tokenize=False, **kwargs), add_special_tokens=False)
+
+    expected = engine.generate([templated(chat, add_generation_prompt=True)], params, use_tqdm=False)[0]
+    [out] = engine.chat(chat, params, use_tqdm=False)
+    assert out["token_ids"] == expected["token_ids"] and out["text"] == expected["text"]
+    assert out["num_tokens_input"] == len(templated(chat, add_generation_prompt=True))
+    other = [{"role": "user", "content": "Count to three."}]
+    both = engine.chat([chat, other], params, use_tqdm=False)
+    assert both[0]["token_ids"] == out["token_ids"]
+    assert both[1]["token_ids"] == engine.chat(other, params, use_tqdm=False)[0]["token_ids"]
+    # continue_final_message: the assistant's text is continued, no new turn opened
+    partial = [*other, {"role": "assistant", "content": "One,"}]
+    cont = engine.chat(partial, params, use_tqdm=False, continue_final_message=True)[0]
+    assert cont["num_tokens_input"] == len(templated(partial, continue_final_message=True))
+    # the caller's template, which here renders the tools too; n samples as in generate
+    template = "{% for t in tools %}{{ t['function']['name'] }};{% endfor %}{{ messages[-1]['content'] }}"
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    own = engine.chat(other, SamplingParams(n=2, temperature=0, max_tokens=4), use_tqdm=False,
+                      chat_template=template, tools=tools)[0]
+    assert own["num_tokens_input"] == len(tok.encode("get_weather;Count to three.", add_special_tokens=False))
+    assert len(own["outputs"]) == 2
+    with pytest.raises(ValueError, match="messages must be a non-empty list"):
+        engine.chat([[]], params, use_tqdm=False)
+
+
 def test_prompt_larger_than_kv_cache(tiny_model):
     eng = LLMEngine(tiny_model("qwen3"), max_model_len=256, num_gpu_blocks_override=4)
     with pytest.raises(ValueError, match="100 tokens exceeds the limit of 64"):
