@@ -98,9 +98,12 @@ class DPEngineCoreClient:
     def info(self) -> CoreInfo:
         return merge_info([r.info for r in self.replicas])
 
-    def add_request(self, req: EngineCoreRequest) -> None:
+    def add_request(self, req: EngineCoreRequest) -> int:
+        """Send a request to the balancer's choice; returns that replica's index."""
         usage = [r.stats.kv_cache_usage if r.stats else 0.0 for r in self.replicas]
-        self._send(self.replicas[self.balancer.assign(req.request_id, usage)], req)
+        replica = self.balancer.assign(req.request_id, usage)
+        self._send(self.replicas[replica], req)
+        return replica
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for r, ids in self.balancer.release(request_ids).items():

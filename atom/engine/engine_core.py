@@ -56,7 +56,9 @@ class EngineCore:
         bm = self.block_manager
         return CoreInfo(bm.num_blocks, bm.block_size, self.scheduler.max_seq_len, bm.capacity)
 
-    def add_request(self, req: EngineCoreRequest) -> None:
+    def add_request(self, req: EngineCoreRequest) -> int:
+        """Queue a request; returns the data-parallel replica that runs it: 0, this core (the
+        ``-dp`` client's ``add_request`` returns its choice)."""
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         if not req.prompt_token_ids:
@@ -76,6 +78,7 @@ class EngineCore:
         self.requests[req.request_id] = seq
         if self.trace:
             self.trace.arrive()
+        return 0
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for rid in request_ids:

@@ -92,7 +92,9 @@ class LLMEngine:
             for i, sample_id in enumerate(group):
                 sample = sp.sample(i)
                 state = RequestState(sample_id, prompt.text, prompt.token_ids, sample, self.tokenizer, stream_callback)
-                self.core.add_request(EngineCoreRequest(sample_id, prompt.token_ids, sample, self.eos_token_ids))
+                # the replica that runs it (0 without -dp), for RequestOutput.engine_index
+                state.engine_index = self.core.add_request(
+                    EngineCoreRequest(sample_id, prompt.token_ids, sample, self.eos_token_ids))
                 self.states[sample_id] = state
             groups.append(group)
         return groups

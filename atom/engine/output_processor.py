@@ -93,8 +93,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     stop_reason: str | int | None = None
     error: str | None = None  # with finish_reason "error": what failed
-    # the data-parallel replica that ran it, for the server's per-engine metrics (AsyncLLM sets it;
-    # 0 without -dp, and always 0 from LLMEngine)
+    # the data-parallel replica that ran it, for the server's per-engine metrics (AsyncLLM and
+    # LLMEngine set it; 0 without -dp)
     engine_index: int = 0
 
     def to_dict(self) -> dict:
@@ -121,7 +121,7 @@ class RequestState:
         self.detokenizer = (IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
                             if tokenizer else None)  # fmt: skip
         self.stream_callback = stream_callback
-        # the data-parallel replica that runs it, known once the request is added (AsyncLLM sets it)
+        # the data-parallel replica that runs it, known once the request is added (AsyncLLM and LLMEngine set it)
         self.engine_index = 0
         self.token_ids: list[int] = []
         self.text = ""  # full decoded text, before stop-string truncation

@@ -81,6 +81,9 @@ def test_abort_reaches_the_owning_replica(tiny_model, tmp_path):
         while not engine.is_finished():
             finished += engine.step()
         assert sorted(o.request_id for o in finished) == sorted(ids[2:])
+        # each output names the replica that ran it (one request on each here)
+        assert sorted(o.engine_index for o in finished) == [0, 1]
+        assert all(o.engine_index == owners[o.request_id] for o in finished)
         assert all(len(o.token_ids) == 200 for o in finished)
         stats = engine.core.stats()
         assert stats.num_free_blocks == stats.num_blocks
