@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from atom import ops
@@ -17,8 +18,11 @@ class FusedMoE(nn.Module):
 
     ``num_shared``: shared experts (DeepSeek's) held as experts ``E .. E + S - 1`` after the
     routed ones, each an ``I``-wide slice of the shared MLP (an MLP is the sum of its
-    intermediate channels' contributions), so one fused MoE launch runs them with weight 1
-    (``ops.grouped_topk(..., num_fused_shared=S)`` routes every token to them)."""
+    intermediate channels' contributions). Small batches route every token to them with weight
+    1 (``ops.grouped_topk(..., num_fused_shared=S)``): one fused MoE launch instead of the
+    MLP's kernels; large ones run them as a dense MLP on the same weights
+    (``forward_routed(..., dense_shared=True)``): cuBLAS's GEMMs ran a DeepSeek-V2-Lite
+    prompt's shared MLP at ~2.7x the MoE kernel's rate (session 22's profile)."""
 
     quant_method = None  # set by atom.layers.quantization for FP8 experts
 
@@ -93,9 +97,12 @@ class FusedMoE(nn.Module):
         weights, ids = ops.moe_topk(router_logits, self.top_k, self.renormalize)
         return self.forward_routed(x, weights, ids)
 
-    def forward_routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def forward_routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                       dense_shared: bool = False) -> torch.Tensor:  # fmt: skip
         """The experts for routes chosen elsewhere (e.g. DeepSeek's grouped top-k):
-        ``weights`` float32 [T, k], ``ids`` int64 [T, k] (global expert ids)."""
+        ``weights`` float32 [T, k], ``ids`` int64 [T, k] (global expert ids); ``dense_shared``:
+        add the shared experts as a dense MLP (before the tensor-parallel reduction, which
+        then sums both)."""
         if self.tp.gathers_tokens:  # the other replicas' tokens join (padding rows: weight 0)
             (x, weights, ids), counts = self.tp.gather_rows(x, weights, ids)
         if len(self.local_experts) < self.num_experts:
@@ -104,7 +111,20 @@ class FusedMoE(nn.Module):
             y = self.quant_method.apply(self, x, weights, ids)
         else:
             y = ops.fused_moe(x, self.w13_weight, self.w2_weight, weights, ids)
+        if dense_shared:
+            y = y + self._shared_mlp(x)
         return self.tp.reduce_scatter_rows(y, counts) if self.tp.gathers_tokens else self.tp.all_reduce(y)
+
+    def _shared_mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared experts' slots as one MLP: their gate/up rows are one [S * 2I, H] view;
+        the down projection sums the slices' GEMMs (accumulated in place by ``addmm``)."""
+        first, inter = len(self.local_experts), self.intermediate
+        gate_up = F.linear(x, self.w13_weight[first:].flatten(0, 1)).view(x.shape[0], self.num_shared, 2 * inter)
+        act = ops.silu_and_mul(gate_up)  # [T, S, I]
+        out = F.linear(act[:, 0], self.w2_weight[first])
+        for s in range(1, self.num_shared):
+            out = torch.addmm(out, act[:, s], self.w2_weight[first + s].t())
+        return out
 
     def _local_routes(self, weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert parallelism, the simple correct scheme: every rank sees every token, routes

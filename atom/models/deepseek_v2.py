@@ -129,13 +129,22 @@ class DeepseekMoE(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # shared experts inside the MoE launch for small batches, a dense MLP on the same weights
+        # for large ones (FP8 experts: always inside)
+        dense = bool(self.num_fused_shared) and x.shape[0] > FUSED_SHARED_MAX_TOKENS
+        dense = dense and self.experts.quant_method is None
         weights, ids = ops.grouped_topk(self.gate(x), self.top_k, self.scoring, self.num_groups, self.topk_groups,
                                         self.gate.e_score_correction_bias, self.renormalize, self.scaling,
-                                        self.num_fused_shared)  # fmt: skip
-        out = self.experts.forward_routed(x, weights, ids)
+                                        0 if dense else self.num_fused_shared)  # fmt: skip
+        out = self.experts.forward_routed(x, weights, ids, dense_shared=dense)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
+
+
+# batches up to this many tokens run the shared experts inside the fused MoE launch (decode
+# steps); larger ones as a dense MLP (prompt chunks: cuBLAS). Not yet swept on a GPU.
+FUSED_SHARED_MAX_TOKENS = 256
 
 
 def fused_shared_experts(config: PretrainedConfig, tp: TPInfo) -> int:

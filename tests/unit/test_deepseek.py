@@ -193,3 +193,39 @@ def test_prompt_rows_take_host_lengths(q_lens, earlier):
     host = (cu.tolist(), lens.tolist())
     torch.testing.assert_close(latent_attention(*args, max_query_len=max(q_lens), host_lens=host),
                                latent_attention(*args, max_query_len=max(q_lens)), rtol=0, atol=0)  # fmt: skip
+
+
+@pytest.mark.parametrize("num_shared", [1, 2])
+def test_shared_experts_inside_the_moe_and_dense_agree(num_shared, monkeypatch):
+    """The shared experts as the fused MoE's last experts (small batches) and as a dense MLP on
+    the same slots (large ones) both give routed experts + the shared MLP, in float32, against
+    transformers' DeepseekV2MLP holding the checkpoint's shared tensors."""
+    from transformers import DeepseekV2Config
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2MLP
+
+    from atom.models import deepseek_v2
+
+    torch.manual_seed(num_shared)
+    hidden, inter, experts = 32, 16, 8
+    cfg = DeepseekV2Config(hidden_size=hidden, moe_intermediate_size=inter, n_routed_experts=experts,
+                           num_experts_per_tok=3, n_shared_experts=num_shared, n_group=1, topk_group=1,
+                           routed_scaling_factor=1.5, norm_topk_prob=False)  # fmt: skip
+    moe = deepseek_v2.DeepseekMoE(cfg, SINGLE, "greedy")
+    assert moe.shared_experts is None and moe.experts.num_shared == num_shared
+    shared = DeepseekV2MLP(cfg, intermediate_size=inter * num_shared)
+    for p in (*moe.parameters(), *shared.parameters()):
+        torch.nn.init.normal_(p, std=0.3)
+    mapping = {f: (p, e, s) for p, f, e, s in moe.experts.expert_mapping(experts, num_shared=num_shared)}
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        param, expert, shard = mapping[f"shared_experts.{name}.weight"]
+        moe.experts.weight_loader(getattr(moe.experts, param.split(".")[-1]), getattr(shared, name).weight.data,
+                                  shard, expert)  # fmt: skip
+    x = torch.randn(20, hidden)
+    weights, ids = grouped_topk(moe.gate(x), 3, "softmax", 1, 1, None, False, 1.5)
+    routed = deepseek_v2.ops.fused_moe(x, moe.experts.w13_weight[:experts], moe.experts.w2_weight[:experts],
+                                       weights, ids)  # fmt: skip
+    expect = routed + shared(x)
+    monkeypatch.setattr(deepseek_v2, "FUSED_SHARED_MAX_TOKENS", 64)
+    torch.testing.assert_close(moe(x), expect, rtol=1e-5, atol=1e-5)  # inside the MoE launch
+    monkeypatch.setattr(deepseek_v2, "FUSED_SHARED_MAX_TOKENS", 8)
+    torch.testing.assert_close(moe(x), expect, rtol=1e-5, atol=1e-5)  # a dense MLP
