@@ -95,6 +95,7 @@ class InputProcessor:
                                     "chat_template_kwargs")  # fmt: skip
         if chat_template is not None:
             kwargs["chat_template"] = chat_template
+        messages = [_text_content(m) for m in messages]
         try:
             text = self.tokenizer.apply_chat_template(
                 messages,
@@ -217,3 +218,17 @@ def _max_token_chars(tokenizer) -> int | None:
 
 def _printable(e: Exception) -> str:
     return str(e).encode("utf-8", "backslashreplace").decode()[:500]
+
+
+def _text_content(message: Any) -> Any:
+    """A message whose content is OpenAI's list of parts, with the text parts joined by newlines
+    (vLLM's "string" content format; other messages as given)."""
+    if not isinstance(message, dict) or not isinstance(message.get("content"), list):
+        return message
+    texts = []
+    for part in message["content"]:
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise InvalidInputError("only text content parts ({'type': 'text', 'text': ...}) are supported", "messages")
+        texts.append(part["text"])
+    return {**message, "content": "\n".join(texts)}
+

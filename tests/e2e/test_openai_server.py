@@ -279,6 +279,15 @@ def test_null_fields_and_vllm_request_options(server, reference, tiny_model):
         assert r.status_code == 400 and name in r.json()["error"]["message"], r.text
 
 
+def test_content_parts_join_by_newlines(server, reference):
+    """OpenAI's list of text parts is one message text, the parts joined by newlines (vLLM's
+    "string" content format), in the prompt the server renders."""
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Say"}, {"type": "text", "text": "hello."}]}]
+    r = server.post("/tokenize", {"messages": parts})
+    assert r.status_code == 200
+    assert r.json()["tokens"] == chat_prompt_ids(reference, [{"role": "user", "content": "Say\nhello."}])
+
+
 def test_request_chat_template_needs_trust(server, make_server, reference):
     """A request's own chat_template (or one in chat_template_kwargs) is refused unless the server
     runs with --trust-request-chat-template, as vLLM; then it is used."""

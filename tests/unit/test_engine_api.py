@@ -248,6 +248,16 @@ def test_chat_applies_the_chat_template(engine):
     assert len(own["outputs"]) == 2
     with pytest.raises(ValueError, match="messages must be a non-empty list"):
         engine.chat([[]], params, use_tqdm=False)
+    # OpenAI's content parts: the text parts joined by newlines (vLLM's "string" content format)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Count"}, {"type": "text", "text": "to three."}]}]
+    joined = [{"role": "user", "content": "Count\nto three."}]
+    rendered = engine.input_processor.apply_chat_template(parts).text
+    assert rendered == tok.apply_chat_template(joined, tokenize=False, add_generation_prompt=True)
+    expected = engine.generate([templated(joined, add_generation_prompt=True)], params, use_tqdm=False)[0]
+    assert engine.chat(parts, params, use_tqdm=False)[0]["token_ids"] == expected["token_ids"]
+    with pytest.raises(ValueError, match="only text content parts"):
+        engine.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], params,
+                    use_tqdm=False)  # fmt: skip
 
 
 def test_prompt_larger_than_kv_cache(tiny_model):

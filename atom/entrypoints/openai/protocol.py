@@ -204,8 +204,8 @@ class ChatMessage(OpenAIRequest):
     reasoning_content: Text | None = None
 
     def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(p.text for p in self.content)
+        if isinstance(self.content, list):  # vLLM's "string" content format joins parts by newlines
+            return "\n".join(p.text for p in self.content)
         return self.content or ""
 
 
