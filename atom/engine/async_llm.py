@@ -165,8 +165,12 @@ class AsyncLLM:
                        prompt_text: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream the outputs of one request; the last has ``finished`` set. Raises
         ValueError for a request the engine refuses, RequestFailedError if processing this
-        request failed, and EngineDeadError if the engine died."""
+        request failed, and EngineDeadError if the engine died. One sample a request: for
+        ``n`` > 1, one call per ``params.sample(i)`` (as the server fans out)."""
         arrival = time.time()
+        if params.n != 1:  # refused rather than quietly running one sample
+            raise ValueError(f"AsyncLLM.generate runs one sample a request, got n={params.n}: call it once per "
+                             "params.sample(i), i < n")
         if self.client.is_dead:
             raise EngineDeadError(f"the engine is dead: {self.dead_reason}")
         if request_id in self.requests:

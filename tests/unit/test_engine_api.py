@@ -355,3 +355,21 @@ def test_request_failing_in_the_core_fails_alone(engine):
     for rid in good:
         assert done[rid].finish_reason == "length" and len(done[rid].token_ids) == 6 and done[rid].error is None
     assert engine.core.block_manager.num_free_blocks == engine.core.block_manager.num_blocks
+
+
+def test_async_generate_refuses_n_samples(tiny_model):
+    """AsyncLLM.generate streams one sample a request: n > 1 is refused in one line, never run as
+    one sample (the server fans n out through SamplingParams.sample)."""
+    import asyncio
+
+    from atom.engine.arg_utils import EngineArgs
+    from atom.engine.async_llm import AsyncLLM
+
+    engine = AsyncLLM.from_engine_args(EngineArgs(model=tiny_model("qwen3"), max_model_len=128, device="cpu"))
+
+    async def first():
+        return [out async for out in engine.generate([3, 4, 5], SamplingParams(n=2, max_tokens=2), "r")]
+
+    with pytest.raises(ValueError, match="one sample a request, got n=2"):
+        asyncio.run(first())
+    assert not engine.requests
