@@ -16,6 +16,7 @@ The model's ``forward`` returns the final (normed) hidden states, the
 from __future__ import annotations
 
 import math
+import os
 import re
 from collections.abc import Iterable
 
@@ -143,8 +144,9 @@ class DeepseekMoE(nn.Module):
 
 
 # batches up to this many tokens run the shared experts inside the fused MoE launch (decode
-# steps); larger ones as a dense MLP (prompt chunks: cuBLAS). Not yet swept on a GPU.
-FUSED_SHARED_MAX_TOKENS = 256
+# steps); larger ones as a dense MLP (prompt chunks: cuBLAS). Not yet swept on a GPU: the
+# variable sets it for a sweep (0: always the dense MLP).
+FUSED_SHARED_MAX_TOKENS = int(os.environ.get("ATOM_FUSED_SHARED_MAX_TOKENS", "256"))
 
 
 def fused_shared_experts(config: PretrainedConfig, tp: TPInfo) -> int:
