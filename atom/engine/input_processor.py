@@ -231,4 +231,3 @@ def _text_content(message: Any) -> Any:
             raise InvalidInputError("only text content parts ({'type': 'text', 'text': ...}) are supported", "messages")
         texts.append(part["text"])
     return {**message, "content": "\n".join(texts)}
-

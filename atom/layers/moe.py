@@ -54,20 +54,19 @@ class FusedMoE(nn.Module):
     ) -> list[tuple[str, str, int, str]]:
         """(parameter name, checkpoint name fragment, expert, shard) for the loader; with
         ``num_shared``, the shared MLP's tensors (``shared_experts.*``) as expert ``E``."""
-        mapping = []
-        for e in range(num_experts):
-            for ckpt, shard in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")):
-                param = f"{prefix}.w2_weight" if shard == "w2" else f"{prefix}.w13_weight"
-                mapping.append((param, f"{prefix}.{e}.{ckpt}.weight", e, shard))
+        modules = [(f"{prefix}.{e}", e) for e in range(num_experts)]
         if num_shared:
+            modules.append((f"shared_{prefix}", num_experts))
+        mapping = []
+        for module, e in modules:
             for ckpt, shard in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")):
                 param = f"{prefix}.w2_weight" if shard == "w2" else f"{prefix}.w13_weight"
-                mapping.append((param, f"shared_{prefix}.{ckpt}.weight", num_experts, shard))
+                mapping.append((param, f"{module}.{ckpt}.weight", e, shard))
         return mapping
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str, expert_id: int) -> None:
         if expert_id == self.num_experts and self.num_shared:  # the shared MLP: S experts' slices
-            full = self.intermediate * (self.tp.size if not self.tp.expert_parallel else 1)
+            full = self.intermediate * self.tp.size  # one slice's width (never expert-parallel)
             dim = 1 if shard_id == "w2" else 0
             if loaded.shape[dim] != full * self.num_shared:
                 raise ValueError(f"shared experts {shard_id}: shape {tuple(loaded.shape)}, expected "

@@ -36,8 +36,8 @@ from atom.models.deepseek_v2 import (
     DeepseekAttention,
     DeepseekV3ForCausalLM,
     deepseek_mlp,
+    moe_expert_mapping,
     mtp_layer_index,
-    shared_expert_mapping,
 )
 from atom.models.llama import DecoderLayer
 
@@ -106,7 +106,7 @@ class DeepseekMTP(nn.Module):
 
     def expert_mapping(self) -> list[tuple[str, str, int, str]]:
         n = getattr(self.config, "n_routed_experts", None)
-        return shared_expert_mapping(self, n) if n else []
+        return moe_expert_mapping(self, n) if n else []
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return load_weights(self, self._mtp_weights(weights))

@@ -161,7 +161,7 @@ def fused_shared_experts(config: PretrainedConfig, tp: TPInfo) -> int:
     return shared
 
 
-def shared_expert_mapping(model: nn.Module, num_experts: int) -> list[tuple[str, str, int, str]]:
+def moe_expert_mapping(model: nn.Module, num_experts: int) -> list[tuple[str, str, int, str]]:
     """``FusedMoE.expert_mapping`` for the model's MoE layers (their fused shared experts too)."""
     num_shared = next((m.num_shared for m in model.modules() if isinstance(m, FusedMoE)), 0)
     return FusedMoE.expert_mapping(num_experts, num_shared=num_shared)
@@ -200,7 +200,7 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         return deepseek_mlp(config, tp, layer_idx, self.default_topk_method)
 
     def expert_mapping(self) -> list[tuple[str, str, int, str]]:
-        return shared_expert_mapping(self, self.config.n_routed_experts) if self.config.n_routed_experts else []
+        return moe_expert_mapping(self, self.config.n_routed_experts) if self.config.n_routed_experts else []
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Skips the next-n prediction (MTP) layers: they are the draft model's."""

@@ -250,6 +250,8 @@ moe_topk = register_op(
         logits.new_empty((logits.shape[0], top_k), dtype=torch.int64),
     ),
 )(reference.moe_topk)
+
+
 def _grouped_topk_fake(logits, top_k, scoring, num_groups, topk_groups, correction_bias, renormalize, scaling,
                        num_fused_shared=0):  # fmt: skip
     shape = (logits.shape[0], top_k + num_fused_shared)
