@@ -83,15 +83,25 @@ class MLAAttention(Attention):
         n = meta.slot_mapping.shape[0]
         q, kv_c, k_pe, positions = q[:n], kv_c[:n], k_pe[:n], positions[:n]
         slots = meta.slot_mapping if self.kv_cache is not None else None
-        store = ops.unwrapped("mla_rope_store", q.device)  # already inside the opaque op
-        q, k_pe = store(q, kv_c, k_pe, positions, cos_sin_cache, self.kv_cache, slots, self.interleaved, self.k_scale)
         # the memory-profiling run has no cache: every row is a prompt row there
         num_decodes = meta.num_decode_tokens if self.kv_cache is not None else 0
+        out = out[:n].view(n, self.num_heads, self.v_head_dim)
+        if num_decodes == n > 0:
+            # decode step: the rotated rope columns go straight into the decode kernel's query,
+            # whose latent columns the absorption fills (no concatenation); q keeps the nope ones
+            rank = self.kv_lora_rank
+            decode_q = q.new_empty(n, self.num_heads, rank + self.rope)
+            k_pe = ops.mla_rope_store_into(decode_q[..., rank:], q, kv_c, k_pe, positions, cos_sin_cache,
+                                           self.kv_cache, slots, self.interleaved, self.k_scale)  # fmt: skip
+            latent_decode(q, decode_q, self.kv_cache, meta.seq_lens, meta.block_tables, kv_b_weight, self.scale,
+                          self.k_scale, out)  # fmt: skip
+            return
+        store = ops.unwrapped("mla_rope_store", q.device)  # already inside the opaque op
+        q, k_pe = store(q, kv_c, k_pe, positions, cos_sin_cache, self.kv_cache, slots, self.interleaved, self.k_scale)
         host = (meta.cu_seqlens_q_cpu, meta.seq_lens_cpu) if meta.seq_lens_cpu is not None else None
-        o = latent_attention(q, kv_c, k_pe, self.kv_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
-                             num_decodes, kv_b_weight, self.scale, self.v_head_dim, self.k_scale, meta.max_seqlen_q,
-                             host)  # fmt: skip
-        out[:n].view(o.shape).copy_(o)  # one copy from the (strided) result
+        latent_attention(q, kv_c, k_pe, self.kv_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
+                         num_decodes, kv_b_weight, self.scale, self.v_head_dim, self.k_scale, meta.max_seqlen_q,
+                         host, out)  # fmt: skip
 
 
 # sequences bringing at most this many rows (MTP's K + 1) run them as decode rows
@@ -107,6 +117,7 @@ def latent_attention(
     cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, num_decodes: int,
     kv_b_weight: torch.Tensor, scale: float, v_head_dim: int, k_scale: torch.Tensor | None = None,
     max_query_len: int | None = None, host_lens: tuple[list[int], list[int]] | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Attention over the latent cache (this step's rows already written), shared by atom's
     engine and its vLLM backend. ``q`` [T, H, nope + rope] (rotated), the first
@@ -115,31 +126,25 @@ def latent_attention(
     scale; ``max_query_len``: the most rows a sequence brings (when known; up to
     ``SHORT_QUERY`` every row runs as a decode row); ``host_lens``: ``cu_seqlens_q`` and
     ``seq_lens`` as host lists, where the caller has them (the prompt rows then need no device
-    sync). Returns [T, H, v]."""
+    sync); ``out``: where the result goes (a [T, H, v] view of the caller's output, as vLLM's
+    MLA writes its up-projection), else a new tensor. Returns it, [T, H, v]."""
     num_tokens, num_heads = q.shape[:2]
-    kv_lora_rank = kv_b_weight.shape[1]
     nope = q.shape[-1] - k_pe.shape[-1]
-    w = kv_b_weight.view(num_heads, nope + v_head_dim, kv_lora_rank)
+    out = q.new_empty(num_tokens, num_heads, v_head_dim) if out is None else out
 
-    def absorbed(rows: slice, lens: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-        q_lat = torch.bmm(q[rows, :, :nope].transpose(0, 1), w[:, :nope]).transpose(0, 1)
-        # latent_attention runs inside an opaque op (atom's or vLLM's): the kernel, not its custom op
-        decode = ops.unwrapped("mla_decode", q.device)
-        o_lat = decode(torch.cat((q_lat, q[rows, :, nope:]), dim=-1), kv_cache, lens, tables, scale, kv_lora_rank,
-                       k_scale)  # fmt: skip
-        return torch.bmm(o_lat.transpose(0, 1), w[:, nope:].transpose(1, 2)).transpose(0, 1)
+    def absorbed(rows: slice, lens: torch.Tensor, tables: torch.Tensor) -> None:
+        decode_q = q.new_empty(q[rows].shape[0], num_heads, kv_b_weight.shape[1] + k_pe.shape[-1])
+        decode_q[..., kv_b_weight.shape[1] :] = q[rows, :, nope:]
+        latent_decode(q[rows], decode_q, kv_cache, lens, tables, kv_b_weight, scale, k_scale, out[rows])
 
-    if num_decodes == num_tokens:  # decode steps: no copy into a joint output
-        return absorbed(slice(None), seq_lens, block_tables)
-    out = q.new_empty(num_tokens, num_heads, v_head_dim)
     if num_decodes:
         d = slice(0, num_decodes)
-        out[d] = absorbed(d, seq_lens[d], block_tables[d])
+        absorbed(d, seq_lens[d], block_tables[d])
     if num_decodes < num_tokens:
         p = slice(num_decodes, None)
         cu = cu_seqlens_q[num_decodes:] - num_decodes
         if kv_cache is not None and max_query_len is not None and max_query_len <= SHORT_QUERY:
-            out[p] = absorbed(p, *causal_rows(cu, seq_lens[p], block_tables[p], num_tokens - num_decodes))
+            absorbed(p, *causal_rows(cu, seq_lens[p], block_tables[p], num_tokens - num_decodes))
         else:
             attend = ops.mla_prefill_attention if TRITON_PREFILL else mla_prefill_attention
             if host_lens is not None:  # the prompt rows' share, as ``cu`` and ``seq_lens[p]``
@@ -149,6 +154,27 @@ def latent_attention(
             out[p] = mla_prefill(q[p], kv_cache, latents, cu, seq_lens[p], block_tables[p], kv_b_weight, scale,
                                  v_head_dim, k_scale, attend, host_lens)  # fmt: skip
     return out
+
+
+def latent_decode(
+    q: torch.Tensor, decode_q: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torch.Tensor,
+    block_tables: torch.Tensor, kv_b_weight: torch.Tensor, scale: float, k_scale: torch.Tensor | None,
+    out: torch.Tensor,
+) -> None:  # fmt: skip
+    """Decode rows with the up-projections absorbed: ``q``'s nope columns [B, H, nope] times
+    ``W_UK`` into ``decode_q``'s first r columns (its last rope columns already hold the rotated
+    ``q_pe``), the kernel over the latent rows, then ``W_UV`` into ``out`` [B, H, v]. Both
+    products write through strided ``out=`` views (cuBLAS takes their leading dimensions), so
+    neither the query nor the result is copied."""
+    num_heads, kv_lora_rank = q.shape[1], kv_b_weight.shape[1]
+    v_head_dim = out.shape[-1]
+    nope = kv_b_weight.shape[0] // num_heads - v_head_dim
+    w = kv_b_weight.view(num_heads, nope + v_head_dim, kv_lora_rank)
+    torch.bmm(q[..., :nope].transpose(0, 1), w[:, :nope], out=decode_q[..., :kv_lora_rank].transpose(0, 1))
+    # latent_attention runs inside an opaque op (atom's or vLLM's): the kernel, not its custom op
+    decode = ops.unwrapped("mla_decode", q.device)
+    o_lat = decode(decode_q, kv_cache, seq_lens, block_tables, scale, kv_lora_rank, k_scale)
+    torch.bmm(o_lat.transpose(0, 1), w[:, nope:].transpose(1, 2), out=out.transpose(0, 1))
 
 
 def causal_rows(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,

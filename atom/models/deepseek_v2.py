@@ -82,19 +82,21 @@ class DeepseekAttention(nn.Module):
         else:
             q = self.q_proj(hidden_states)
         kv_c, k_pe = self.kv_a_proj_with_mqa(hidden_states).split([self.kv_lora_rank, self.rope], dim=-1)
-        kv_c = self.kv_a_layernorm(kv_c.contiguous())
+        kv_c = self.kv_a_layernorm(kv_c)  # the norm reads the strided rows: no copy
         o = self.attn(q, kv_c, k_pe, positions, self.rotary_emb, self.kv_b_proj.weight)
         return self.o_proj(o)
 
 
 class DeepseekRouter(nn.Module):
-    """The gate: router logits in float32, as the reference computes them (its weight upcast
-    at every call: here once, when loaded, so a step has no conversion kernel), and V3's
-    ``e_score_correction_bias``; both kept in float32 whatever the model dtype."""
+    """The gate: router logits in float32, as the reference computes them (it upcasts the
+    input and the weight), and V3's ``e_score_correction_bias`` (float32 whatever the model
+    dtype). On CUDA one cuBLAS GEMM takes the 16-bit input and weight and writes float32 (the
+    products are exact, the sums float32: the reference's numbers without its two conversion
+    kernels a step, as vLLM's ``GateLinear``); elsewhere both are upcast."""
 
     def __init__(self, hidden_size: int, num_experts: int, correction_bias: bool):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
         self.e_score_correction_bias = (
             nn.Parameter(torch.zeros(num_experts, dtype=torch.float32), requires_grad=False)
             if correction_bias
@@ -102,7 +104,9 @@ class DeepseekRouter(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.weight)
+        if x.is_cuda and x.dtype == self.weight.dtype and x.dtype in (torch.bfloat16, torch.float16):
+            return torch.mm(x, self.weight.t(), out_dtype=torch.float32)
+        return F.linear(x.float(), self.weight.float())
 
 
 class DeepseekMoE(nn.Module):

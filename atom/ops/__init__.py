@@ -307,6 +307,19 @@ mla_rope_store = register_op(
     fake=lambda q, kv_c, k_pe, *args: (_empty_like(q), _empty_like(k_pe)),
     mutates=("kv_cache",),
 )(mla.mla_rope_store)
+
+
+def mla_rope_store_into(q_pe_out: torch.Tensor, q: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """``mla_rope_store`` writing only the query's rotated rope columns, into ``q_pe_out`` [T, H,
+    rope] (a view: the tail of the absorbed decode query); returns the rotated ``k_pe``. For
+    callers already inside an opaque op: on CUDA the kernel writes the view directly."""
+    if use_triton(q.device):
+        return unwrapped("mla_rope_store", q.device)(q, *args, **kwargs, q_pe_out=q_pe_out)[1]
+    q_rot, k_pe = mla.mla_rope_store(q, *args, **kwargs)
+    q_pe_out.copy_(q_rot[..., -q_pe_out.shape[-1] :])
+    return k_pe
+
+
 mla_decode = register_op(
     "mla_decode",
     triton=f"{_T}.mla:mla_decode",

@@ -125,6 +125,57 @@ def test_latent_attention_prompt_rows_never_sync():
     assert torch.equal(out, expect)
 
 
+@pytest.mark.parametrize("heads", [16, 128])  # V2-Lite (and V3 at -tp 8), V3: the Gluon and the Triton kernel
+def test_decode_step_in_place_matches_reference(heads):
+    """A decode step as ``MLAAttention.run_mla`` runs it in bf16: the rotated rope columns written
+    into the decode query's tail (``mla_rope_store_into``), the absorbed products through strided
+    ``out=`` views (``latent_decode``), against the float32 reference of each step."""
+    from atom import ops
+    from atom.layers.mla import latent_decode
+
+    dtype, nope, rope, rank, v_dim, block_size = torch.bfloat16, 128, 64, 512, 128, 16
+    lens = [1, 37, 300, 1000, 4097]
+    width = -(-max(lens) // block_size)
+    cache = torch.randn(len(lens) * width, block_size, rank + rope, dtype=dtype, device=DEV)
+    tables = torch.randperm(len(cache), device=DEV).view(len(lens), width).int()
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    q = torch.randn(len(lens), heads, nope + rope, dtype=dtype, device=DEV)
+    kv_c = torch.randn(len(lens), rank, dtype=dtype, device=DEV)
+    k_pe = torch.randn(len(lens), rope, dtype=dtype, device=DEV)
+    positions = seq_lens.long() - 1
+    inv = 1.0 / (10000 ** (torch.arange(0, rope, 2, device=DEV).float() / rope))
+    table = torch.cat([f(torch.outer(torch.arange(8192, device=DEV).float(), inv)) for f in (torch.cos, torch.sin)], -1)
+    slots = torch.randperm(64, device=DEV)[: len(lens)]
+    w = torch.randn(heads * (nope + v_dim), rank, dtype=dtype, device=DEV) * 0.05
+    ref_cache = cache.clone()
+    decode_q = torch.empty(len(lens), heads, rank + rope, dtype=dtype, device=DEV)
+    k_out = ops.mla_rope_store_into(decode_q[..., rank:], q, kv_c, k_pe, positions, table, cache, slots, True)
+    q_ref, k_ref = reference.mla_rope_store(q, kv_c, k_pe, positions, table, ref_cache, slots, True)
+    assert_close(decode_q[..., rank:], q_ref[..., nope:], dtype)
+    assert_close(k_out, k_ref, dtype)
+    assert torch.equal(cache, ref_cache)
+    out = torch.empty(len(lens), heads * v_dim, dtype=dtype, device=DEV)  # the layer's output
+    latent_decode(q, decode_q, cache, seq_lens, tables, w, 192**-0.5, None, out.view(len(lens), heads, v_dim))
+    w3 = w.float().view(heads, nope + v_dim, rank)
+    q_lat = torch.einsum("bhn,hnr->bhr", q[..., :nope].float(), w3[:, :nope])
+    o_lat = reference.mla_decode(torch.cat((q_lat, q_ref[..., nope:].float()), -1), cache.float(), seq_lens, tables,
+                                 192**-0.5, rank)  # fmt: skip
+    assert_close(out.view(len(lens), heads, v_dim), torch.einsum("bhr,hvr->bhv", o_lat, w3[:, nope:]), dtype)
+
+
+def test_router_logits_bf16_in_float32_out():
+    """DeepSeek's router on CUDA: one bf16 GEMM with float32 output, the float32 reference's sums."""
+    from atom.models.deepseek_v2 import DeepseekRouter
+
+    gate = DeepseekRouter(2048, 64, correction_bias=True).to(DEV, torch.bfloat16)
+    torch.nn.init.normal_(gate.weight, std=0.02)
+    for rows in (1, 7, 300):
+        x = torch.randn(rows, 2048, dtype=torch.bfloat16, device=DEV)
+        logits = gate(x)
+        assert logits.dtype == torch.float32
+        torch.testing.assert_close(logits, x.double().matmul(gate.weight.double().t()).float(), rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("interleaved", [True, False])
 def test_mla_rope_store_v3_shapes(interleaved):
     dtype, num_tokens, heads, rank, rope = torch.bfloat16, 300, 128, 512, 64

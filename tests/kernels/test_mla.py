@@ -35,6 +35,27 @@ def test_mla_rope_store(num_heads, nope, rank, rope, interleaved, dtype, assert_
     assert int((cache.flatten(0, 1).abs().sum(-1) > 0).sum()) == num_tokens - 1
 
 
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_mla_rope_store_into_decode_query_tail(interleaved, dtype, assert_close):
+    """``q_pe_out``: only the rotated rope columns, written into the tail of a wider decode query
+    (a strided view); its other columns untouched, the cache written as without it."""
+    num_tokens, num_heads, nope, rank, rope, block_size = 6, 5, 12, 16, 8, 4
+    q = torch.randn(num_tokens, num_heads, nope + rope, dtype=dtype)
+    kv_c, k_pe = torch.randn(num_tokens, rank, dtype=dtype), torch.randn(num_tokens, rope, dtype=dtype)
+    positions, table, slots = torch.randint(0, 60, (num_tokens,)), cos_sin(64, rope), torch.randperm(40)[:num_tokens]
+    cache = torch.zeros(10, block_size, rank + rope, dtype=dtype)
+    ref_cache = cache.clone()
+    decode_q = torch.full((num_tokens, num_heads, rank + rope), 7.0, dtype=dtype)
+    tail = decode_q[..., rank:]
+    q_pe, k_out = mla_rope_store(q, kv_c, k_pe, positions, table, cache, slots, interleaved, q_pe_out=tail)
+    q_ref, k_ref = reference.mla_rope_store(q, kv_c, k_pe, positions, table, ref_cache, slots, interleaved)
+    assert q_pe.data_ptr() == decode_q[..., rank:].data_ptr()
+    assert_close(decode_q[..., rank:], q_ref[..., nope:], dtype)
+    assert torch.equal(decode_q[..., :rank], torch.full_like(decode_q[..., :rank], 7.0))
+    assert_close(k_out, k_ref, dtype)
+    assert_close(cache, ref_cache, dtype)
+
+
 def test_mla_rope_store_without_cache(assert_close):
     q, kv_c, k_pe = torch.randn(5, 3, 24), torch.randn(5, 16), torch.randn(5, 8)
     positions, table = torch.arange(5), cos_sin(8, 8)

@@ -52,7 +52,7 @@ def _mla_rope_store_kernel(
     q_ptr, kv_c_ptr, k_pe_ptr, pos_ptr, cos_sin_ptr, cache_ptr, slot_ptr, k_scale_ptr, q_out_ptr, k_out_ptr,
     num_heads, stride_qt, stride_qh, stride_qot, stride_qoh, stride_ct, stride_kt, stride_kot,
     stride_cos_sin, stride_cb, stride_cs,
-    NOPE: tl.constexpr, RANK: tl.constexpr, HALF: tl.constexpr, BLOCK_NOPE: tl.constexpr,
+    NOPE: tl.constexpr, OUT_NOPE: tl.constexpr, RANK: tl.constexpr, HALF: tl.constexpr, BLOCK_NOPE: tl.constexpr,
     BLOCK_RANK: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     INTERLEAVED: tl.constexpr, HAS_CACHE: tl.constexpr, HAS_SCALE: tl.constexpr,
 ):  # fmt: skip
@@ -72,12 +72,13 @@ def _mla_rope_store_kernel(
         offs_n = tl.arange(0, BLOCK_NOPE)
         src = q_ptr + tok * stride_qt + heads[:, None] * stride_qh
         dst = q_out_ptr + tok * stride_qot + heads[:, None] * stride_qoh
-        nope_mask = hmask & (offs_n[None, :] < NOPE)
-        tl.store(dst + offs_n[None, :], tl.load(src + offs_n[None, :], mask=nope_mask), mask=nope_mask)
+        if OUT_NOPE > 0:  # the output rows carry the nope columns too (else only the rope ones)
+            nope_mask = hmask & (offs_n[None, :] < NOPE)
+            tl.store(dst + offs_n[None, :], tl.load(src + offs_n[None, :], mask=nope_mask), mask=nope_mask)
         rmask = hmask & (offs[None, :] < HALF)
         o1, o2 = _rope_pair(src + NOPE, offs[None, :], rmask, cos[None, :], sin[None, :], HALF, INTERLEAVED)
-        tl.store(dst + NOPE + offs[None, :], o1.to(dtype), mask=rmask)
-        tl.store(dst + NOPE + HALF + offs[None, :], o2.to(dtype), mask=rmask)
+        tl.store(dst + OUT_NOPE + offs[None, :], o1.to(dtype), mask=rmask)
+        tl.store(dst + OUT_NOPE + HALF + offs[None, :], o2.to(dtype), mask=rmask)
     else:
         kmask = offs < HALF
         k1, k2 = _rope_pair(k_pe_ptr + tok * stride_kt, offs, kmask, cos, sin, HALF, INTERLEAVED)
@@ -108,10 +109,14 @@ def mla_rope_store(
     slot_mapping: torch.Tensor | None,
     interleaved: bool,
     k_scale: torch.Tensor | None = None,
+    q_pe_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q_pe_out``: a [T, H, rope] view that takes the query's rotated rope columns instead of
+    a new [T, H, nope + rope] tensor (the nope columns are then not copied: the absorbed decode
+    query replaces them); returned in the query's place."""
     num_tokens, num_heads, head_dim = q.shape
     rope_dim, rank = k_pe.shape[-1], kv_c.shape[-1]
-    q_out = torch.empty_like(q)
+    q_out = torch.empty_like(q) if q_pe_out is None else q_pe_out
     k_out = torch.empty(k_pe.shape, dtype=k_pe.dtype, device=k_pe.device)
     if num_tokens == 0:
         return q_out, k_out
@@ -126,7 +131,8 @@ def mla_rope_store(
         k_scale if has_scale else positions, q_out, k_out,
         num_heads, q.stride(0), q.stride(1), q_out.stride(0), q_out.stride(1), kv_c.stride(0), k_pe.stride(0),
         k_out.stride(0), cos_sin_cache.stride(0), cache.stride(0), cache.stride(1) if has_cache else 0,
-        NOPE=head_dim - rope_dim, RANK=rank, HALF=rope_dim // 2, BLOCK_NOPE=_pow2(head_dim - rope_dim, 1),
+        NOPE=head_dim - rope_dim, OUT_NOPE=0 if q_pe_out is not None else head_dim - rope_dim,
+        RANK=rank, HALF=rope_dim // 2, BLOCK_NOPE=_pow2(head_dim - rope_dim, 1),
         BLOCK_RANK=_pow2(rank, 1), BLOCK_HALF=_pow2(rope_dim // 2, 1), BLOCK_H=block_h, BLOCK_SIZE=block_size,
         INTERLEAVED=interleaved, HAS_CACHE=has_cache, HAS_SCALE=has_scale,
     )  # fmt: skip

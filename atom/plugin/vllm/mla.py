@@ -103,10 +103,10 @@ class ATOMMLAImpl(AttentionImpl[ATOMAttentionMetadata]):
         cache, k_scale = self._cache(kv_cache, layer._k_scale)
         # short queries (vLLM's speculative verify rows) run as decode rows over their causal prefix
         host = (m.query_start_loc_cpu, m.seq_lens_cpu) if m.seq_lens_cpu is not None else None
-        out = latent_attention(q[:n], kv_c_normed[:n], k_pe[:n, 0], cache, m.query_start_loc, m.seq_lens,
-                               m.block_table, num_decodes, self.kv_b_proj.weight, self.scale, self.v_head_dim, k_scale,
-                               m.max_query_len, host)  # fmt: skip
-        output[:n].view(out.shape).copy_(out)  # one copy from the (strided) result
+        out = output[:n].view(n, -1, self.v_head_dim)  # written in place: no copy of the result
+        latent_attention(q[:n], kv_c_normed[:n], k_pe[:n, 0], cache, m.query_start_loc, m.seq_lens, m.block_table,
+                         num_decodes, self.kv_b_proj.weight, self.scale, self.v_head_dim, k_scale, m.max_query_len,
+                         host, out)  # fmt: skip
         return output
 
 
