@@ -86,6 +86,34 @@ def test_fused_moe(num_tokens, hidden, inter, num_experts, top_k, dtype, assert_
     assert_close(out, ref, dtype, scale=2)
 
 
+@pytest.mark.parametrize("num_pairs, num_experts, block_m", [(8, 64, 16), (96, 128, 16), (300, 8, 64), (1500, 64, 16)])
+def test_sort_by_expert_counts_in_the_sort_or_before(num_pairs, num_experts, block_m, monkeypatch):
+    """The sort counting the pairs itself (decode-sized batches) and after the counting kernel:
+    the same layout, and the layout fused_moe expects (each expert's pairs in order, padded to
+    its row tiles with the sentinel, the tiles' experts, the padded length)."""
+    from atom.ops.triton import moe
+
+    ids = torch.randint(0, num_experts, (num_pairs,))
+    ids[: num_pairs // 3] = 5  # one busy expert, most others idle
+    counts = torch.bincount(ids, minlength=num_experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    expect_sorted, expect_experts = [], []
+    for e in range(num_experts):
+        rows = (ids == e).nonzero().flatten().tolist()
+        expect_sorted += rows + [num_pairs] * (int(padded[e]) - len(rows))
+        expect_experts += [e] * (int(padded[e]) // block_m)
+    results = []
+    for limit in (moe.SORT_COUNT_ELEMENTS, 0):  # as configured, then always the counting kernel
+        monkeypatch.setattr(moe, "SORT_COUNT_ELEMENTS", limit)
+        sorted_ids, expert_ids, num_padded = moe._sort_by_expert(ids, num_experts, block_m)
+        total = int(num_padded)
+        assert total == int(padded.sum())
+        assert sorted_ids[:total].tolist() == expect_sorted
+        assert expert_ids[: total // block_m].tolist() == expect_experts
+        results.append(sorted_ids[:total])
+    assert torch.equal(*results)
+
+
 @pytest.mark.parametrize("b_desc", [False, True], ids=["pointers", "descriptor"])
 @pytest.mark.parametrize("num_tokens, hidden, inter", [(40, 128, 96), (9, 64, 32)])
 def test_fused_moe_tile_configs(num_tokens, hidden, inter, b_desc, monkeypatch, assert_close):
