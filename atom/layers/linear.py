@@ -81,17 +81,24 @@ class ColumnParallelLinear(LinearBase):
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
-    """Several column-parallel outputs in one matrix (gate/up -> gate_up_proj)."""
+    """Several column-parallel outputs in one matrix (gate/up -> gate_up_proj). Parts marked
+    ``replicated`` are whole on every rank (DeepSeek's ``fused_qkv_a_proj``: the query
+    projection split by heads, the replicated latent projection beside it)."""
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, tp: TPInfo = SINGLE):
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, tp: TPInfo = SINGLE,
+                 replicated: tuple[bool, ...] = ()):  # fmt: skip
         self.output_sizes = output_sizes
-        super().__init__(input_size, sum(output_sizes), bias, tp)
+        self.replicated = replicated or (False,) * len(output_sizes)
+        if any(s % tp.size for s, whole in zip(output_sizes, self.replicated) if not whole):
+            raise ValueError(f"output sizes {output_sizes} not divisible by tensor-parallel size {tp.size}")
+        self.rank_sizes = [s if whole else s // tp.size for s, whole in zip(output_sizes, self.replicated)]
+        LinearBase.__init__(self, input_size, sum(self.rank_sizes), bias, tp, 0)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
-        offset = sum(self.output_sizes[:shard_id]) // self.tp.size
-        size = self.output_sizes[shard_id] // self.tp.size
+        offset, size = sum(self.rank_sizes[:shard_id]), self.rank_sizes[shard_id]
         target = param.data.narrow(0, offset, size)
-        loaded = loaded.narrow(0, self.tp.rank * size, size) if self.tp.size > 1 else loaded
+        if self.tp.size > 1 and not self.replicated[shard_id]:
+            loaded = loaded.narrow(0, self.tp.rank * size, size)
         default_weight_loader(target, loaded)
 
 

@@ -32,6 +32,7 @@ from torch import nn
 from atom import ops
 from atom.forward_context import get_forward_context
 from atom.layers.attention import Attention
+from atom.layers.layernorm import RMSNorm
 from atom.layers.rotary_embedding import RotaryEmbedding
 from atom.ops.mla import mla_prefill, mla_prefill_attention
 
@@ -60,23 +61,25 @@ class MLAAttention(Attention):
 
     def forward(  # type: ignore[override]
         self, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, positions: torch.Tensor,
-        rotary_emb: RotaryEmbedding, kv_b_weight: torch.Tensor,
+        rotary_emb: RotaryEmbedding, kv_b_weight: torch.Tensor, kv_norm: RMSNorm,
     ) -> torch.Tensor:  # fmt: skip
-        """``q`` [T, heads * (nope + rope)], ``kv_c`` [T, kv_lora_rank] (normed), ``k_pe``
-        [T, rope] (not rotated yet), ``kv_b_weight`` [heads * (nope + v), kv_lora_rank].
+        """``q`` [T, heads * (nope + rope)], ``kv_c`` [T, kv_lora_rank] (not normed yet: ``kv_norm``
+        norms it, in decode steps inside the rope and cache-write kernel), ``k_pe`` [T, rope] (not
+        rotated yet), ``kv_b_weight`` [heads * (nope + v), kv_lora_rank].
         Returns [T, heads * v_head_dim], the input of ``o_proj``."""
         q = q.view(q.shape[0], self.num_heads, self.nope + self.rope)
         if self.host_attention is not None:
+            kv_c = kv_norm(kv_c)
             q, k_pe = ops.mla_rope_store(q, kv_c, k_pe, positions, rotary_emb.cos_sin_cache, None, None,
                                          self.interleaved)  # fmt: skip
             return self.host_attention(q, kv_c, k_pe.unsqueeze(1),
                                        output_shape=(q.shape[0], self.num_heads * self.v_head_dim))
         out = q.new_empty(q.shape[0], self.num_heads * self.v_head_dim)
         torch.ops.atom.mla_attention(q, kv_c, k_pe, out, positions, rotary_emb.cos_sin_cache, kv_b_weight,
-                                     self.prefix)  # fmt: skip
+                                     kv_norm.weight, kv_norm.eps, self.prefix)  # fmt: skip
         return out
 
-    def run_mla(self, q, kv_c, k_pe, out, positions, cos_sin_cache, kv_b_weight) -> None:
+    def run_mla(self, q, kv_c, k_pe, out, positions, cos_sin_cache, kv_b_weight, norm_weight, norm_eps) -> None:
         """As ``Attention.run``: the metadata's tokens (the first rows of maybe padded inputs)
         into the same rows of ``out``."""
         meta = get_forward_context().attn_metadata
@@ -92,10 +95,12 @@ class MLAAttention(Attention):
             rank = self.kv_lora_rank
             decode_q = q.new_empty(n, self.num_heads, rank + self.rope)
             k_pe = ops.mla_rope_store_into(decode_q[..., rank:], q, kv_c, k_pe, positions, cos_sin_cache,
-                                           self.kv_cache, slots, self.interleaved, self.k_scale)  # fmt: skip
+                                           self.kv_cache, slots, self.interleaved, self.k_scale,
+                                           kv_norm=(norm_weight, norm_eps))  # fmt: skip
             latent_decode(q, decode_q, self.kv_cache, meta.seq_lens, meta.block_tables, kv_b_weight, self.scale,
                           self.k_scale, out)  # fmt: skip
             return
+        kv_c = ops.unwrapped("rms_norm", q.device)(kv_c, norm_weight, norm_eps)  # prompt rows read it
         store = ops.unwrapped("mla_rope_store", q.device)  # already inside the opaque op
         q, k_pe = store(q, kv_c, k_pe, positions, cos_sin_cache, self.kv_cache, slots, self.interleaved, self.k_scale)
         host = (meta.cu_seqlens_q_cpu, meta.seq_lens_cpu) if meta.seq_lens_cpu is not None else None
@@ -190,14 +195,16 @@ def causal_rows(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables
 @torch.library.custom_op("atom::mla_attention", mutates_args=("out",))
 def mla_attention(
     q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, out: torch.Tensor, positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor, kv_b_weight: torch.Tensor, layer_name: str,
+    cos_sin_cache: torch.Tensor, kv_b_weight: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float,
+    layer_name: str,
 ) -> None:  # fmt: skip
     """Writes ``out`` [T, heads * v_head_dim] and, as a side effect, the layer's latent cache
-    (the layer is found by name in the forward context)."""
+    (the layer is found by name in the forward context); ``kv_c`` is normed here
+    (``norm_weight``, ``norm_eps``)."""
     layer = get_forward_context().attn_layers[layer_name]
-    layer.run_mla(q, kv_c, k_pe, out, positions, cos_sin_cache, kv_b_weight)
+    layer.run_mla(q, kv_c, k_pe, out, positions, cos_sin_cache, kv_b_weight, norm_weight, norm_eps)
 
 
 @mla_attention.register_fake
-def _(q, kv_c, k_pe, out, positions, cos_sin_cache, kv_b_weight, layer_name) -> None:
+def _(q, kv_c, k_pe, out, positions, cos_sin_cache, kv_b_weight, norm_weight, norm_eps, layer_name) -> None:
     return None

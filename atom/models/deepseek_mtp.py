@@ -38,6 +38,7 @@ from atom.models.deepseek_v2 import (
     deepseek_mlp,
     moe_expert_mapping,
     mtp_layer_index,
+    packed_modules,
 )
 from atom.models.llama import DecoderLayer
 
@@ -74,11 +75,10 @@ class DeepseekMTP(nn.Module):
     """The ``num_nextn_predict_layers`` MTP layers of a DeepSeek-V3 checkpoint. Draft step
     ``k`` uses layer ``k % num_layers`` (one layer, applied K times, is the usual setup)."""
 
-    packed_modules_mapping = DeepseekV3ForCausalLM.packed_modules_mapping
-
     def __init__(self, config: PretrainedConfig, tp: TPInfo = SINGLE):
         super().__init__()
         self.config = config
+        self.packed_modules_mapping = packed_modules(config)
         self.num_layers = getattr(config, "num_nextn_predict_layers", 0) or 0
         if self.num_layers < 1:
             raise ValueError("the checkpoint has no MTP layers (num_nextn_predict_layers is 0)")

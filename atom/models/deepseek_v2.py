@@ -26,9 +26,9 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from atom import ops
-from atom.distributed.parallel_state import TPInfo
+from atom.distributed.parallel_state import SINGLE, TPInfo
 from atom.layers.layernorm import RMSNorm
-from atom.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from atom.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from atom.layers.mla import MLAAttention
 from atom.layers.moe import FusedMoE
 from atom.layers.rotary_embedding import RotaryEmbedding, rope_parameters
@@ -59,13 +59,22 @@ class DeepseekAttention(nn.Module):
         self.kv_lora_rank, self.q_lora_rank = config.kv_lora_rank, getattr(config, "q_lora_rank", None)
         bias = getattr(config, "attention_bias", False)
         qk_head = self.nope + self.rope
+        latent = self.kv_lora_rank + self.rope
+        self.fused = fuse_qkv_a(config)
         if self.q_lora_rank:
-            self.q_a_proj = ReplicatedLinear(hidden, self.q_lora_rank, bias)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, _LATENT_NORM_EPS)
             self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, heads * qk_head, False, tp)
+        if self.fused:  # the query's first projection and the latent one read the same input: one GEMM
+            q_out = self.q_lora_rank or heads * qk_head
+            self.q_size = self.q_lora_rank or heads * qk_head // tp.size
+            self.fused_qkv_a_proj = MergedColumnParallelLinear(hidden, [q_out, latent], False, tp,
+                                                               replicated=(bool(self.q_lora_rank), True))  # fmt: skip
+        elif self.q_lora_rank:
+            self.q_a_proj = ReplicatedLinear(hidden, self.q_lora_rank, bias)
         else:
             self.q_proj = ColumnParallelLinear(hidden, heads * qk_head, False, tp)
-        self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, self.kv_lora_rank + self.rope, bias)
+        if not self.fused:
+            self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, latent, bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, _LATENT_NORM_EPS)
         self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, heads * (self.nope + self.v), False, tp)
         self.kv_b_proj.dequantize_after_loading = True  # MLA multiplies by its weight directly
@@ -77,13 +86,16 @@ class DeepseekAttention(nn.Module):
                                  softmax_scale(config), interleaved, prefix=f"{prefix}.attn")  # fmt: skip
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        if self.q_lora_rank:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+        if self.fused:
+            q, latent = self.fused_qkv_a_proj(hidden_states).split([self.q_size, self.kv_lora_rank + self.rope], -1)
         else:
-            q = self.q_proj(hidden_states)
-        kv_c, k_pe = self.kv_a_proj_with_mqa(hidden_states).split([self.kv_lora_rank, self.rope], dim=-1)
-        kv_c = self.kv_a_layernorm(kv_c)  # the norm reads the strided rows: no copy
-        o = self.attn(q, kv_c, k_pe, positions, self.rotary_emb, self.kv_b_proj.weight)
+            q = self.q_a_proj(hidden_states) if self.q_lora_rank else self.q_proj(hidden_states)
+            latent = self.kv_a_proj_with_mqa(hidden_states)
+        if self.q_lora_rank:
+            q = self.q_b_proj(self.q_a_layernorm(q))
+        kv_c, k_pe = latent.split([self.kv_lora_rank, self.rope], dim=-1)
+        # kv_c not yet normed: the attention layer norms it (in decode steps inside its rope kernel)
+        o = self.attn(q, kv_c, k_pe, positions, self.rotary_emb, self.kv_b_proj.weight, self.kv_a_layernorm)
         return self.o_proj(o)
 
 
@@ -165,6 +177,23 @@ def fused_shared_experts(config: PretrainedConfig, tp: TPInfo) -> int:
     return shared
 
 
+def fuse_qkv_a(config: PretrainedConfig) -> bool:
+    """Whether ``q_a_proj`` (or, without a query LoRA, ``q_proj``) and ``kv_a_proj_with_mqa`` load
+    into one ``fused_qkv_a_proj`` (a launch fewer a layer; vLLM fuses the LoRA pair the same way):
+    not with attention biases, nor in quantised checkpoints (their block scales were cut per
+    projection). Online ``--quantization fp8`` scales each row: fused or not, the same numbers."""
+    return not getattr(config, "attention_bias", False) and not getattr(config, "quantization_config", None)
+
+
+def packed_modules(config: PretrainedConfig) -> dict[str, tuple[str, int]]:
+    """Checkpoint module -> (packed module, part) for DeepSeek's decoder layers."""
+    packed = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    if fuse_qkv_a(config):
+        query = "q_a_proj" if getattr(config, "q_lora_rank", None) else "q_proj"
+        packed |= {query: ("fused_qkv_a_proj", 0), "kv_a_proj_with_mqa": ("fused_qkv_a_proj", 1)}
+    return packed
+
+
 def moe_expert_mapping(model: nn.Module, num_experts: int) -> list[tuple[str, str, int, str]]:
     """``FusedMoE.expert_mapping`` for the model's MoE layers (their fused shared experts too)."""
     num_shared = next((m.num_shared for m in model.modules() if isinstance(m, FusedMoE)), 0)
@@ -197,8 +226,11 @@ def mtp_layer_index(name: str, config: PretrainedConfig) -> int | None:
 
 class DeepseekV2ForCausalLM(LlamaForCausalLM):
     default_topk_method = "greedy"
-    packed_modules_mapping = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
     make_attn = DeepseekAttention
+
+    def __init__(self, config: PretrainedConfig, tp: TPInfo = SINGLE):
+        super().__init__(config, tp)
+        self.packed_modules_mapping = packed_modules(config)
 
     def make_mlp(self, config: PretrainedConfig, tp: TPInfo, layer_idx: int) -> nn.Module:
         return deepseek_mlp(config, tp, layer_idx, self.default_topk_method)

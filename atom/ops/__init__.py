@@ -309,13 +309,22 @@ mla_rope_store = register_op(
 )(mla.mla_rope_store)
 
 
-def mla_rope_store_into(q_pe_out: torch.Tensor, q: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+def mla_rope_store_into(
+    q_pe_out: torch.Tensor, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor, kv_cache: torch.Tensor | None, slot_mapping: torch.Tensor | None, interleaved: bool,
+    k_scale: torch.Tensor | None = None, kv_norm: tuple[torch.Tensor, float] | None = None,
+) -> torch.Tensor:  # fmt: skip
     """``mla_rope_store`` writing only the query's rotated rope columns, into ``q_pe_out`` [T, H,
-    rope] (a view: the tail of the absorbed decode query); returns the rotated ``k_pe``. For
-    callers already inside an opaque op: on CUDA the kernel writes the view directly."""
+    rope] (a view: the tail of the absorbed decode query); returns the rotated ``k_pe``.
+    ``kv_norm``: (weight, eps) of an RMSNorm the latent ``kv_c`` takes before the cache write
+    (in the same kernel on CUDA). For callers already inside an opaque op: on CUDA the kernel
+    writes the view directly."""
+    args = (positions, cos_sin_cache, kv_cache, slot_mapping, interleaved, k_scale)
     if use_triton(q.device):
-        return unwrapped("mla_rope_store", q.device)(q, *args, **kwargs, q_pe_out=q_pe_out)[1]
-    q_rot, k_pe = mla.mla_rope_store(q, *args, **kwargs)
+        return unwrapped("mla_rope_store", q.device)(q, kv_c, k_pe, *args, q_pe_out=q_pe_out, kv_norm=kv_norm)[1]
+    if kv_norm is not None:
+        kv_c = reference.rms_norm(kv_c, *kv_norm)
+    q_rot, k_pe = mla.mla_rope_store(q, kv_c, k_pe, *args)
     q_pe_out.copy_(q_rot[..., -q_pe_out.shape[-1] :])
     return k_pe
 

@@ -127,8 +127,8 @@ def test_latent_attention_prompt_rows_never_sync():
 
 @pytest.mark.parametrize("heads", [16, 128])  # V2-Lite (and V3 at -tp 8), V3: the Gluon and the Triton kernel
 def test_decode_step_in_place_matches_reference(heads):
-    """A decode step as ``MLAAttention.run_mla`` runs it in bf16: the rotated rope columns written
-    into the decode query's tail (``mla_rope_store_into``), the absorbed products through strided
+    """A decode step as ``MLAAttention.run_mla`` runs it in bf16: the latent normed and the rotated
+    rope columns written into the decode query's tail (``mla_rope_store_into``), the absorbed products through strided
     ``out=`` views (``latent_decode``), against the float32 reference of each step."""
     from atom import ops
     from atom.layers.mla import latent_decode
@@ -149,8 +149,11 @@ def test_decode_step_in_place_matches_reference(heads):
     w = torch.randn(heads * (nope + v_dim), rank, dtype=dtype, device=DEV) * 0.05
     ref_cache = cache.clone()
     decode_q = torch.empty(len(lens), heads, rank + rope, dtype=dtype, device=DEV)
-    k_out = ops.mla_rope_store_into(decode_q[..., rank:], q, kv_c, k_pe, positions, table, cache, slots, True)
-    q_ref, k_ref = reference.mla_rope_store(q, kv_c, k_pe, positions, table, ref_cache, slots, True)
+    norm_w = torch.rand(rank, dtype=dtype, device=DEV) + 0.5
+    k_out = ops.mla_rope_store_into(decode_q[..., rank:], q, kv_c, k_pe, positions, table, cache, slots, True,
+                                    kv_norm=(norm_w, 1e-6))  # fmt: skip
+    normed = ops.reference.rms_norm(kv_c, norm_w, 1e-6)
+    q_ref, k_ref = reference.mla_rope_store(q, normed, k_pe, positions, table, ref_cache, slots, True)
     assert_close(decode_q[..., rank:], q_ref[..., nope:], dtype)
     assert_close(k_out, k_ref, dtype)
     assert_close(cache, ref_cache, dtype)  # the rotated k_pe rounds as in test_mla_rope_store_v3_shapes

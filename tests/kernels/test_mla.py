@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from atom.ops import mla as reference
+from atom.ops import reference as reference_ops
 from atom.ops.triton import mla_decode, mla_prefill_attention, mla_rope_store
 
 
@@ -35,20 +36,26 @@ def test_mla_rope_store(num_heads, nope, rank, rope, interleaved, dtype, assert_
     assert int((cache.flatten(0, 1).abs().sum(-1) > 0).sum()) == num_tokens - 1
 
 
+@pytest.mark.parametrize("norm", [False, True])
 @pytest.mark.parametrize("interleaved", [False, True])
-def test_mla_rope_store_into_decode_query_tail(interleaved, dtype, assert_close):
+def test_mla_rope_store_into_decode_query_tail(interleaved, norm, dtype, assert_close):
     """``q_pe_out``: only the rotated rope columns, written into the tail of a wider decode query
-    (a strided view); its other columns untouched, the cache written as without it."""
+    (a strided view); its other columns untouched, the cache written as without it. ``kv_norm``:
+    the latent normed in the kernel as ``rms_norm`` norms it (the strided latent of the
+    ``kv_a_proj`` output, as the model passes it)."""
     num_tokens, num_heads, nope, rank, rope, block_size = 6, 5, 12, 16, 8, 4
     q = torch.randn(num_tokens, num_heads, nope + rope, dtype=dtype)
-    kv_c, k_pe = torch.randn(num_tokens, rank, dtype=dtype), torch.randn(num_tokens, rope, dtype=dtype)
+    kv_c, k_pe = torch.randn(num_tokens, rank + rope, dtype=dtype).split([rank, rope], dim=-1)
+    kv_norm = (torch.rand(rank, dtype=dtype) + 0.5, 1e-6) if norm else None
     positions, table, slots = torch.randint(0, 60, (num_tokens,)), cos_sin(64, rope), torch.randperm(40)[:num_tokens]
     cache = torch.zeros(10, block_size, rank + rope, dtype=dtype)
     ref_cache = cache.clone()
     decode_q = torch.full((num_tokens, num_heads, rank + rope), 7.0, dtype=dtype)
     tail = decode_q[..., rank:]
-    q_pe, k_out = mla_rope_store(q, kv_c, k_pe, positions, table, cache, slots, interleaved, q_pe_out=tail)
-    q_ref, k_ref = reference.mla_rope_store(q, kv_c, k_pe, positions, table, ref_cache, slots, interleaved)
+    q_pe, k_out = mla_rope_store(q, kv_c, k_pe, positions, table, cache, slots, interleaved, q_pe_out=tail,
+                                 kv_norm=kv_norm)  # fmt: skip
+    normed = reference_ops.rms_norm(kv_c, *kv_norm) if norm else kv_c
+    q_ref, k_ref = reference.mla_rope_store(q, normed, k_pe, positions, table, ref_cache, slots, interleaved)
     assert q_pe.data_ptr() == decode_q[..., rank:].data_ptr()
     assert_close(decode_q[..., rank:], q_ref[..., nope:], dtype)
     assert torch.equal(decode_q[..., :rank], torch.full_like(decode_q[..., :rank], 7.0))

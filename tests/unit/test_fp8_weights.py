@@ -125,10 +125,14 @@ def test_unsupported_quantization_is_refused(tiny_model, tmp_path):
 
 def _check_deepseek_layers(model: torch.nn.Module) -> None:
     attn, moe = model.model.layers[1].self_attn, model.model.layers[1].mlp
-    lora = hasattr(attn, "q_a_proj")
-    for proj in (attn.q_a_proj, attn.q_b_proj) if lora else (attn.q_proj,):
+    # an FP8 checkpoint's first query projection and kv_a_proj_with_mqa stay apart (their block
+    # scales were cut per projection); quantised on load, they are one fused_qkv_a_proj
+    if attn.fused:
+        first = [attn.fused_qkv_a_proj]
+    else:
+        first = [attn.q_a_proj if attn.q_lora_rank else attn.q_proj, attn.kv_a_proj_with_mqa]
+    for proj in [*first, attn.o_proj, *([attn.q_b_proj] if attn.q_lora_rank else [])]:
         assert proj.weight.dtype == FP8
-    assert attn.kv_a_proj_with_mqa.weight.dtype == FP8 and attn.o_proj.weight.dtype == FP8
     assert attn.kv_b_proj.weight.dtype == torch.float32 and attn.kv_b_proj.quant_method is None
     assert moe.experts.w13_weight.dtype == FP8 and moe.experts.w2_weight.dtype == FP8
     # an FP8 checkpoint's shared experts stay an MLP of their own; quantised on load, they are
@@ -187,14 +191,19 @@ def test_fp8_deepseek_mtp_layer_loads_exact_weights(tiny_model, tmp_path):
     layer = fp8["model.layers.3"]
     assert layer.eh_proj.weight.dtype == torch.float32 and layer.eh_proj.quant_method is None
     assert layer.self_attn.kv_b_proj.weight.dtype == torch.float32
-    # the unquantised draft runs its shared experts inside the fused MoE, after the routed ones
+    # the unquantised draft runs its shared experts inside the fused MoE, after the routed ones,
+    # and its q_a_proj and kv_a_proj_with_mqa as one fused_qkv_a_proj
     ref_experts = ref["model.layers.3.mlp.experts"]
     num_routed, inter = ref_experts.num_experts, ref_experts.intermediate
     shared_w13, shared_w2 = ref_experts.w13_weight[num_routed:], ref_experts.w2_weight[num_routed:]
+    attn = ref["model.layers.3.self_attn"]
+    fused_qkv_a, q_rows = attn.fused_qkv_a_proj.weight, attn.q_size
     shared_ref = {
         "model.layers.3.mlp.shared_experts.gate_up_proj": torch.cat(
             (shared_w13[:, :inter].flatten(0, 1), shared_w13[:, inter:].flatten(0, 1))),
         "model.layers.3.mlp.shared_experts.down_proj": torch.cat(tuple(shared_w2), dim=1),
+        "model.layers.3.self_attn.q_a_proj": fused_qkv_a[:q_rows],
+        "model.layers.3.self_attn.kv_a_proj_with_mqa": fused_qkv_a[q_rows:],
     }  # fmt: skip
     checked = 0
     for name, module in fp8.items():
@@ -261,7 +270,8 @@ def test_quantization_fp8_on_load_deepseek(tiny_model):
     engine = LLMEngine(path, max_model_len=256, quantization="fp8", kv_cache_dtype="fp8", method="mtp",
                        num_speculative_tokens=1)
     draft_layer = engine.core.runner.spec.proposer.draft.model.layers["3"]
-    assert draft_layer.self_attn.q_a_proj.weight.dtype == FP8 and draft_layer.eh_proj.weight.dtype == torch.float32
+    assert draft_layer.self_attn.fused_qkv_a_proj.weight.dtype == FP8
+    assert draft_layer.eh_proj.weight.dtype == torch.float32
     assert [o["token_ids"] for o in engine.generate(PROMPTS, GREEDY, use_tqdm=False)] == expected
 
 

@@ -49,12 +49,13 @@ def _rope_pair(x_ptr, offs, mask, cos, sin, HALF: tl.constexpr, INTERLEAVED: tl.
 
 @triton.jit(do_not_specialize_on_alignment=["pos_ptr", "slot_ptr"])
 def _mla_rope_store_kernel(
-    q_ptr, kv_c_ptr, k_pe_ptr, pos_ptr, cos_sin_ptr, cache_ptr, slot_ptr, k_scale_ptr, q_out_ptr, k_out_ptr,
+    q_ptr, kv_c_ptr, k_pe_ptr, pos_ptr, cos_sin_ptr, cache_ptr, slot_ptr, k_scale_ptr, norm_w_ptr, norm_eps,
+    q_out_ptr, k_out_ptr,
     num_heads, stride_qt, stride_qh, stride_qot, stride_qoh, stride_ct, stride_kt, stride_kot,
     stride_cos_sin, stride_cb, stride_cs,
     NOPE: tl.constexpr, OUT_NOPE: tl.constexpr, RANK: tl.constexpr, HALF: tl.constexpr, BLOCK_NOPE: tl.constexpr,
     BLOCK_RANK: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    INTERLEAVED: tl.constexpr, HAS_CACHE: tl.constexpr, HAS_SCALE: tl.constexpr,
+    INTERLEAVED: tl.constexpr, HAS_CACHE: tl.constexpr, HAS_SCALE: tl.constexpr, NORM: tl.constexpr,
 ):  # fmt: skip
     # Program (token, head block); the extra last head block handles the shared key.
     tok = tl.program_id(0).to(tl.int64)
@@ -90,7 +91,11 @@ def _mla_rope_store_kernel(
             if slot >= 0:
                 entry = cache_ptr + (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
                 offs_r = tl.arange(0, BLOCK_RANK)
-                c = tl.load(kv_c_ptr + tok * stride_ct + offs_r, mask=offs_r < RANK)
+                c = tl.load(kv_c_ptr + tok * stride_ct + offs_r, mask=offs_r < RANK, other=0.0)
+                if NORM:  # rms_norm's rounding: normed in float32, to the dtype, times the weight
+                    cf = c.to(tl.float32)
+                    h = (cf * tl.rsqrt(tl.sum(cf * cf, axis=0) / RANK + norm_eps)).to(c.dtype).to(tl.float32)
+                    c = (tl.load(norm_w_ptr + offs_r, mask=offs_r < RANK, other=0.0).to(tl.float32) * h).to(c.dtype)
                 k_scale = 1.0
                 if HAS_SCALE:
                     k_scale = tl.load(k_scale_ptr)
@@ -110,10 +115,13 @@ def mla_rope_store(
     interleaved: bool,
     k_scale: torch.Tensor | None = None,
     q_pe_out: torch.Tensor | None = None,
+    kv_norm: tuple[torch.Tensor, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``q_pe_out``: a [T, H, rope] view that takes the query's rotated rope columns instead of
     a new [T, H, nope + rope] tensor (the nope columns are then not copied: the absorbed decode
-    query replaces them); returned in the query's place."""
+    query replaces them); returned in the query's place. ``kv_norm``: (weight, eps) of the
+    RMSNorm ``kv_c`` takes before the cache write (as ``rms_norm`` rounds it; a launch fewer
+    than the norm's own kernel)."""
     num_tokens, num_heads, head_dim = q.shape
     rope_dim, rank = k_pe.shape[-1], kv_c.shape[-1]
     q_out = torch.empty_like(q) if q_pe_out is None else q_pe_out
@@ -126,15 +134,16 @@ def mla_rope_store(
     has_scale = has_cache and kv_cache.dtype == torch.float8_e4m3fn and k_scale is not None
     block_h = min(16, triton.next_power_of_2(num_heads))
     grid = (num_tokens, triton.cdiv(num_heads, block_h) + 1)
+    norm_weight, norm_eps = kv_norm if kv_norm is not None else (positions, 0.0)
     _mla_rope_store_kernel[grid](
         q, kv_c, k_pe, positions, cos_sin_cache, cache, slot_mapping if has_cache else positions,
-        k_scale if has_scale else positions, q_out, k_out,
+        k_scale if has_scale else positions, norm_weight, norm_eps, q_out, k_out,
         num_heads, q.stride(0), q.stride(1), q_out.stride(0), q_out.stride(1), kv_c.stride(0), k_pe.stride(0),
         k_out.stride(0), cos_sin_cache.stride(0), cache.stride(0), cache.stride(1) if has_cache else 0,
         NOPE=head_dim - rope_dim, OUT_NOPE=0 if q_pe_out is not None else head_dim - rope_dim,
         RANK=rank, HALF=rope_dim // 2, BLOCK_NOPE=_pow2(head_dim - rope_dim, 1),
         BLOCK_RANK=_pow2(rank, 1), BLOCK_HALF=_pow2(rope_dim // 2, 1), BLOCK_H=block_h, BLOCK_SIZE=block_size,
-        INTERLEAVED=interleaved, HAS_CACHE=has_cache, HAS_SCALE=has_scale,
+        INTERLEAVED=interleaved, HAS_CACHE=has_cache, HAS_SCALE=has_scale, NORM=kv_norm is not None,
     )  # fmt: skip
     return q_out, k_out
 
