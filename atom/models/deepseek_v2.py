@@ -180,8 +180,9 @@ def fused_shared_experts(config: PretrainedConfig, tp: TPInfo) -> int:
 def fuse_qkv_a(config: PretrainedConfig) -> bool:
     """Whether ``q_a_proj`` (or, without a query LoRA, ``q_proj``) and ``kv_a_proj_with_mqa`` load
     into one ``fused_qkv_a_proj`` (a launch fewer a layer; vLLM fuses the LoRA pair the same way):
-    not with attention biases, nor in quantised checkpoints (their block scales were cut per
-    projection). Online ``--quantization fp8`` scales each row: fused or not, the same numbers."""
+    not with attention biases, nor in quantised checkpoints (their ignore lists may leave one of
+    the two unquantised; a fused layer is quantised or not as a whole). Online ``--quantization
+    fp8`` scales each row: fused or not, the same numbers."""
     return not getattr(config, "attention_bias", False) and not getattr(config, "quantization_config", None)
 
 

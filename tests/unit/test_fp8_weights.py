@@ -125,8 +125,8 @@ def test_unsupported_quantization_is_refused(tiny_model, tmp_path):
 
 def _check_deepseek_layers(model: torch.nn.Module) -> None:
     attn, moe = model.model.layers[1].self_attn, model.model.layers[1].mlp
-    # an FP8 checkpoint's first query projection and kv_a_proj_with_mqa stay apart (their block
-    # scales were cut per projection); quantised on load, they are one fused_qkv_a_proj
+    # an FP8 checkpoint's first query projection and kv_a_proj_with_mqa stay apart (its ignore
+    # list may name one of them); quantised on load, they are one fused_qkv_a_proj
     if attn.fused:
         first = [attn.fused_qkv_a_proj]
     else:
