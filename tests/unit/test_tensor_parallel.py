@@ -25,7 +25,7 @@ from atom.distributed.parallel_state import SINGLE, TPInfo
 from atom.forward_context import AttentionMetadata, set_forward_context
 from atom.layers.attention import Attention
 from atom.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
-from atom.layers.linear import RowParallelLinear
+from atom.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from atom.layers.moe import FusedMoE
 from atom.model_loader.checkpoint_slice import CheckpointSlice
 from atom.model_loader.loader import load_model
@@ -304,3 +304,22 @@ def test_parent_killed_leaves_no_orphans(tmp_path, sig):
         assert wait_gone(pids) == []
     finally:
         parent.kill()
+
+
+@pytest.mark.parametrize("size", [1, 2, 4])
+def test_merged_linear_replicated_part_is_whole_on_every_rank(size):
+    """DeepSeek's fused_qkv_a_proj: the head-split query rows (this rank's slice) and the
+    replicated latent rows (all of them) in one matrix, on every rank; the rank's output is its
+    query slice beside the whole latent projection."""
+    q, latent = torch.randn(8 * 6, 10), torch.randn(5, 10)
+    x = torch.randn(3, 10)
+    for rank in range(size):
+        layer = MergedColumnParallelLinear(10, [48, 5], tp=TPInfo(rank, size), replicated=(False, True))
+        layer.weight.weight_loader(layer.weight, q, 0)
+        layer.weight.weight_loader(layer.weight, latent, 1)
+        rows = 48 // size
+        assert layer.weight.shape == (rows + 5, 10) and layer.rank_sizes == [rows, 5]
+        assert torch.equal(layer.weight, torch.cat((q[rank * rows : (rank + 1) * rows], latent)))
+        assert torch.equal(layer(x), x @ layer.weight.t())
+    with pytest.raises(ValueError, match="not divisible"):
+        MergedColumnParallelLinear(10, [49, 5], tp=TPInfo(0, 2), replicated=(False, True))
