@@ -134,12 +134,12 @@ def latent_attention(
     sync); ``out``: where the result goes (a [T, H, v] view of the caller's output, as vLLM's
     MLA writes its up-projection), else a new tensor. Returns it, [T, H, v]."""
     num_tokens, num_heads = q.shape[:2]
-    nope = q.shape[-1] - k_pe.shape[-1]
+    rank, nope = kv_b_weight.shape[1], q.shape[-1] - k_pe.shape[-1]
     out = q.new_empty(num_tokens, num_heads, v_head_dim) if out is None else out
 
     def absorbed(rows: slice, lens: torch.Tensor, tables: torch.Tensor) -> None:
-        decode_q = q.new_empty(q[rows].shape[0], num_heads, kv_b_weight.shape[1] + k_pe.shape[-1])
-        decode_q[..., kv_b_weight.shape[1] :] = q[rows, :, nope:]
+        decode_q = q.new_empty(q[rows].shape[0], num_heads, rank + k_pe.shape[-1])
+        decode_q[..., rank:] = q[rows, :, nope:]  # the rotated rope columns; the absorption fills the rest
         latent_decode(q[rows], decode_q, kv_cache, lens, tables, kv_b_weight, scale, k_scale, out[rows])
 
     if num_decodes:

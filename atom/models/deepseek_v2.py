@@ -65,15 +65,14 @@ class DeepseekAttention(nn.Module):
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, _LATENT_NORM_EPS)
             self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, heads * qk_head, False, tp)
         if self.fused:  # the query's first projection and the latent one read the same input: one GEMM
-            q_out = self.q_lora_rank or heads * qk_head
-            self.q_size = self.q_lora_rank or heads * qk_head // tp.size
-            self.fused_qkv_a_proj = MergedColumnParallelLinear(hidden, [q_out, latent], False, tp,
+            sizes = [self.q_lora_rank or heads * qk_head, latent]
+            self.fused_qkv_a_proj = MergedColumnParallelLinear(hidden, sizes, False, tp,
                                                                replicated=(bool(self.q_lora_rank), True))  # fmt: skip
-        elif self.q_lora_rank:
-            self.q_a_proj = ReplicatedLinear(hidden, self.q_lora_rank, bias)
         else:
-            self.q_proj = ColumnParallelLinear(hidden, heads * qk_head, False, tp)
-        if not self.fused:
+            if self.q_lora_rank:
+                self.q_a_proj = ReplicatedLinear(hidden, self.q_lora_rank, bias)
+            else:
+                self.q_proj = ColumnParallelLinear(hidden, heads * qk_head, False, tp)
             self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, latent, bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, _LATENT_NORM_EPS)
         self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, heads * (self.nope + self.v), False, tp)
@@ -87,7 +86,7 @@ class DeepseekAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.fused:
-            q, latent = self.fused_qkv_a_proj(hidden_states).split([self.q_size, self.kv_lora_rank + self.rope], -1)
+            q, latent = self.fused_qkv_a_proj(hidden_states).split(self.fused_qkv_a_proj.rank_sizes, dim=-1)
         else:
             q = self.q_a_proj(hidden_states) if self.q_lora_rank else self.q_proj(hidden_states)
             latent = self.kv_a_proj_with_mqa(hidden_states)

@@ -197,7 +197,7 @@ def test_fp8_deepseek_mtp_layer_loads_exact_weights(tiny_model, tmp_path):
     num_routed, inter = ref_experts.num_experts, ref_experts.intermediate
     shared_w13, shared_w2 = ref_experts.w13_weight[num_routed:], ref_experts.w2_weight[num_routed:]
     attn = ref["model.layers.3.self_attn"]
-    fused_qkv_a, q_rows = attn.fused_qkv_a_proj.weight, attn.q_size
+    fused_qkv_a, q_rows = attn.fused_qkv_a_proj.weight, attn.fused_qkv_a_proj.rank_sizes[0]
     shared_ref = {
         "model.layers.3.mlp.shared_experts.gate_up_proj": torch.cat(
             (shared_w13[:, :inter].flatten(0, 1), shared_w13[:, inter:].flatten(0, 1))),
