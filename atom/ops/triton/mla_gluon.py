@@ -137,7 +137,7 @@ if _HAVE_GLUON:
         s = gl.zeros([_HEADS, _BLOCK_N], gl.float32, layout)
         for j in gl.static_range(_CHUNKS):
             k = k_smem.index(stage * _CHUNKS + j).permute((1, 0))
-            s = warpgroup_mma(q_smem.index(j), k, s, use_acc=j > 0, is_async=True)
+            s = warpgroup_mma(q_smem.index(j + z), k, s, use_acc=j > 0, is_async=True)
         return s
 
     @gluon.jit
@@ -290,6 +290,295 @@ if _HAVE_GLUON:
         )  # fmt: skip
 
 
+    # ---- the seesaw schedule (FlashMLA's): two math warpgroups, each the QK^T and softmax of every
+    # other tile, each the PV of its own half of the latent columns over both tiles of a pair ----
+
+    @gluon.jit
+    def _load_half(c_desc, k_smem, bar, tables_ptr, stride_tb, seq, first_key, last_box, buf, C0: gl.constexpr,
+                   NC: gl.constexpr, PAGE: gl.constexpr, ROWS: gl.constexpr):  # fmt: skip
+        """Chunks ``C0`` to ``C0 + NC - 1`` of the 64-key tile from ``first_key`` into buffer ``buf``."""
+        mbarrier.expect(bar, NC * (_BLOCK_N // ROWS) * c_desc.block_type.nbytes)
+        for i in gl.static_range(_BLOCK_N // ROWS):
+            key = gl.minimum(first_key + i * ROWS, last_box)  # past the sequence: its last box (masked)
+            page = gl.load(tables_ptr + seq * stride_tb + key // PAGE)
+            row = page * PAGE + key % PAGE
+            for j in gl.static_range(NC):
+                tma.async_copy_global_to_shared(c_desc, [row, (C0 + j) * _COLS], bar,
+                                                k_smem.index(buf * _CHUNKS + C0 + j).slice(i * ROWS, ROWS))
+
+    @gluon.jit
+    def _ss_loader(q_desc, c_desc, q_smem, k_smem, q_ready, k_ready, kv_empty, tables_ptr, stride_tb, q_row, seq,
+                   lo, n_tiles, last_key, PAGE: gl.constexpr, ROWS: gl.constexpr):  # fmt: skip
+        """Tile ``t`` goes to buffer ``t % 2`` in two halves: chunks 0-3 (the left values) and 4-8 (the
+        right values and the rope columns), barrier ``2 * buffer + half``; a half is refilled once its one
+        last reader has released it, in the order the pair's schedule releases them."""
+        mbarrier.expect(q_ready, _CHUNKS * q_desc.block_type.nbytes)
+        for j in gl.static_range(_CHUNKS):
+            tma.async_copy_global_to_shared(q_desc, [q_row, j * _COLS], q_ready, q_smem.index(j))
+        last_box = (last_key // ROWS) * ROWS
+        for t in range(gl.minimum(n_tiles, 2)):
+            key = lo + t * _BLOCK_N
+            _load_half(c_desc, k_smem, k_ready.index(2 * t), tables_ptr, stride_tb, seq, key, last_box, t, 0, 4,
+                       PAGE, ROWS)  # fmt: skip
+            _load_half(c_desc, k_smem, k_ready.index(2 * t + 1), tables_ptr, stride_tb, seq, key, last_box, t, 4, 5,
+                       PAGE, ROWS)  # fmt: skip
+        for p in range(1, gl.cdiv(n_tiles, 2)):
+            phase = (p - 1) & 1
+            key0 = lo + 2 * p * _BLOCK_N
+            has1 = 2 * p + 1 < n_tiles
+            mbarrier.wait(kv_empty.index(0), phase)
+            _load_half(c_desc, k_smem, k_ready.index(0), tables_ptr, stride_tb, seq, key0, last_box, 0, 0, 4, PAGE,
+                       ROWS)  # fmt: skip
+            if has1:
+                mbarrier.wait(kv_empty.index(3), phase)
+                _load_half(c_desc, k_smem, k_ready.index(3), tables_ptr, stride_tb, seq, key0 + _BLOCK_N, last_box,
+                           1, 4, 5, PAGE, ROWS)  # fmt: skip
+            mbarrier.wait(kv_empty.index(1), phase)
+            _load_half(c_desc, k_smem, k_ready.index(1), tables_ptr, stride_tb, seq, key0, last_box, 0, 4, 5, PAGE,
+                       ROWS)  # fmt: skip
+            if has1:
+                mbarrier.wait(kv_empty.index(2), phase)
+                _load_half(c_desc, k_smem, k_ready.index(2), tables_ptr, stride_tb, seq, key0 + _BLOCK_N, last_box,
+                           1, 0, 4, PAGE, ROWS)  # fmt: skip
+
+    @gluon.jit
+    def _ss_qk_issue(q_smem, q_rope, k_smem, buf, z, s, FIRST: gl.constexpr, HALF: gl.constexpr):
+        """Half ``HALF`` of S = Q K^T (chunks 0-3, or 4-7 and the rope chunk with Q's rope columns
+        from registers: their shared memory holds the second tile's P), async."""
+        if HALF == 0:
+            for j in gl.static_range(4):
+                k = k_smem.index(buf * _CHUNKS + j).permute((1, 0))
+                s = warpgroup_mma(q_smem.index(j + z), k, s, use_acc=(FIRST == 1) or (j > 0), is_async=True)
+        else:
+            for j in gl.static_range(4, _CHUNKS - 1):
+                k = k_smem.index(buf * _CHUNKS + j).permute((1, 0))
+                s = warpgroup_mma(q_smem.index(j + z), k, s, use_acc=(FIRST == 0) or (j > 4), is_async=True)
+            k = k_smem.index(buf * _CHUNKS + _CHUNKS - 1).permute((1, 0))
+            s = warpgroup_mma(q_rope, k, s, is_async=True)
+        return s
+
+    @gluon.jit
+    def _ss_wg0(q_smem, k_smem, p0_smem, m_smem, sc0_smem, sc1_smem, l0_smem, l1_smem, q_ready, k_ready, kv_empty, sc0_ready,
+                sc1_ready, p0_ready, p1_ready, l_ready, out_ptr, part_out_ptr, part_ml_ptr, qk_scale, seq, head0,
+                split, num_heads, num_splits, lo, hi, n_tiles, stride_ob, stride_oh, SPLIT: gl.constexpr):  # fmt: skip
+        """Even tiles' QK^T and softmax; PV for latent columns 0-255 (O_L) over both tiles of each pair."""
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, _BLOCK_N, 16])  # fmt: skip
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, 4 * _COLS, 16])  # fmt: skip
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+        row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
+        o_row: gl.constexpr = gl.SliceLayout(1, o_layout)
+        dtype: gl.constexpr = q_smem.dtype
+        keys = gl.arange(0, _BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        m_i = gl.full([_HEADS], float("-inf"), gl.float32, row_l)
+        l_i = gl.zeros([_HEADS], gl.float32, row_l)
+        acc = gl.zeros([_HEADS, 4 * _COLS], gl.float32, o_layout)
+        s = gl.zeros([_HEADS, _BLOCK_N], gl.float32, s_layout)
+        mbarrier.wait(q_ready, 0)
+        q_rope = q_smem.index(_CHUNKS - 1).load(q_layout)  # before the odd warpgroup's P takes its place
+        if n_tiles > 0:
+            mbarrier.wait(k_ready.index(0), 0)
+            s = _ss_qk_issue(q_smem, q_rope, k_smem, 0, 0, s, 0, 0)
+            mbarrier.wait(k_ready.index(1), 0)
+            s = _ss_qk_issue(q_smem, q_rope, k_smem, 0, 0, s, 0, 1)
+            s = warpgroup_mma_wait(0, deps=[s])
+        for p in range(gl.cdiv(n_tiles, 2)):
+            t = 2 * p
+            z = p >> 24  # zero, opaque to the compiler: the MMA operands' addresses stay in the loop
+            # softmax of tile t against the running max; the max and the old accumulators' factor to WG1
+            sv = gl.where((lo + t * _BLOCK_N + keys < hi)[None, :], s * qk_scale, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(sv, axis=1))
+            scale0 = gl.exp2(m_i - m_new)
+            p0 = gl.exp2(sv - m_new[:, None])
+            l_i = l_i * scale0 + gl.sum(p0, axis=1)
+            m_smem.store(m_new)
+            sc0_smem.store(scale0)
+            gl.thread_barrier()
+            mbarrier.arrive(sc0_ready)
+            # O_L = O_L * scale0 + P0 V0_L; then buffer 0's left half is free
+            acc = acc * gl.convert_layout(scale0, o_row)[:, None]
+            p0_op = gl.convert_layout(p0.to(dtype), p_layout)
+            acc = warpgroup_mma(p0_op, _half(k_smem, z, 0), acc, is_async=True)
+            acc, p0_op = warpgroup_mma_wait(0, deps=[acc, p0_op])
+            mbarrier.arrive(kv_empty.index(0))
+            # WG1's max over tile t + 1: P0 in its units for WG1's right half, and O_L rescaled
+            mbarrier.wait(sc1_ready, p & 1)
+            scale1 = sc1_smem.load(row_l)
+            m_i = m_smem.load(row_l)
+            p0_smem.store((p0 * scale1[:, None]).to(dtype))
+            fence_async_shared()  # P0 is read by WG1's MMA (the async proxy)
+            gl.thread_barrier()
+            mbarrier.arrive(p0_ready)
+            l_i = l_i * scale1
+            acc = acc * gl.convert_layout(scale1, o_row)[:, None]
+            # O_L += P1 V1_L (P1 from WG1, in Q's rope chunk), then the next even tile's QK^T, its left
+            # chunks first (refilled first); buffer 1's left half is free once that PV is done
+            if t + 2 < n_tiles:
+                mbarrier.wait(p1_ready, p & 1)
+                acc = warpgroup_mma(q_smem.index(_CHUNKS - 1), _half(k_smem, 1 + z, 0), acc, is_async=True)
+                mbarrier.wait(k_ready.index(0), (p + 1) & 1)
+                s = _ss_qk_issue(q_smem, q_rope, k_smem, z, z, s, 0, 0)
+                acc = warpgroup_mma_wait(4, deps=[acc])
+                mbarrier.arrive(kv_empty.index(2))
+                mbarrier.wait(k_ready.index(1), (p + 1) & 1)
+                s = _ss_qk_issue(q_smem, q_rope, k_smem, z, z, s, 0, 1)
+                s = warpgroup_mma_wait(0, deps=[s])
+            elif t + 1 < n_tiles:
+                mbarrier.wait(p1_ready, p & 1)
+                acc = warpgroup_mma(q_smem.index(_CHUNKS - 1), _half(k_smem, 1 + z, 0), acc, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=[acc])
+        # the row sums: each warpgroup holds those of its tiles, in the same units
+        l0_smem.store(l_i)
+        gl.thread_barrier()
+        mbarrier.arrive(l_ready)
+        mbarrier.wait(l_ready, 0)
+        l_i = l_i + l1_smem.load(row_l)
+        _store(acc, 0, seq, head0, split, num_heads, num_splits, out_ptr, part_out_ptr, stride_ob, stride_oh,
+               gl.convert_layout(l_i, o_row), SPLIT, o_layout)  # fmt: skip
+        if SPLIT:  # the running max (natural-log units, as the merge kernel expects) and the denominator
+            heads = head0 + gl.arange(0, _HEADS, layout=row_l)
+            row = (seq * num_heads + heads) * num_splits + split
+            gl.store(part_ml_ptr + 2 * row, m_i * 0.6931471805599453, mask=heads < num_heads)
+            gl.store(part_ml_ptr + 2 * row + 1, l_i, mask=heads < num_heads)
+
+    @gluon.jit
+    def _ss_wg1(q_smem, k_smem, p0_smem, m_smem, sc0_smem, sc1_smem, l0_smem, l1_smem, q_ready, k_ready, kv_empty, sc0_ready,
+                sc1_ready, p0_ready, p1_ready, l_ready, out_ptr, part_out_ptr, qk_scale, seq, head0, split, num_heads,
+                num_splits, lo, hi, n_tiles, stride_ob, stride_oh, SPLIT: gl.constexpr):  # fmt: skip
+        """Odd tiles' QK^T and softmax; PV for latent columns 256-511 (O_R) over both tiles of each pair."""
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, _BLOCK_N, 16])  # fmt: skip
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, 4 * _COLS, 16])  # fmt: skip
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+        row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
+        o_row: gl.constexpr = gl.SliceLayout(1, o_layout)
+        dtype: gl.constexpr = q_smem.dtype
+        keys = gl.arange(0, _BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        l_i = gl.zeros([_HEADS], gl.float32, row_l)
+        acc = gl.zeros([_HEADS, 4 * _COLS], gl.float32, o_layout)
+        s = gl.zeros([_HEADS, _BLOCK_N], gl.float32, s_layout)
+        mbarrier.wait(q_ready, 0)
+        q_rope = q_smem.index(_CHUNKS - 1).load(q_layout)
+        if n_tiles > 1:  # the right chunks first: the order buffer 1's halves are refilled in
+            mbarrier.wait(k_ready.index(3), 0)
+            s = _ss_qk_issue(q_smem, q_rope, k_smem, 1, 0, s, 1, 1)
+            mbarrier.wait(k_ready.index(2), 0)
+            s = _ss_qk_issue(q_smem, q_rope, k_smem, 1, 0, s, 1, 0)
+            s = warpgroup_mma_wait(0, deps=[s])
+        for p in range(gl.cdiv(n_tiles, 2)):
+            t = 2 * p + 1
+            z = p >> 24
+            has1 = t < n_tiles
+            mbarrier.wait(sc0_ready, p & 1)
+            m_old = m_smem.load(row_l)
+            scale0 = sc0_smem.load(row_l)
+            # past the tiles (an odd count) every key is masked: the max stays, P1 is zero, the factor 1
+            sv = gl.where((lo + t * _BLOCK_N + keys < hi)[None, :], s * qk_scale, float("-inf"))
+            m_new = gl.maximum(m_old, gl.max(sv, axis=1))
+            scale1 = gl.exp2(m_old - m_new)
+            p1 = gl.exp2(sv - m_new[:, None])
+            m_smem.store(m_new)
+            sc1_smem.store(scale1)
+            gl.thread_barrier()
+            mbarrier.arrive(sc1_ready)
+            factor = scale0 * scale1
+            l_i = l_i * factor + gl.sum(p1, axis=1)
+            acc = acc * gl.convert_layout(factor, o_row)[:, None]
+            if has1:  # P1 to WG0 through Q's rope chunk (both warpgroups hold those columns in registers)
+                p1_16 = p1.to(dtype)
+                q_smem.index(_CHUNKS - 1).store(p1_16)
+                fence_async_shared()
+                gl.thread_barrier()
+                mbarrier.arrive(p1_ready)
+                p1_op = gl.convert_layout(p1_16, p_layout)
+                acc = warpgroup_mma(p1_op, _half(k_smem, 1 + z, 1), acc, is_async=True)
+                mbarrier.wait(p0_ready, p & 1)
+                acc = warpgroup_mma(p0_smem, _half(k_smem, z, 1), acc, is_async=True)
+                p1_op = warpgroup_mma_wait(1, deps=[p1_op])
+                mbarrier.arrive(kv_empty.index(3))
+                acc = warpgroup_mma_wait(0, deps=[acc])
+            else:
+                mbarrier.wait(p0_ready, p & 1)
+                acc = warpgroup_mma(p0_smem, _half(k_smem, z, 1), acc, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=[acc])
+            mbarrier.arrive(kv_empty.index(1))
+            if t + 2 < n_tiles:
+                mbarrier.wait(k_ready.index(3), (p + 1) & 1)
+                s = _ss_qk_issue(q_smem, q_rope, k_smem, 1 + z, z, s, 1, 1)
+                mbarrier.wait(k_ready.index(2), (p + 1) & 1)
+                s = _ss_qk_issue(q_smem, q_rope, k_smem, 1 + z, z, s, 1, 0)
+                s = warpgroup_mma_wait(0, deps=[s])
+        l1_smem.store(l_i)
+        gl.thread_barrier()
+        mbarrier.arrive(l_ready)
+        mbarrier.wait(l_ready, 0)
+        l_i = l_i + l0_smem.load(row_l)
+        _store(acc, 256, seq, head0, split, num_heads, num_splits, out_ptr, part_out_ptr, stride_ob, stride_oh,
+               gl.convert_layout(l_i, o_row), SPLIT, o_layout)  # fmt: skip
+
+    @gluon.jit(
+        do_not_specialize=["num_splits", "stride_tb"],
+        do_not_specialize_on_alignment=["seq_lens_ptr", "tables_ptr"],
+    )
+    def _mla_decode_seesaw_kernel(q_desc, c_desc, seq_lens_ptr, tables_ptr, out_ptr, part_out_ptr, part_ml_ptr,
+                                  qk_scale, num_heads, num_splits, stride_tb, stride_ob, stride_oh,
+                                  PAGE: gl.constexpr, ROWS: gl.constexpr, SPLIT: gl.constexpr,
+                                  VALUE_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):  # fmt: skip
+        dtype: gl.constexpr = q_desc.dtype
+        head0 = gl.program_id(0) * _HEADS
+        seq = gl.program_id(1).to(gl.int64)
+        split = gl.program_id(2)
+        seq_len = gl.load(seq_lens_ptr + seq)
+        chunk = gl.cdiv(gl.cdiv(seq_len, num_splits), _BLOCK_N) * _BLOCK_N
+        lo = split * chunk
+        hi = gl.minimum(lo + chunk, seq_len)
+        n_tiles = gl.cdiv(gl.maximum(hi - lo, 0), _BLOCK_N)
+        q_row = (seq * num_heads + head0).to(gl.int32)
+
+        q_smem = gl.allocate_shared_memory(dtype, [_CHUNKS, _HEADS, _COLS], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [2 * _CHUNKS, _BLOCK_N, _COLS], q_desc.layout)
+        p0_smem = gl.allocate_shared_memory(dtype, [_HEADS, _BLOCK_N], q_desc.layout)
+        vec: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        m_smem = gl.allocate_shared_memory(gl.float32, [_HEADS], vec)
+        sc0_smem = gl.allocate_shared_memory(gl.float32, [_HEADS], vec)
+        sc1_smem = gl.allocate_shared_memory(gl.float32, [_HEADS], vec)
+        l0_smem = gl.allocate_shared_memory(gl.float32, [_HEADS], vec)
+        l1_smem = gl.allocate_shared_memory(gl.float32, [_HEADS], vec)
+        bars = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(6):
+            mbarrier.init(bars.index(i), count=2 if i == 5 else 1)  # l_ready: both warpgroups
+        for i in gl.static_range(4):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(kv_empty.index(i), count=1)
+        q_ready = bars.index(0)
+        sc0_ready = bars.index(1)
+        sc1_ready = bars.index(2)
+        p0_ready = bars.index(3)
+        p1_ready = bars.index(4)
+        l_ready = bars.index(5)
+        gl.warp_specialize(
+            [
+                (_ss_wg0, (q_smem, k_smem, p0_smem, m_smem, sc0_smem, sc1_smem, l0_smem, l1_smem, q_ready, k_ready, kv_empty,
+                           sc0_ready, sc1_ready, p0_ready, p1_ready, l_ready, out_ptr, part_out_ptr, part_ml_ptr,
+                           qk_scale, seq, head0, split, num_heads, num_splits, lo, hi, n_tiles, stride_ob, stride_oh,
+                           SPLIT)),
+                (_ss_wg1, (q_smem, k_smem, p0_smem, m_smem, sc0_smem, sc1_smem, l0_smem, l1_smem, q_ready, k_ready, kv_empty,
+                           sc0_ready, sc1_ready, p0_ready, p1_ready, l_ready, out_ptr, part_out_ptr, qk_scale, seq,
+                           head0, split, num_heads, num_splits, lo, hi, n_tiles, stride_ob, stride_oh, SPLIT)),
+                (_ss_loader, (q_desc, c_desc, q_smem, k_smem, q_ready, k_ready, kv_empty, tables_ptr, stride_tb,
+                              q_row, seq, lo, n_tiles, seq_len - 1, PAGE, ROWS)),
+            ],
+            [4, 1],
+            [VALUE_REGS, LOADER_REGS],
+        )  # fmt: skip
+
+
 @functools.cache
 def _layout():
     return gl.NVMMASharedLayout.get_default_for([HEADS, COLS], gl.bfloat16)
@@ -313,7 +602,7 @@ def mla_decode_gluon(q, kv_cache, seq_lens, block_tables, scale, splits=None, co
     results merge in ``mla_merge``. ``config``: register counts of the
     value and loader partitions (``value_regs``, ``loader_regs``)."""
 
-    cfg = {"value_regs": 232, "loader_regs": 24, **(config or {})}
+    cfg = {"schedule": "split", "value_regs": 232, "loader_regs": 24, **(config or {})}
     num_seqs, num_heads, dim = q.shape
     out = torch.empty(num_seqs, num_heads, RANK, dtype=q.dtype, device=q.device)
     if num_seqs == 0:
@@ -328,7 +617,8 @@ def mla_decode_gluon(q, kv_cache, seq_lens, block_tables, scale, splits=None, co
     if splits > 1:
         part_out = torch.empty(num_seqs, num_heads, splits, RANK, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(num_seqs, num_heads, splits, 2, dtype=torch.float32, device=q.device)
-    _mla_decode_gluon_kernel[(head_blocks(num_heads), num_seqs, splits)](
+    kernel = _mla_decode_seesaw_kernel if cfg["schedule"] == "seesaw" else _mla_decode_gluon_kernel
+    kernel[(head_blocks(num_heads), num_seqs, splits)](
         q_desc, c_desc, seq_lens, block_tables, out, part_out, part_ml, scale * LOG2E, num_heads, splits,
         block_tables.stride(0), out.stride(0), out.stride(1), PAGE=page, ROWS=rows, SPLIT=splits > 1,
         VALUE_REGS=cfg["value_regs"], LOADER_REGS=cfg["loader_regs"], num_warps=4,
