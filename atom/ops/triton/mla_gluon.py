@@ -137,7 +137,7 @@ if _HAVE_GLUON:
         s = gl.zeros([_HEADS, _BLOCK_N], gl.float32, layout)
         for j in gl.static_range(_CHUNKS):
             k = k_smem.index(stage * _CHUNKS + j).permute((1, 0))
-            s = warpgroup_mma(q_smem.index(j + z), k, s, use_acc=j > 0, is_async=True)
+            s = warpgroup_mma(q_smem.index(j), k, s, use_acc=j > 0, is_async=True)
         return s
 
     @gluon.jit
@@ -602,7 +602,7 @@ def mla_decode_gluon(q, kv_cache, seq_lens, block_tables, scale, splits=None, co
     results merge in ``mla_merge``. ``config``: register counts of the
     value and loader partitions (``value_regs``, ``loader_regs``)."""
 
-    cfg = {"schedule": "split", "value_regs": 232, "loader_regs": 24, **(config or {})}
+    cfg = {"schedule": "seesaw", "value_regs": 232, "loader_regs": 24, **(config or {})}
     num_seqs, num_heads, dim = q.shape
     out = torch.empty(num_seqs, num_heads, RANK, dtype=q.dtype, device=q.device)
     if num_seqs == 0:
