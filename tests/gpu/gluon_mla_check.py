@@ -1,7 +1,7 @@
 """Gluon Hopper MLA decode on the GPU: correctness, then time against atom's Triton kernel and vLLM's
 MLA backends (when vLLM imports). One command:
 
-    python tests/gpu/gluon_mla_check.py [--timeout 240] [--config '{"value_regs": 232}']
+    python tests/gpu/gluon_mla_check.py [--timeout 240] [--config '{"wg1_regs": 232}']
 
 The work runs in a subprocess with a timeout, so a kernel that fails to compile, computes wrong
 results or hangs is reported. Correctness: fresh random bf16 inputs (seed printed), ragged sequence

@@ -5,23 +5,27 @@ dims) with pages of at least 8 rows, a 16-bit query whose head count is a multip
 (DeepSeek-V3: 128, 64 at ``-tp 2``, 16 at ``-tp 8``; V2-Lite and Moonlight: 16), sm_90. Everything else
 stays on ``atom.ops.triton.mla``.
 
-Each program owns 64 heads of one sequence over one context split, in 64-key tiles, and runs three
-partitions (with fewer heads, the 64 MMA rows past them hold the next sequences' queries or zeros,
-computed and never stored: decode at 16 heads reads ~120 flops per latent byte even so, below the
-H100's ~300, so the padding costs no time):
+Each program owns 64 heads of one sequence over one context split, in 64-key tiles (with fewer heads,
+the 64 MMA rows past them hold the next sequences' queries or zeros, computed and never stored). The
+64 x 512 float32 accumulator does not fit one warpgroup's registers, so two math warpgroups hold half
+of its columns each, and they run FlashMLA's "seesaw" schedule over pairs of tiles (t0 in key buffer
+0, t1 in key buffer 1):
 
-- a one-warp **loader** issuing bulk tensor copies (TMA): the program's query once (nine 64-column
-  chunks), then every key tile into a two-stage ring (pages of the block table, nine chunks each);
-- the **softmax warpgroup** (the default partition): S = Q K^T over the 576 dims for each tile, the
-  online softmax, P and the rescale factor published to shared memory, and P V for latent columns
-  0-255 with P from its registers. Tile ``t - 1``'s PV is issued before tile ``t``'s QK^T, so its
-  stage is released (and refilled with tile ``t + 1``) while the QK^T and the softmax run;
-- the **value warpgroup**: P V for latent columns 256-511, P read from shared memory.
+- **WG0** (the default partition): S0 = Q K0^T and its online softmax against the running max; the
+  max and the factor for the old sums go to WG1 through shared memory; O_L = O_L * f0 + P0 V0_L; then,
+  with WG1's max over t1, P0 in its units to shared memory for WG1 and O_L += P1 V1_L with WG1's P1.
+- **WG1**: S1 = Q K1^T and its softmax against WG0's max; P1 to shared memory (in the query's rope
+  chunk: both warpgroups hold those 64 query columns in registers), O_R = O_R * f0 f1 + P1 V1_R
+  + P0 V0_R.
+- a one-warp **loader** issuing bulk tensor copies (TMA): the query once (nine 64-column chunks),
+  then each key tile in two halves (chunks 0-3, the left values; 4-8, the right values and the rope
+  columns), each refilled as soon as its one last reader releases it.
 
-The 64 x 512 float32 accumulator does not fit one warpgroup's registers; split by columns over two
-warpgroups it is 128 registers a thread each, and S is computed once. Shared memory: Q 72 KiB, two key
-stages of 72 KiB, P 8 KiB (about 225 KiB: one program per SM). Programs run head blocks fastest, so
-the blocks of one sequence read its latent rows from L2 the second time.
+Each warpgroup runs its MMAs while the other computes its softmax, so the tensor cores stay busy,
+and the MMA work is even (one QK^T and two half PVs each per pair). The row sums are kept per
+warpgroup in the same units and added at the end. Shared memory: Q 72 KiB, two key buffers of
+72 KiB, P0 8 KiB (about 226 KiB: one program per SM). Programs run head blocks fastest, so the
+blocks of one sequence read its latent rows from L2 the second time.
 
 The latent rows of the last tile past the sequence (the rest of its last page, or a page clamped to
 the last one) are read but masked out of the softmax: P is zero there, and the cache holds finite
@@ -85,38 +89,6 @@ if _HAVE_GLUON:
     _RANK = gl.constexpr(RANK)
 
     @gluon.jit
-    def _loader(q_desc, c_desc, q_smem, k_smem, q_ready, k_ready, kv_empty, tables_ptr, stride_tb, q_row, seq,
-                lo, n_tiles, last_key, PAGE: gl.constexpr, ROWS: gl.constexpr):  # fmt: skip
-        mbarrier.expect(q_ready, _CHUNKS * q_desc.block_type.nbytes)
-        for j in gl.static_range(_CHUNKS):
-            tma.async_copy_global_to_shared(q_desc, [q_row, j * _COLS], q_ready, q_smem.index(j))
-        # boxes past the sequence read the box holding its last key instead (masked by the consumers)
-        last_box = (last_key // ROWS) * ROWS
-        for t in range(n_tiles):
-            s = t % _STAGES
-            # a stage is reused once both warpgroups have released its previous tile
-            mbarrier.wait(kv_empty.index(s), ((t // _STAGES) & 1) ^ 1, pred=t >= _STAGES)
-            mbarrier.expect(k_ready.index(s), _CHUNKS * (_BLOCK_N // ROWS) * c_desc.block_type.nbytes)
-            for i in gl.static_range(_BLOCK_N // ROWS):
-                key = gl.minimum(lo + t * _BLOCK_N + i * ROWS, last_box)
-                page = gl.load(tables_ptr + seq * stride_tb + key // PAGE)
-                row = page * PAGE + key % PAGE
-                for j in gl.static_range(_CHUNKS):
-                    tma.async_copy_global_to_shared(c_desc, [row, j * _COLS], k_ready.index(s),
-                                                    k_smem.index(s * _CHUNKS + j).slice(i * ROWS, ROWS))
-
-    @gluon.jit
-    def _publish(x_smem, x, p_smem, p, p_ready):
-        """Hand ``x`` (a row vector: the rescale factor, or at the end the denominator) and optionally
-        P to the value warpgroup."""
-        x_smem.store(x)
-        if p_smem is not None:
-            p_smem.store(p)
-        fence_async_shared()  # P is read by the other warpgroup's MMAs (the async proxy)
-        gl.thread_barrier()  # every thread's stores before the one arrive
-        mbarrier.arrive(p_ready)
-
-    @gluon.jit
     def _store(acc, col0: gl.constexpr, seq, head0, split, num_heads, num_splits, out_ptr, part_out_ptr,
                stride_ob, stride_oh, l_i, SPLIT: gl.constexpr, layout: gl.constexpr):  # fmt: skip
         """Half of the program's result (256 columns from ``col0``): normalised, or with SPLIT the
@@ -132,166 +104,11 @@ if _HAVE_GLUON:
             gl.store(out_ptr + offs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
 
     @gluon.jit
-    def _qk(q_smem, k_smem, stage, layout: gl.constexpr):
-        """S = Q K^T of the tile in ``stage`` over the 576 dims, issued as nine async MMAs."""
-        s = gl.zeros([_HEADS, _BLOCK_N], gl.float32, layout)
-        for j in gl.static_range(_CHUNKS):
-            k = k_smem.index(stage * _CHUNKS + j).permute((1, 0))
-            s = warpgroup_mma(q_smem.index(j), k, s, use_acc=j > 0, is_async=True)
-        return s
-
-    @gluon.jit
-    def _softmax(s, m_i, l_i, valid, qk_scale):
-        """Online-softmax step over one tile's scores (keys past the split masked): P (unnormalised),
-        the new running max and sum, and the factor that rescales the old accumulators."""
-        s = gl.where(valid[None, :], s * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(s - m_new[:, None])
-        return p, m_new, l_i * alpha + gl.sum(p, axis=1), alpha
-
-    @gluon.jit
     def _half(k_smem, stage, half: gl.constexpr):
         """Latent columns ``256 * half`` to ``256 * half + 255`` of the tile in ``stage`` as one [64, 256]
         operand (its four 64-column chunks are laid out as a 256-column 128-byte-swizzled tile)."""
         first = k_smem.index(stage * _CHUNKS + 4 * half)  # reinterpreted from its first chunk on
         return first._reinterpret(k_smem.dtype, [_BLOCK_N, 4 * _COLS], k_smem.layout)
-
-    @gluon.jit
-    def _softmax_wg(q_smem, k_smem, p_smem, x_smem, q_ready, k_ready, kv_empty, p_ready, p_free, out_ptr,
-                    part_out_ptr, part_ml_ptr, qk_scale, seq, head0, split, num_heads, num_splits, lo, hi, n_tiles,
-                    stride_ob, stride_oh, SPLIT: gl.constexpr):  # fmt: skip
-        layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, _BLOCK_N, 16])  # fmt: skip
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, 4 * _COLS, 16])  # fmt: skip
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        row_l: gl.constexpr = gl.SliceLayout(1, layout)
-        o_row: gl.constexpr = gl.SliceLayout(1, o_layout)
-        dtype: gl.constexpr = q_smem.dtype
-        m_i = gl.full([_HEADS], float("-inf"), gl.float32, row_l)
-        l_i = gl.zeros([_HEADS], gl.float32, row_l)
-        acc = gl.zeros([_HEADS, 4 * _COLS], gl.float32, o_layout)
-        keys = gl.arange(0, _BLOCK_N, layout=gl.SliceLayout(0, layout))
-        p_op = gl.zeros([_HEADS, _BLOCK_N], dtype, p_layout)
-        if n_tiles > 0:  # tile 0: its QK^T alone
-            mbarrier.wait(q_ready, 0)
-            mbarrier.wait(k_ready.index(0), 0)
-            s = _qk(q_smem, k_smem, 0, layout)
-            s = warpgroup_mma_wait(0, deps=[s])
-            p, m_i, l_i, alpha = _softmax(s, m_i, l_i, lo + keys < hi, qk_scale)
-            p16 = p.to(dtype)
-            _publish(x_smem, alpha, p_smem, p16, p_ready)
-            p_op = gl.convert_layout(p16, p_layout)
-        for t in range(1, n_tiles):
-            st = t % _STAGES
-            prev = (t - 1) % _STAGES
-            # PV of the previous tile (columns 0-255) first: its stage is then released early, and the
-            # loader refills it while this tile's QK^T and softmax run
-            acc = warpgroup_mma(p_op, _half(k_smem, prev, 0), acc, is_async=True)
-            mbarrier.wait(k_ready.index(st), (t // _STAGES) & 1)
-            s = _qk(q_smem, k_smem, st, layout)
-            acc, p_op = warpgroup_mma_wait(_CHUNKS, deps=[acc, p_op])
-            mbarrier.arrive(kv_empty.index(prev))
-            s = warpgroup_mma_wait(0, deps=[s])
-            p, m_i, l_i, alpha = _softmax(s, m_i, l_i, lo + t * _BLOCK_N + keys < hi, qk_scale)
-            # P's buffer is free once the value warpgroup's PV of the previous tile is done
-            mbarrier.wait(p_free, (t - 1) & 1)
-            p16 = p.to(dtype)
-            _publish(x_smem, alpha, p_smem, p16, p_ready)
-            acc = acc * gl.convert_layout(alpha, o_row)[:, None]
-            p_op = gl.convert_layout(p16, p_layout)
-        if n_tiles > 0:  # PV of the last tile
-            last = (n_tiles - 1) % _STAGES
-            acc = warpgroup_mma(p_op, _half(k_smem, last, 0), acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=[acc])
-            mbarrier.arrive(kv_empty.index(last))
-            mbarrier.wait(p_free, (n_tiles - 1) & 1)
-        _publish(x_smem, l_i, None, None, p_ready)  # the denominator, for the value warpgroup's store
-        _store(acc, 0, seq, head0, split, num_heads, num_splits, out_ptr, part_out_ptr, stride_ob, stride_oh,
-               gl.convert_layout(l_i, o_row), SPLIT, o_layout)  # fmt: skip
-        if SPLIT:  # the running max (natural-log units, as the merge kernel expects) and the denominator
-            heads = head0 + gl.arange(0, _HEADS, layout=row_l)
-            row = (seq * num_heads + heads) * num_splits + split
-            gl.store(part_ml_ptr + 2 * row, m_i * 0.6931471805599453, mask=heads < num_heads)
-            gl.store(part_ml_ptr + 2 * row + 1, l_i, mask=heads < num_heads)
-
-    @gluon.jit
-    def _value_wg(k_smem, p_smem, x_smem, k_ready, kv_empty, p_ready, p_free, out_ptr, part_out_ptr, seq, head0,
-                  split, num_heads, num_splits, n_tiles, stride_ob, stride_oh, SPLIT: gl.constexpr):  # fmt: skip
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, 4 * _COLS, 16])  # fmt: skip
-        o_row: gl.constexpr = gl.SliceLayout(1, o_layout)
-        acc = gl.zeros([_HEADS, 4 * _COLS], gl.float32, o_layout)
-        for t in range(n_tiles):
-            st = t % _STAGES
-            mbarrier.wait(p_ready, t & 1)
-            mbarrier.wait(k_ready.index(st), (t // _STAGES) & 1)
-            acc = acc * x_smem.load(o_row)[:, None]
-            acc = warpgroup_mma(p_smem, _half(k_smem, st, 1), acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=[acc])
-            gl.thread_barrier()  # every thread is done with P and the rescale factor
-            mbarrier.arrive(p_free)
-            mbarrier.arrive(kv_empty.index(st))
-        mbarrier.wait(p_ready, n_tiles & 1)
-        _store(acc, 256, seq, head0, split, num_heads, num_splits, out_ptr, part_out_ptr, stride_ob, stride_oh,
-               x_smem.load(o_row), SPLIT, o_layout)  # fmt: skip
-
-    # per-step values (split count, block-table width, metadata slices) are not specialised on: a new
-    # combination would compile a variant in the middle of serving (as in mla.py)
-    @gluon.jit(
-        do_not_specialize=["num_splits", "stride_tb"],
-        do_not_specialize_on_alignment=["seq_lens_ptr", "tables_ptr"],
-    )
-    def _mla_decode_gluon_kernel(q_desc, c_desc, seq_lens_ptr, tables_ptr, out_ptr, part_out_ptr, part_ml_ptr,
-                                 qk_scale, num_heads, num_splits, stride_tb, stride_ob, stride_oh,
-                                 PAGE: gl.constexpr, ROWS: gl.constexpr, SPLIT: gl.constexpr,
-                                 VALUE_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):  # fmt: skip
-        dtype: gl.constexpr = q_desc.dtype
-        head0 = gl.program_id(0) * _HEADS
-        seq = gl.program_id(1).to(gl.int64)
-        split = gl.program_id(2)
-        seq_len = gl.load(seq_lens_ptr + seq)
-        chunk = gl.cdiv(gl.cdiv(seq_len, num_splits), _BLOCK_N) * _BLOCK_N
-        lo = split * chunk
-        hi = gl.minimum(lo + chunk, seq_len)
-        n_tiles = gl.cdiv(gl.maximum(hi - lo, 0), _BLOCK_N)
-        q_row = (seq * num_heads + head0).to(gl.int32)
-
-        # chunk j of the query, and chunk j of stage s's tile at s * CHUNKS + j
-        q_smem = gl.allocate_shared_memory(dtype, [_CHUNKS, _HEADS, _COLS], q_desc.layout)
-        k_smem = gl.allocate_shared_memory(dtype, [_STAGES * _CHUNKS, _BLOCK_N, _COLS], q_desc.layout)
-        p_smem = gl.allocate_shared_memory(dtype, [_HEADS, _BLOCK_N], q_desc.layout)
-        x_smem = gl.allocate_shared_memory(gl.float32, [_HEADS], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-        q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        p_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        k_ready = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], mbarrier.MBarrierLayout())
-        kv_empty = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_ready, count=1)
-        mbarrier.init(p_ready, count=1)
-        mbarrier.init(p_free, count=1)
-        for i in gl.static_range(_STAGES):
-            mbarrier.init(k_ready.index(i), count=1)
-            mbarrier.init(kv_empty.index(i), count=2)
-        # (argument tuples are spelled out: concatenating tuples would unwrap the constexprs)
-        gl.warp_specialize(
-            [
-                (_softmax_wg, (q_smem, k_smem, p_smem, x_smem, q_ready, k_ready, kv_empty, p_ready, p_free, out_ptr,
-                               part_out_ptr, part_ml_ptr, qk_scale, seq, head0, split, num_heads, num_splits, lo, hi,
-                               n_tiles, stride_ob, stride_oh, SPLIT)),
-                (_value_wg, (k_smem, p_smem, x_smem, k_ready, kv_empty, p_ready, p_free, out_ptr, part_out_ptr, seq,
-                             head0, split, num_heads, num_splits, n_tiles, stride_ob, stride_oh, SPLIT)),
-                (_loader, (q_desc, c_desc, q_smem, k_smem, q_ready, k_ready, kv_empty, tables_ptr, stride_tb, q_row,
-                           seq, lo, n_tiles, seq_len - 1, PAGE, ROWS)),
-            ],
-            [4, 1],
-            [VALUE_REGS, LOADER_REGS],
-        )  # fmt: skip
-
-
-    # ---- the seesaw schedule (FlashMLA's): two math warpgroups, each the QK^T and softmax of every
-    # other tile, each the PV of its own half of the latent columns over both tiles of a pair ----
 
     @gluon.jit
     def _load_half(c_desc, k_smem, bar, tables_ptr, stride_tb, seq, first_key, last_box, buf, C0: gl.constexpr,
@@ -307,8 +124,8 @@ if _HAVE_GLUON:
                                                 k_smem.index(buf * _CHUNKS + C0 + j).slice(i * ROWS, ROWS))
 
     @gluon.jit
-    def _ss_loader(q_desc, c_desc, q_smem, k_smem, q_ready, k_ready, kv_empty, tables_ptr, stride_tb, q_row, seq,
-                   lo, n_tiles, last_key, PAGE: gl.constexpr, ROWS: gl.constexpr):  # fmt: skip
+    def _loader(q_desc, c_desc, q_smem, k_smem, q_ready, k_ready, kv_empty, tables_ptr, stride_tb, q_row, seq,
+                lo, n_tiles, last_key, PAGE: gl.constexpr, ROWS: gl.constexpr):  # fmt: skip
         """Tile ``t`` goes to buffer ``t % 2`` in two halves: chunks 0-3 (the left values) and 4-8 (the
         right values and the rope columns), barrier ``2 * buffer + half``; a half is refilled once its one
         last reader has released it, in the order the pair's schedule releases them."""
@@ -342,9 +159,11 @@ if _HAVE_GLUON:
                            1, 0, 4, PAGE, ROWS)  # fmt: skip
 
     @gluon.jit
-    def _ss_qk_issue(q_smem, q_rope, k_smem, buf, z, s, FIRST: gl.constexpr, HALF: gl.constexpr):
-        """Half ``HALF`` of S = Q K^T (chunks 0-3, or 4-7 and the rope chunk with Q's rope columns
-        from registers: their shared memory holds the second tile's P), async."""
+    def _qk(q_smem, q_rope, k_smem, buf, z, s, FIRST: gl.constexpr, HALF: gl.constexpr):
+        """Half ``HALF`` of S = Q K^T over key buffer ``buf`` (chunks 0-3, or 4-7 and the rope chunk with
+        Q's rope columns from registers: their shared memory holds the odd tile's P), async; ``FIRST``:
+        the half issued first. ``z`` is zero: in the loops the compiler cannot see it, so it builds the
+        MMA operands' descriptors there instead of holding ~70 of them in registers (they spilled)."""
         if HALF == 0:
             for j in gl.static_range(4):
                 k = k_smem.index(buf * _CHUNKS + j).permute((1, 0))
@@ -358,9 +177,10 @@ if _HAVE_GLUON:
         return s
 
     @gluon.jit
-    def _ss_wg0(q_smem, k_smem, p0_smem, m_smem, sc0_smem, sc1_smem, l0_smem, l1_smem, q_ready, k_ready, kv_empty, sc0_ready,
-                sc1_ready, p0_ready, p1_ready, l_ready, out_ptr, part_out_ptr, part_ml_ptr, qk_scale, seq, head0,
-                split, num_heads, num_splits, lo, hi, n_tiles, stride_ob, stride_oh, SPLIT: gl.constexpr):  # fmt: skip
+    def _wg0(q_smem, k_smem, p0_smem, m_smem, sc0_smem, sc1_smem, l0_smem, l1_smem, q_ready, k_ready, kv_empty,
+             sc0_ready, sc1_ready, p0_ready, p1_ready, l_ready, out_ptr, part_out_ptr, part_ml_ptr, qk_scale, seq,
+             head0, split, num_heads, num_splits, lo, hi, n_tiles, stride_ob, stride_oh,
+             SPLIT: gl.constexpr):  # fmt: skip
         """Even tiles' QK^T and softmax; PV for latent columns 0-255 (O_L) over both tiles of each pair."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, _BLOCK_N, 16])  # fmt: skip
@@ -380,13 +200,13 @@ if _HAVE_GLUON:
         q_rope = q_smem.index(_CHUNKS - 1).load(q_layout)  # before the odd warpgroup's P takes its place
         if n_tiles > 0:
             mbarrier.wait(k_ready.index(0), 0)
-            s = _ss_qk_issue(q_smem, q_rope, k_smem, 0, 0, s, 0, 0)
+            s = _qk(q_smem, q_rope, k_smem, 0, 0, s, 0, 0)
             mbarrier.wait(k_ready.index(1), 0)
-            s = _ss_qk_issue(q_smem, q_rope, k_smem, 0, 0, s, 0, 1)
+            s = _qk(q_smem, q_rope, k_smem, 0, 0, s, 0, 1)
             s = warpgroup_mma_wait(0, deps=[s])
         for p in range(gl.cdiv(n_tiles, 2)):
             t = 2 * p
-            z = p >> 24  # zero, opaque to the compiler: the MMA operands' addresses stay in the loop
+            z = p >> 24  # zero (see _qk)
             # softmax of tile t against the running max; the max and the old accumulators' factor to WG1
             sv = gl.where((lo + t * _BLOCK_N + keys < hi)[None, :], s * qk_scale, float("-inf"))
             m_new = gl.maximum(m_i, gl.max(sv, axis=1))
@@ -419,11 +239,11 @@ if _HAVE_GLUON:
                 mbarrier.wait(p1_ready, p & 1)
                 acc = warpgroup_mma(q_smem.index(_CHUNKS - 1), _half(k_smem, 1 + z, 0), acc, is_async=True)
                 mbarrier.wait(k_ready.index(0), (p + 1) & 1)
-                s = _ss_qk_issue(q_smem, q_rope, k_smem, z, z, s, 0, 0)
+                s = _qk(q_smem, q_rope, k_smem, z, z, s, 0, 0)
                 acc = warpgroup_mma_wait(4, deps=[acc])
                 mbarrier.arrive(kv_empty.index(2))
                 mbarrier.wait(k_ready.index(1), (p + 1) & 1)
-                s = _ss_qk_issue(q_smem, q_rope, k_smem, z, z, s, 0, 1)
+                s = _qk(q_smem, q_rope, k_smem, z, z, s, 0, 1)
                 s = warpgroup_mma_wait(0, deps=[s])
             elif t + 1 < n_tiles:
                 mbarrier.wait(p1_ready, p & 1)
@@ -444,9 +264,9 @@ if _HAVE_GLUON:
             gl.store(part_ml_ptr + 2 * row + 1, l_i, mask=heads < num_heads)
 
     @gluon.jit
-    def _ss_wg1(q_smem, k_smem, p0_smem, m_smem, sc0_smem, sc1_smem, l0_smem, l1_smem, q_ready, k_ready, kv_empty, sc0_ready,
-                sc1_ready, p0_ready, p1_ready, l_ready, out_ptr, part_out_ptr, qk_scale, seq, head0, split, num_heads,
-                num_splits, lo, hi, n_tiles, stride_ob, stride_oh, SPLIT: gl.constexpr):  # fmt: skip
+    def _wg1(q_smem, k_smem, p0_smem, m_smem, sc0_smem, sc1_smem, l0_smem, l1_smem, q_ready, k_ready, kv_empty,
+             sc0_ready, sc1_ready, p0_ready, p1_ready, l_ready, out_ptr, part_out_ptr, qk_scale, seq, head0, split,
+             num_heads, num_splits, lo, hi, n_tiles, stride_ob, stride_oh, SPLIT: gl.constexpr):  # fmt: skip
         """Odd tiles' QK^T and softmax; PV for latent columns 256-511 (O_R) over both tiles of each pair."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, _BLOCK_N, 16])  # fmt: skip
@@ -465,9 +285,9 @@ if _HAVE_GLUON:
         q_rope = q_smem.index(_CHUNKS - 1).load(q_layout)
         if n_tiles > 1:  # the right chunks first: the order buffer 1's halves are refilled in
             mbarrier.wait(k_ready.index(3), 0)
-            s = _ss_qk_issue(q_smem, q_rope, k_smem, 1, 0, s, 1, 1)
+            s = _qk(q_smem, q_rope, k_smem, 1, 0, s, 1, 1)
             mbarrier.wait(k_ready.index(2), 0)
-            s = _ss_qk_issue(q_smem, q_rope, k_smem, 1, 0, s, 1, 0)
+            s = _qk(q_smem, q_rope, k_smem, 1, 0, s, 1, 0)
             s = warpgroup_mma_wait(0, deps=[s])
         for p in range(gl.cdiv(n_tiles, 2)):
             t = 2 * p + 1
@@ -508,9 +328,9 @@ if _HAVE_GLUON:
             mbarrier.arrive(kv_empty.index(1))
             if t + 2 < n_tiles:
                 mbarrier.wait(k_ready.index(3), (p + 1) & 1)
-                s = _ss_qk_issue(q_smem, q_rope, k_smem, 1 + z, z, s, 1, 1)
+                s = _qk(q_smem, q_rope, k_smem, 1 + z, z, s, 1, 1)
                 mbarrier.wait(k_ready.index(2), (p + 1) & 1)
-                s = _ss_qk_issue(q_smem, q_rope, k_smem, 1 + z, z, s, 1, 0)
+                s = _qk(q_smem, q_rope, k_smem, 1 + z, z, s, 1, 0)
                 s = warpgroup_mma_wait(0, deps=[s])
         l1_smem.store(l_i)
         gl.thread_barrier()
@@ -524,10 +344,10 @@ if _HAVE_GLUON:
         do_not_specialize=["num_splits", "stride_tb"],
         do_not_specialize_on_alignment=["seq_lens_ptr", "tables_ptr"],
     )
-    def _mla_decode_seesaw_kernel(q_desc, c_desc, seq_lens_ptr, tables_ptr, out_ptr, part_out_ptr, part_ml_ptr,
+    def _mla_decode_gluon_kernel(q_desc, c_desc, seq_lens_ptr, tables_ptr, out_ptr, part_out_ptr, part_ml_ptr,
                                   qk_scale, num_heads, num_splits, stride_tb, stride_ob, stride_oh,
                                   PAGE: gl.constexpr, ROWS: gl.constexpr, SPLIT: gl.constexpr,
-                                  VALUE_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):  # fmt: skip
+                                  WG1_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):  # fmt: skip
         dtype: gl.constexpr = q_desc.dtype
         head0 = gl.program_id(0) * _HEADS
         seq = gl.program_id(1).to(gl.int64)
@@ -564,18 +384,18 @@ if _HAVE_GLUON:
         l_ready = bars.index(5)
         gl.warp_specialize(
             [
-                (_ss_wg0, (q_smem, k_smem, p0_smem, m_smem, sc0_smem, sc1_smem, l0_smem, l1_smem, q_ready, k_ready, kv_empty,
-                           sc0_ready, sc1_ready, p0_ready, p1_ready, l_ready, out_ptr, part_out_ptr, part_ml_ptr,
-                           qk_scale, seq, head0, split, num_heads, num_splits, lo, hi, n_tiles, stride_ob, stride_oh,
-                           SPLIT)),
-                (_ss_wg1, (q_smem, k_smem, p0_smem, m_smem, sc0_smem, sc1_smem, l0_smem, l1_smem, q_ready, k_ready, kv_empty,
-                           sc0_ready, sc1_ready, p0_ready, p1_ready, l_ready, out_ptr, part_out_ptr, qk_scale, seq,
-                           head0, split, num_heads, num_splits, lo, hi, n_tiles, stride_ob, stride_oh, SPLIT)),
-                (_ss_loader, (q_desc, c_desc, q_smem, k_smem, q_ready, k_ready, kv_empty, tables_ptr, stride_tb,
+                (_wg0, (q_smem, k_smem, p0_smem, m_smem, sc0_smem, sc1_smem, l0_smem, l1_smem, q_ready, k_ready,
+                        kv_empty, sc0_ready, sc1_ready, p0_ready, p1_ready, l_ready, out_ptr, part_out_ptr,
+                        part_ml_ptr, qk_scale, seq, head0, split, num_heads, num_splits, lo, hi, n_tiles, stride_ob,
+                        stride_oh, SPLIT)),
+                (_wg1, (q_smem, k_smem, p0_smem, m_smem, sc0_smem, sc1_smem, l0_smem, l1_smem, q_ready, k_ready,
+                        kv_empty, sc0_ready, sc1_ready, p0_ready, p1_ready, l_ready, out_ptr, part_out_ptr, qk_scale,
+                        seq, head0, split, num_heads, num_splits, lo, hi, n_tiles, stride_ob, stride_oh, SPLIT)),
+                (_loader, (q_desc, c_desc, q_smem, k_smem, q_ready, k_ready, kv_empty, tables_ptr, stride_tb,
                               q_row, seq, lo, n_tiles, seq_len - 1, PAGE, ROWS)),
             ],
             [4, 1],
-            [VALUE_REGS, LOADER_REGS],
+            [WG1_REGS, LOADER_REGS],
         )  # fmt: skip
 
 
@@ -599,10 +419,10 @@ def num_splits(device: torch.device, num_seqs: int, num_heads: int) -> int:
 def mla_decode_gluon(q, kv_cache, seq_lens, block_tables, scale, splits=None, config=None):
     """``atom.ops.triton.mla_decode`` for the inputs ``supported`` accepts (no fp8 cache): q [B, H, 576],
     returns [B, H, 512]. ``splits``: context splits (from the SM count when None). Split partial
-    results merge in ``mla_merge``. ``config``: register counts of the
-    value and loader partitions (``value_regs``, ``loader_regs``)."""
+    results merge in ``mla_merge``. ``config``: register counts of WG1 and of the loader partition
+    (``wg1_regs``, ``loader_regs``; WG0 gets what is left)."""
 
-    cfg = {"schedule": "seesaw", "value_regs": 232, "loader_regs": 24, **(config or {})}
+    cfg = {"wg1_regs": 232, "loader_regs": 24, **(config or {})}
     num_seqs, num_heads, dim = q.shape
     out = torch.empty(num_seqs, num_heads, RANK, dtype=q.dtype, device=q.device)
     if num_seqs == 0:
@@ -617,11 +437,10 @@ def mla_decode_gluon(q, kv_cache, seq_lens, block_tables, scale, splits=None, co
     if splits > 1:
         part_out = torch.empty(num_seqs, num_heads, splits, RANK, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(num_seqs, num_heads, splits, 2, dtype=torch.float32, device=q.device)
-    kernel = _mla_decode_seesaw_kernel if cfg["schedule"] == "seesaw" else _mla_decode_gluon_kernel
-    kernel[(head_blocks(num_heads), num_seqs, splits)](
+    _mla_decode_gluon_kernel[(head_blocks(num_heads), num_seqs, splits)](
         q_desc, c_desc, seq_lens, block_tables, out, part_out, part_ml, scale * LOG2E, num_heads, splits,
         block_tables.stride(0), out.stride(0), out.stride(1), PAGE=page, ROWS=rows, SPLIT=splits > 1,
-        VALUE_REGS=cfg["value_regs"], LOADER_REGS=cfg["loader_regs"], num_warps=4,
+        WG1_REGS=cfg["wg1_regs"], LOADER_REGS=cfg["loader_regs"], num_warps=4,
     )  # fmt: skip
     if splits > 1:
         merge_splits(out, part_out, part_ml)
