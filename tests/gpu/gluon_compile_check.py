@@ -84,7 +84,7 @@ def compile_mla(mod, cfg: dict):
         "part_ml_ptr": "*fp32", "qk_scale": "fp32", "num_heads": "i32", "num_splits": "i32", "stride_tb": "i32",
         "stride_ob": "i32", "stride_oh": "i32",
     }  # fmt: skip
-    constexprs = dict(PAGE=cfg["page"], ROWS=rows, SPLIT=cfg["split"], CHUNK_WAIT=True, WG1_REGS=232, LOADER_REGS=24)
+    constexprs = dict(PAGE=cfg["page"], ROWS=rows, SPLIT=cfg["split"], WG1_REGS=232, LOADER_REGS=24)
     signature.update({k: "constexpr" for k in constexprs})
     src = GluonASTSource(mod._mla_decode_gluon_kernel, signature, constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))

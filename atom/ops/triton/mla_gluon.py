@@ -111,17 +111,15 @@ if _HAVE_GLUON:
         return first._reinterpret(k_smem.dtype, [_BLOCK_N, 4 * _COLS], k_smem.layout)
 
     @gluon.jit
-    def _load_half(c_desc, k_smem, k_ready, tables_ptr, stride_tb, seq, first_key, last_box, buf, C0: gl.constexpr,
+    def _load_half(c_desc, k_smem, bar, tables_ptr, stride_tb, seq, first_key, last_box, buf, C0: gl.constexpr,
                    NC: gl.constexpr, PAGE: gl.constexpr, ROWS: gl.constexpr):  # fmt: skip
-        """Chunks ``C0`` to ``C0 + NC - 1`` of the 64-key tile from ``first_key`` into buffer ``buf``, chunk
-        by chunk, each on its own barrier (``buf * 9 + chunk``): an MMA starts once its chunk is in."""
-        for j in gl.static_range(NC):
-            bar = k_ready.index(buf * _CHUNKS + C0 + j)
-            mbarrier.expect(bar, (_BLOCK_N // ROWS) * c_desc.block_type.nbytes)
-            for i in gl.static_range(_BLOCK_N // ROWS):
-                key = gl.minimum(first_key + i * ROWS, last_box)  # past the sequence: its last box (masked)
-                page = gl.load(tables_ptr + seq * stride_tb + key // PAGE)
-                row = page * PAGE + key % PAGE
+        """Chunks ``C0`` to ``C0 + NC - 1`` of the 64-key tile from ``first_key`` into buffer ``buf``."""
+        mbarrier.expect(bar, NC * (_BLOCK_N // ROWS) * c_desc.block_type.nbytes)
+        for i in gl.static_range(_BLOCK_N // ROWS):
+            key = gl.minimum(first_key + i * ROWS, last_box)  # past the sequence: its last box (masked)
+            page = gl.load(tables_ptr + seq * stride_tb + key // PAGE)
+            row = page * PAGE + key % PAGE
+            for j in gl.static_range(NC):
                 tma.async_copy_global_to_shared(c_desc, [row, (C0 + j) * _COLS], bar,
                                                 k_smem.index(buf * _CHUNKS + C0 + j).slice(i * ROWS, ROWS))
 
@@ -129,65 +127,51 @@ if _HAVE_GLUON:
     def _loader(q_desc, c_desc, q_smem, k_smem, q_ready, k_ready, kv_empty, tables_ptr, stride_tb, q_row, seq,
                 lo, n_tiles, last_key, PAGE: gl.constexpr, ROWS: gl.constexpr):  # fmt: skip
         """Tile ``t`` goes to buffer ``t % 2`` in two halves: chunks 0-3 (the left values) and 4-8 (the
-        right values and the rope columns); a half is refilled once its one last reader has released it
-        (``kv_empty``: ``2 * buffer + half``), in the order the pair's schedule releases them."""
+        right values and the rope columns), barrier ``2 * buffer + half``; a half is refilled once its one
+        last reader has released it, in the order the pair's schedule releases them."""
         mbarrier.expect(q_ready, _CHUNKS * q_desc.block_type.nbytes)
         for j in gl.static_range(_CHUNKS):
             tma.async_copy_global_to_shared(q_desc, [q_row, j * _COLS], q_ready, q_smem.index(j))
         last_box = (last_key // ROWS) * ROWS
         for t in range(gl.minimum(n_tiles, 2)):
             key = lo + t * _BLOCK_N
-            _load_half(c_desc, k_smem, k_ready, tables_ptr, stride_tb, seq, key, last_box, t, 0, 4,
+            _load_half(c_desc, k_smem, k_ready.index(2 * t), tables_ptr, stride_tb, seq, key, last_box, t, 0, 4,
                        PAGE, ROWS)  # fmt: skip
-            _load_half(c_desc, k_smem, k_ready, tables_ptr, stride_tb, seq, key, last_box, t, 4, 5,
+            _load_half(c_desc, k_smem, k_ready.index(2 * t + 1), tables_ptr, stride_tb, seq, key, last_box, t, 4, 5,
                        PAGE, ROWS)  # fmt: skip
         for p in range(1, gl.cdiv(n_tiles, 2)):
             phase = (p - 1) & 1
             key0 = lo + 2 * p * _BLOCK_N
             has1 = 2 * p + 1 < n_tiles
             mbarrier.wait(kv_empty.index(0), phase)
-            _load_half(c_desc, k_smem, k_ready, tables_ptr, stride_tb, seq, key0, last_box, 0, 0, 4, PAGE,
+            _load_half(c_desc, k_smem, k_ready.index(0), tables_ptr, stride_tb, seq, key0, last_box, 0, 0, 4, PAGE,
                        ROWS)  # fmt: skip
             if has1:
                 mbarrier.wait(kv_empty.index(3), phase)
-                _load_half(c_desc, k_smem, k_ready, tables_ptr, stride_tb, seq, key0 + _BLOCK_N, last_box,
+                _load_half(c_desc, k_smem, k_ready.index(3), tables_ptr, stride_tb, seq, key0 + _BLOCK_N, last_box,
                            1, 4, 5, PAGE, ROWS)  # fmt: skip
             mbarrier.wait(kv_empty.index(1), phase)
-            _load_half(c_desc, k_smem, k_ready, tables_ptr, stride_tb, seq, key0, last_box, 0, 4, 5, PAGE,
+            _load_half(c_desc, k_smem, k_ready.index(1), tables_ptr, stride_tb, seq, key0, last_box, 0, 4, 5, PAGE,
                        ROWS)  # fmt: skip
             if has1:
                 mbarrier.wait(kv_empty.index(2), phase)
-                _load_half(c_desc, k_smem, k_ready, tables_ptr, stride_tb, seq, key0 + _BLOCK_N, last_box,
+                _load_half(c_desc, k_smem, k_ready.index(2), tables_ptr, stride_tb, seq, key0 + _BLOCK_N, last_box,
                            1, 0, 4, PAGE, ROWS)  # fmt: skip
 
     @gluon.jit
-    def _qk(q_smem, q_rope, k_smem, k_ready, phase, buf, z, s, FIRST: gl.constexpr, HALF: gl.constexpr,
-            CHUNK_WAIT: gl.constexpr):  # fmt: skip
+    def _qk(q_smem, q_rope, k_smem, buf, z, s, FIRST: gl.constexpr, HALF: gl.constexpr):
         """Half ``HALF`` of S = Q K^T over key buffer ``buf`` (chunks 0-3, or 4-7 and the rope chunk with
-        Q's rope columns from registers: their shared memory holds the odd tile's P), async, each chunk's
-        MMA once its chunk is in (``CHUNK_WAIT``; else once the whole half is); ``FIRST``: the half
-        issued first. ``z`` is zero: in the loops the compiler cannot see it, so it builds the MMA
-        operands' descriptors there instead of holding ~70 of them in registers (they spilled)."""
+        Q's rope columns from registers: their shared memory holds the odd tile's P), async; ``FIRST``:
+        the half issued first. ``z`` is zero: in the loops the compiler cannot see it, so it builds the
+        MMA operands' descriptors there instead of holding ~70 of them in registers (they spilled)."""
         if HALF == 0:
-            if not CHUNK_WAIT:
-                for j in gl.static_range(4):
-                    mbarrier.wait(k_ready.index(buf * _CHUNKS + j), phase)
             for j in gl.static_range(4):
-                if CHUNK_WAIT:
-                    mbarrier.wait(k_ready.index(buf * _CHUNKS + j), phase)
                 k = k_smem.index(buf * _CHUNKS + j).permute((1, 0))
                 s = warpgroup_mma(q_smem.index(j + z), k, s, use_acc=(FIRST == 1) or (j > 0), is_async=True)
         else:
-            if not CHUNK_WAIT:
-                for j in gl.static_range(4, _CHUNKS):
-                    mbarrier.wait(k_ready.index(buf * _CHUNKS + j), phase)
             for j in gl.static_range(4, _CHUNKS - 1):
-                if CHUNK_WAIT:
-                    mbarrier.wait(k_ready.index(buf * _CHUNKS + j), phase)
                 k = k_smem.index(buf * _CHUNKS + j).permute((1, 0))
                 s = warpgroup_mma(q_smem.index(j + z), k, s, use_acc=(FIRST == 0) or (j > 4), is_async=True)
-            if CHUNK_WAIT:
-                mbarrier.wait(k_ready.index(buf * _CHUNKS + _CHUNKS - 1), phase)
             k = k_smem.index(buf * _CHUNKS + _CHUNKS - 1).permute((1, 0))
             s = warpgroup_mma(q_rope, k, s, is_async=True)
         return s
@@ -195,8 +179,8 @@ if _HAVE_GLUON:
     @gluon.jit
     def _wg0(q_smem, k_smem, p0_smem, m_smem, sc0_smem, sc1_smem, l0_smem, l1_smem, q_ready, k_ready, kv_empty,
              sc0_ready, sc1_ready, p0_ready, p1_ready, l_ready, out_ptr, part_out_ptr, part_ml_ptr, qk_scale, seq,
-             head0, split, num_heads, num_splits, lo, hi, n_tiles, stride_ob, stride_oh, SPLIT: gl.constexpr,
-             CHUNK_WAIT: gl.constexpr):  # fmt: skip
+             head0, split, num_heads, num_splits, lo, hi, n_tiles, stride_ob, stride_oh,
+             SPLIT: gl.constexpr):  # fmt: skip
         """Even tiles' QK^T and softmax; PV for latent columns 0-255 (O_L) over both tiles of each pair."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, _BLOCK_N, 16])  # fmt: skip
@@ -215,8 +199,10 @@ if _HAVE_GLUON:
         mbarrier.wait(q_ready, 0)
         q_rope = q_smem.index(_CHUNKS - 1).load(q_layout)  # before the odd warpgroup's P takes its place
         if n_tiles > 0:
-            s = _qk(q_smem, q_rope, k_smem, k_ready, 0, 0, 0, s, 0, 0, CHUNK_WAIT)
-            s = _qk(q_smem, q_rope, k_smem, k_ready, 0, 0, 0, s, 0, 1, CHUNK_WAIT)
+            mbarrier.wait(k_ready.index(0), 0)
+            s = _qk(q_smem, q_rope, k_smem, 0, 0, s, 0, 0)
+            mbarrier.wait(k_ready.index(1), 0)
+            s = _qk(q_smem, q_rope, k_smem, 0, 0, s, 0, 1)
             s = warpgroup_mma_wait(0, deps=[s])
         for p in range(gl.cdiv(n_tiles, 2)):
             t = 2 * p
@@ -252,10 +238,12 @@ if _HAVE_GLUON:
             if t + 2 < n_tiles:
                 mbarrier.wait(p1_ready, p & 1)
                 acc = warpgroup_mma(q_smem.index(_CHUNKS - 1), _half(k_smem, 1 + z, 0), acc, is_async=True)
-                s = _qk(q_smem, q_rope, k_smem, k_ready, (p + 1) & 1, z, z, s, 0, 0, CHUNK_WAIT)
+                mbarrier.wait(k_ready.index(0), (p + 1) & 1)
+                s = _qk(q_smem, q_rope, k_smem, z, z, s, 0, 0)
                 acc = warpgroup_mma_wait(4, deps=[acc])
                 mbarrier.arrive(kv_empty.index(2))
-                s = _qk(q_smem, q_rope, k_smem, k_ready, (p + 1) & 1, z, z, s, 0, 1, CHUNK_WAIT)
+                mbarrier.wait(k_ready.index(1), (p + 1) & 1)
+                s = _qk(q_smem, q_rope, k_smem, z, z, s, 0, 1)
                 s = warpgroup_mma_wait(0, deps=[s])
             elif t + 1 < n_tiles:
                 mbarrier.wait(p1_ready, p & 1)
@@ -278,8 +266,7 @@ if _HAVE_GLUON:
     @gluon.jit
     def _wg1(q_smem, k_smem, p0_smem, m_smem, sc0_smem, sc1_smem, l0_smem, l1_smem, q_ready, k_ready, kv_empty,
              sc0_ready, sc1_ready, p0_ready, p1_ready, l_ready, out_ptr, part_out_ptr, qk_scale, seq, head0, split,
-             num_heads, num_splits, lo, hi, n_tiles, stride_ob, stride_oh, SPLIT: gl.constexpr,
-             CHUNK_WAIT: gl.constexpr):  # fmt: skip
+             num_heads, num_splits, lo, hi, n_tiles, stride_ob, stride_oh, SPLIT: gl.constexpr):  # fmt: skip
         """Odd tiles' QK^T and softmax; PV for latent columns 256-511 (O_R) over both tiles of each pair."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, _BLOCK_N, 16])  # fmt: skip
@@ -297,8 +284,10 @@ if _HAVE_GLUON:
         mbarrier.wait(q_ready, 0)
         q_rope = q_smem.index(_CHUNKS - 1).load(q_layout)
         if n_tiles > 1:  # the right chunks first: the order buffer 1's halves are refilled in
-            s = _qk(q_smem, q_rope, k_smem, k_ready, 0, 1, 0, s, 1, 1, CHUNK_WAIT)
-            s = _qk(q_smem, q_rope, k_smem, k_ready, 0, 1, 0, s, 1, 0, CHUNK_WAIT)
+            mbarrier.wait(k_ready.index(3), 0)
+            s = _qk(q_smem, q_rope, k_smem, 1, 0, s, 1, 1)
+            mbarrier.wait(k_ready.index(2), 0)
+            s = _qk(q_smem, q_rope, k_smem, 1, 0, s, 1, 0)
             s = warpgroup_mma_wait(0, deps=[s])
         for p in range(gl.cdiv(n_tiles, 2)):
             t = 2 * p + 1
@@ -338,8 +327,10 @@ if _HAVE_GLUON:
                 acc = warpgroup_mma_wait(0, deps=[acc])
             mbarrier.arrive(kv_empty.index(1))
             if t + 2 < n_tiles:
-                s = _qk(q_smem, q_rope, k_smem, k_ready, (p + 1) & 1, 1 + z, z, s, 1, 1, CHUNK_WAIT)
-                s = _qk(q_smem, q_rope, k_smem, k_ready, (p + 1) & 1, 1 + z, z, s, 1, 0, CHUNK_WAIT)
+                mbarrier.wait(k_ready.index(3), (p + 1) & 1)
+                s = _qk(q_smem, q_rope, k_smem, 1 + z, z, s, 1, 1)
+                mbarrier.wait(k_ready.index(2), (p + 1) & 1)
+                s = _qk(q_smem, q_rope, k_smem, 1 + z, z, s, 1, 0)
                 s = warpgroup_mma_wait(0, deps=[s])
         l1_smem.store(l_i)
         gl.thread_barrier()
@@ -354,10 +345,9 @@ if _HAVE_GLUON:
         do_not_specialize_on_alignment=["seq_lens_ptr", "tables_ptr"],
     )
     def _mla_decode_gluon_kernel(q_desc, c_desc, seq_lens_ptr, tables_ptr, out_ptr, part_out_ptr, part_ml_ptr,
-                                 qk_scale, num_heads, num_splits, stride_tb, stride_ob, stride_oh,
-                                 PAGE: gl.constexpr, ROWS: gl.constexpr, SPLIT: gl.constexpr,
-                                 CHUNK_WAIT: gl.constexpr, WG1_REGS: gl.constexpr,
-                                 LOADER_REGS: gl.constexpr):  # fmt: skip
+                                  qk_scale, num_heads, num_splits, stride_tb, stride_ob, stride_oh,
+                                  PAGE: gl.constexpr, ROWS: gl.constexpr, SPLIT: gl.constexpr,
+                                  WG1_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):  # fmt: skip
         dtype: gl.constexpr = q_desc.dtype
         head0 = gl.program_id(0) * _HEADS
         seq = gl.program_id(1).to(gl.int64)
@@ -379,13 +369,12 @@ if _HAVE_GLUON:
         l0_smem = gl.allocate_shared_memory(gl.float32, [_HEADS], vec)
         l1_smem = gl.allocate_shared_memory(gl.float32, [_HEADS], vec)
         bars = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())
-        k_ready = gl.allocate_shared_memory(gl.int64, [2 * _CHUNKS, 1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
         kv_empty = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(6):
             mbarrier.init(bars.index(i), count=2 if i == 5 else 1)  # l_ready: both warpgroups
-        for i in gl.static_range(2 * _CHUNKS):
-            mbarrier.init(k_ready.index(i), count=1)
         for i in gl.static_range(4):
+            mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(kv_empty.index(i), count=1)
         q_ready = bars.index(0)
         sc0_ready = bars.index(1)
@@ -398,11 +387,10 @@ if _HAVE_GLUON:
                 (_wg0, (q_smem, k_smem, p0_smem, m_smem, sc0_smem, sc1_smem, l0_smem, l1_smem, q_ready, k_ready,
                         kv_empty, sc0_ready, sc1_ready, p0_ready, p1_ready, l_ready, out_ptr, part_out_ptr,
                         part_ml_ptr, qk_scale, seq, head0, split, num_heads, num_splits, lo, hi, n_tiles, stride_ob,
-                        stride_oh, SPLIT, CHUNK_WAIT)),
+                        stride_oh, SPLIT)),
                 (_wg1, (q_smem, k_smem, p0_smem, m_smem, sc0_smem, sc1_smem, l0_smem, l1_smem, q_ready, k_ready,
                         kv_empty, sc0_ready, sc1_ready, p0_ready, p1_ready, l_ready, out_ptr, part_out_ptr, qk_scale,
-                        seq, head0, split, num_heads, num_splits, lo, hi, n_tiles, stride_ob, stride_oh, SPLIT,
-                        CHUNK_WAIT)),
+                        seq, head0, split, num_heads, num_splits, lo, hi, n_tiles, stride_ob, stride_oh, SPLIT)),
                 (_loader, (q_desc, c_desc, q_smem, k_smem, q_ready, k_ready, kv_empty, tables_ptr, stride_tb,
                               q_row, seq, lo, n_tiles, seq_len - 1, PAGE, ROWS)),
             ],
@@ -434,7 +422,7 @@ def mla_decode_gluon(q, kv_cache, seq_lens, block_tables, scale, splits=None, co
     results merge in ``mla_merge``. ``config``: register counts of WG1 and of the loader partition
     (``wg1_regs``, ``loader_regs``; WG0 gets what is left)."""
 
-    cfg = {"wg1_regs": 232, "loader_regs": 24, "chunk_wait": True, **(config or {})}
+    cfg = {"wg1_regs": 232, "loader_regs": 24, **(config or {})}
     num_seqs, num_heads, dim = q.shape
     out = torch.empty(num_seqs, num_heads, RANK, dtype=q.dtype, device=q.device)
     if num_seqs == 0:
@@ -452,7 +440,7 @@ def mla_decode_gluon(q, kv_cache, seq_lens, block_tables, scale, splits=None, co
     _mla_decode_gluon_kernel[(head_blocks(num_heads), num_seqs, splits)](
         q_desc, c_desc, seq_lens, block_tables, out, part_out, part_ml, scale * LOG2E, num_heads, splits,
         block_tables.stride(0), out.stride(0), out.stride(1), PAGE=page, ROWS=rows, SPLIT=splits > 1,
-        CHUNK_WAIT=cfg["chunk_wait"], WG1_REGS=cfg["wg1_regs"], LOADER_REGS=cfg["loader_regs"], num_warps=4,
+        WG1_REGS=cfg["wg1_regs"], LOADER_REGS=cfg["loader_regs"], num_warps=4,
     )  # fmt: skip
     if splits > 1:
         merge_splits(out, part_out, part_ml)
