@@ -31,6 +31,7 @@ from atom.layers.layernorm import RMSNorm
 from atom.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from atom.layers.mla import MLAAttention
 from atom.layers.moe import FusedMoE
+from atom.layers.quantization.fp8_config import get_fp8_config
 from atom.layers.rotary_embedding import RotaryEmbedding, rope_parameters
 from atom.model_loader.weight_utils import load_weights
 from atom.models.llama import LlamaForCausalLM, LlamaMLP
@@ -179,10 +180,18 @@ def fused_shared_experts(config: PretrainedConfig, tp: TPInfo) -> int:
 def fuse_qkv_a(config: PretrainedConfig) -> bool:
     """Whether ``q_a_proj`` (or, without a query LoRA, ``q_proj``) and ``kv_a_proj_with_mqa`` load
     into one ``fused_qkv_a_proj`` (a launch fewer a layer; vLLM fuses the LoRA pair the same way):
-    not with attention biases, nor in quantised checkpoints (their ignore lists may leave one of
-    the two unquantised; a fused layer is quantised or not as a whole). Online ``--quantization
-    fp8`` scales each row: fused or not, the same numbers."""
-    return not getattr(config, "attention_bias", False) and not getattr(config, "quantization_config", None)
+    not with attention biases, nor in a quantised checkpoint whose ignore list leaves one of the
+    two unquantised in some layer (a fused layer is quantised or not as a whole). FP8 scales are
+    per row once loaded, so the two parts keep their own."""
+    if getattr(config, "attention_bias", False):
+        return False
+    quant = get_fp8_config(config, None)
+    if quant is None or not quant.ignore:
+        return True
+    query = "q_a_proj" if getattr(config, "q_lora_rank", None) else "q_proj"
+    layers = config.num_hidden_layers + (getattr(config, "num_nextn_predict_layers", None) or 0)
+    return all(quant.ignores([f"model.layers.{i}.self_attn.{query}"])
+               == quant.ignores([f"model.layers.{i}.self_attn.kv_a_proj_with_mqa"]) for i in range(layers))
 
 
 def packed_modules(config: PretrainedConfig) -> dict[str, tuple[str, int]]:

@@ -54,9 +54,11 @@ def _quantization_config(fmt: str, block: int) -> dict:
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts}}}
 
 
-def write(src: str, dst: str, fmt: str, dequantized_dst: str | None = None, block: int = 128) -> str:
+def write(src: str, dst: str, fmt: str, dequantized_dst: str | None = None, block: int = 128,
+          ignore: tuple[str, ...] = ()) -> str:  # fmt: skip
     """FP8 checkpoint of ``src`` in ``fmt`` at ``dst``; with ``dequantized_dst``, also the float32
-    checkpoint of the dequantised weights there."""
+    checkpoint of the dequantised weights there. ``ignore``: module names (``model.layers.1.mlp``)
+    left in high precision, listed in the quantization config as checkpoints list them."""
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {', '.join(FORMATS)}")
     tensors = {}
@@ -65,7 +67,7 @@ def write(src: str, dst: str, fmt: str, dequantized_dst: str | None = None, bloc
             tensors.update(load_file(os.path.join(src, f)))
     quantized, dequantized = {}, {}
     for name, w in tensors.items():
-        if not _LINEAR.search(name):
+        if not _LINEAR.search(name) or name[: -len(".weight")] in ignore:
             quantized[name] = dequantized[name] = w
             continue
         q, scale, deq = _quantize(w, fmt, block)
@@ -75,7 +77,11 @@ def write(src: str, dst: str, fmt: str, dequantized_dst: str | None = None, bloc
             quantized[name[: -len("weight")] + "input_scale"] = torch.tensor(1.0)
         if dequantized_dst is not None:  # a real model (V2-Lite) is held in memory: only when asked
             dequantized[name] = deq.to(w.dtype)
-    for out, weights, qc in ((dst, quantized, _quantization_config(fmt, block)), (dequantized_dst, dequantized, None)):
+    config_qc = _quantization_config(fmt, block)
+    if ignore:
+        key = "ignore" if config_qc["quant_method"] == "compressed-tensors" else "ignored_layers"
+        config_qc[key] = [*config_qc.get(key, []), *ignore]
+    for out, weights, qc in ((dst, quantized, config_qc), (dequantized_dst, dequantized, None)):
         if out is None:
             continue
         shutil.copytree(src, out, ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json"))

@@ -125,13 +125,10 @@ def test_unsupported_quantization_is_refused(tiny_model, tmp_path):
 
 def _check_deepseek_layers(model: torch.nn.Module) -> None:
     attn, moe = model.model.layers[1].self_attn, model.model.layers[1].mlp
-    # an FP8 checkpoint's first query projection and kv_a_proj_with_mqa stay apart (its ignore
-    # list may name one of them); quantised on load, they are one fused_qkv_a_proj
-    if attn.fused:
-        first = [attn.fused_qkv_a_proj]
-    else:
-        first = [attn.q_a_proj if attn.q_lora_rank else attn.q_proj, attn.kv_a_proj_with_mqa]
-    for proj in [*first, attn.o_proj, *([attn.q_b_proj] if attn.q_lora_rank else [])]:
+    # the first query projection and kv_a_proj_with_mqa are one fused_qkv_a_proj, FP8 checkpoint
+    # or quantised on load (apart only where an ignore list names one of them)
+    assert attn.fused
+    for proj in [attn.fused_qkv_a_proj, attn.o_proj, *([attn.q_b_proj] if attn.q_lora_rank else [])]:
         assert proj.weight.dtype == FP8
     assert attn.kv_b_proj.weight.dtype == torch.float32 and attn.kv_b_proj.quant_method is None
     assert moe.experts.w13_weight.dtype == FP8 and moe.experts.w2_weight.dtype == FP8
@@ -152,6 +149,24 @@ def test_fp8_deepseek_loads_exact_weights(tiny_model, tmp_path, fmt, arch, monke
     monkeypatch.setattr(Fp8MoEMethod, "apply", _dequantized_moe)
     logits, model = prompt_logits(path)
     _check_deepseek_layers(model)
+    ref, _ = prompt_logits(str(tmp_path / "deq"))
+    assert (logits - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+@pytest.mark.parametrize("fmt", ["block", "ct_block"])
+def test_fp8_deepseek_ignored_kv_a_stays_apart(tiny_model, tmp_path, fmt, monkeypatch):
+    """A checkpoint whose ignore list leaves one layer's kv_a_proj_with_mqa in high precision:
+    its first projections load apart in every layer (a fused layer is FP8 or not as a whole),
+    the ignored one in float32, and the model holds the checkpoint's weights."""
+    ignored = "model.layers.1.self_attn.kv_a_proj_with_mqa"
+    path = write(tiny_model("deepseek_v3"), str(tmp_path / "fp8"), fmt, str(tmp_path / "deq"), block=16,
+                 ignore=(ignored,))
+    monkeypatch.setattr(Fp8LinearMethod, "apply", _dequantized_linear)
+    monkeypatch.setattr(Fp8MoEMethod, "apply", _dequantized_moe)
+    logits, model = prompt_logits(path)
+    attn = model.model.layers[1].self_attn
+    assert not attn.fused and not model.model.layers[0].self_attn.fused
+    assert attn.kv_a_proj_with_mqa.weight.dtype == torch.float32 and attn.q_a_proj.weight.dtype == FP8
     ref, _ = prompt_logits(str(tmp_path / "deq"))
     assert (logits - ref).abs().max() <= 1e-5 * ref.abs().max()
 
@@ -191,19 +206,14 @@ def test_fp8_deepseek_mtp_layer_loads_exact_weights(tiny_model, tmp_path):
     layer = fp8["model.layers.3"]
     assert layer.eh_proj.weight.dtype == torch.float32 and layer.eh_proj.quant_method is None
     assert layer.self_attn.kv_b_proj.weight.dtype == torch.float32
-    # the unquantised draft runs its shared experts inside the fused MoE, after the routed ones,
-    # and its q_a_proj and kv_a_proj_with_mqa as one fused_qkv_a_proj
+    # the unquantised draft runs its shared experts inside the fused MoE, after the routed ones
     ref_experts = ref["model.layers.3.mlp.experts"]
     num_routed, inter = ref_experts.num_experts, ref_experts.intermediate
     shared_w13, shared_w2 = ref_experts.w13_weight[num_routed:], ref_experts.w2_weight[num_routed:]
-    attn = ref["model.layers.3.self_attn"]
-    fused_qkv_a, q_rows = attn.fused_qkv_a_proj.weight, attn.fused_qkv_a_proj.rank_sizes[0]
     shared_ref = {
         "model.layers.3.mlp.shared_experts.gate_up_proj": torch.cat(
             (shared_w13[:, :inter].flatten(0, 1), shared_w13[:, inter:].flatten(0, 1))),
         "model.layers.3.mlp.shared_experts.down_proj": torch.cat(tuple(shared_w2), dim=1),
-        "model.layers.3.self_attn.q_a_proj": fused_qkv_a[:q_rows],
-        "model.layers.3.self_attn.kv_a_proj_with_mqa": fused_qkv_a[q_rows:],
     }  # fmt: skip
     checked = 0
     for name, module in fp8.items():
@@ -219,7 +229,7 @@ def test_fp8_deepseek_mtp_layer_loads_exact_weights(tiny_model, tmp_path):
         else:
             continue
         checked += 1
-    assert checked == 7  # q_a, q_b, kv_a, o, the experts, the shared experts' gate_up and down
+    assert checked == 6  # fused q_a + kv_a, q_b, o, the experts, the shared experts' gate_up and down
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
