@@ -31,7 +31,7 @@ from atom.layers.layernorm import RMSNorm
 from atom.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from atom.layers.mla import MLAAttention
 from atom.layers.moe import FusedMoE
-from atom.layers.quantization.fp8_config import get_fp8_config
+from atom.layers.quantization.fp8_config import Fp8Config, get_fp8_config
 from atom.layers.rotary_embedding import RotaryEmbedding, rope_parameters
 from atom.model_loader.weight_utils import load_weights
 from atom.models.llama import LlamaForCausalLM, LlamaMLP
@@ -170,11 +170,27 @@ def fused_shared_experts(config: PretrainedConfig, tp: TPInfo) -> int:
     them (one launch instead of the shared MLP's three kernels and an add: ~16 us of a
     DeepSeek-V2-Lite layer at batch 1) where every rank holds a slice of every expert; none
     with expert parallelism or data-parallel attention (a shared expert belongs to every rank's
-    tokens there), nor for FP8 checkpoints (their block scales would need the same split)."""
+    tokens there), nor in an FP8 checkpoint whose shared experts cannot load as experts."""
     shared = getattr(config, "n_shared_experts", None) or 0
-    if tp.expert_parallel or tp.moe is not None or getattr(config, "quantization_config", None):
+    if not shared or tp.expert_parallel or tp.moe is not None:
         return 0
-    return shared
+    quant = get_fp8_config(config, None)
+    return shared if quant is None or _shared_load_as_experts(config, quant) else 0
+
+
+def _shared_load_as_experts(config: PretrainedConfig, quant: Fp8Config) -> bool:
+    """Whether an FP8 checkpoint's shared MLP splits into expert slots: quantised wherever the
+    routed experts are (the ignore list), and each slot's down projection a whole number of
+    scale groups (so a group never spans two slots)."""
+    if quant.group_k and config.moe_intermediate_size % quant.group_k:
+        return False
+    layers = config.num_hidden_layers + (getattr(config, "num_nextn_predict_layers", None) or 0)
+    for i in range(layers):
+        mlp = f"model.layers.{i}.mlp"
+        experts = quant.ignores([f"{mlp}.experts"])
+        if any(quant.ignores([f"{mlp}.shared_experts.{p}"]) != experts for p in ("gate_proj", "up_proj", "down_proj")):
+            return False
+    return True
 
 
 def fuse_qkv_a(config: PretrainedConfig) -> bool:

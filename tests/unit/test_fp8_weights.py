@@ -132,8 +132,8 @@ def _check_deepseek_layers(model: torch.nn.Module) -> None:
         assert proj.weight.dtype == FP8
     assert attn.kv_b_proj.weight.dtype == torch.float32 and attn.kv_b_proj.quant_method is None
     assert moe.experts.w13_weight.dtype == FP8 and moe.experts.w2_weight.dtype == FP8
-    # an FP8 checkpoint's shared experts stay an MLP of their own; quantised on load, they are
-    # the fused MoE's last experts
+    # the shared experts are the fused MoE's last experts, except in block-FP8 checkpoints whose
+    # scale groups would span two of them (the tiny models' 40 / 24 columns at 16-column blocks)
     if moe.shared_experts is not None:
         assert moe.shared_experts.gate_up_proj.weight.dtype == FP8 and moe.experts.num_shared == 0
     else:
@@ -151,6 +151,26 @@ def test_fp8_deepseek_loads_exact_weights(tiny_model, tmp_path, fmt, arch, monke
     _check_deepseek_layers(model)
     ref, _ = prompt_logits(str(tmp_path / "deq"))
     assert (logits - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v2"])
+@pytest.mark.parametrize("fmt", ["block", "ct_block"])
+def test_fp8_deepseek_shared_experts_load_as_experts(tmp_path, fmt, arch, monkeypatch):
+    """Block-FP8 shared experts whose intermediate size is whole scale groups (32 = 2 x 16) load
+    as the fused MoE's last experts (V2's two: one checkpoint MLP split into two slots, its down
+    projection's scale groups too), holding the checkpoint's weights; at 40 (V3's tiny default,
+    2.5 groups) a group would span two slots and they stay an MLP of their own."""
+    for inter, fused in ((32, True), (40, False)):
+        src = build(str(tmp_path / f"src{inter}"), arch, moe_intermediate_size=inter)
+        path = write(src, str(tmp_path / f"fp8{inter}"), fmt, str(tmp_path / f"deq{inter}"), block=16)
+        monkeypatch.setattr(Fp8LinearMethod, "apply", _dequantized_linear)
+        monkeypatch.setattr(Fp8MoEMethod, "apply", _dequantized_moe)
+        logits, model = prompt_logits(path)
+        moe = model.model.layers[1].mlp
+        assert (moe.shared_experts is None) == fused
+        assert moe.experts.num_shared == (model.config.n_shared_experts if fused else 0)
+        ref, _ = prompt_logits(str(tmp_path / f"deq{inter}"))
+        assert (logits - ref).abs().max() <= 1e-5 * ref.abs().max()
 
 
 @pytest.mark.parametrize("fmt", ["block", "ct_block"])

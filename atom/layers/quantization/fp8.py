@@ -165,27 +165,44 @@ class Fp8MoEMethod:
             moe.register_parameter(scale_name, scale)
 
     def _load_scale(self, moe: FusedMoE, param: nn.Parameter, loaded, shard_id: str, expert_id: int) -> None:
-        if expert_id not in moe.local_experts:
+        """One expert's scales, or the shared MLP's (expert ``E``: ``num_shared`` experts' side by
+        side, as ``FusedMoE.weight_loader`` splits its weights) into their slots."""
+        shared = expert_id == moe.num_experts and moe.num_shared
+        if not shared and expert_id not in moe.local_experts:
             return
-        index, size = expert_id - moe.local_experts.start, moe.intermediate
+        copies = moe.num_shared if shared else 1
         slices = moe.tp.size if not moe.tp.expert_parallel else 1
+        full = moe.intermediate * slices  # one expert's intermediate width in the checkpoint
         block_rows = self.config.block[0] if self.config.block else None
-        cols = param.shape[2]
+        if shard_id == "w2":  # the experts side by side along the input columns
+            groups = -(-full * copies // self.group_k) if self.group_k else 1
+            scale = _expand_rows(materialize(loaded), param.shape[1], groups, block_rows)
+            step = full // self.group_k if self.group_k and copies > 1 else 0
+            parts = [scale.narrow(1, s * step, step) if step else scale for s in range(copies)]
+        else:
+            scale = _expand_rows(materialize(loaded), full * copies, param.shape[2], block_rows)
+            parts = [scale.narrow(0, s * full, full) for s in range(copies)]
+        first = len(moe.local_experts) if shared else expert_id - moe.local_experts.start
+        for s, part in enumerate(parts):
+            self._load_slot_scale(moe, param, part, shard_id, first + s)
+
+    def _load_slot_scale(self, moe: FusedMoE, param: nn.Parameter, scale: torch.Tensor, shard_id: str,
+                         index: int) -> None:  # fmt: skip
+        """One whole expert's row-expanded gate, up or down scales into local slot ``index``
+        (this rank's slice of them)."""
+        size, cols = moe.intermediate, param.shape[2]
         if shard_id == "w2":
-            full_cols = -(-size * slices // self.group_k) if self.group_k else 1
-            scale = _expand_rows(materialize(loaded), param.shape[1], full_cols, block_rows)
-            if slices > 1 and self.group_k:
+            if scale.shape[1] > cols and self.group_k:  # tensor parallel: this rank's input columns
                 if size % self.group_k:
                     raise ValueError(f"moe intermediate size {size} per rank is not a whole number of "
                                      f"{self.group_k}-column scale blocks")
                 scale = scale.narrow(1, moe.slice_rank * cols, cols)
             target = param.data[index]
         else:
-            scale = _expand_rows(materialize(loaded), size * slices, cols, block_rows)
             scale = scale.narrow(0, moe.slice_rank * size, size)
             target = param.data[index].narrow(0, 0 if shard_id == "w1" else size, size)
         if target.shape != scale.shape:
-            raise ValueError(f"expert {expert_id} {shard_id} scale: shape {tuple(scale.shape)}, "
+            raise ValueError(f"expert slot {index} {shard_id} scale: shape {tuple(scale.shape)}, "
                              f"expected {tuple(target.shape)}")
         target.copy_(scale)
 
