@@ -111,9 +111,12 @@ if _HAVE_GLUON:
         return first._reinterpret(k_smem.dtype, [_BLOCK_N, 4 * _COLS], k_smem.layout)
 
     @gluon.jit
-    def _load_half(c_desc, k_smem, bar, tables_ptr, stride_tb, seq, first_key, last_box, buf, C0: gl.constexpr,
-                   NC: gl.constexpr, PAGE: gl.constexpr, ROWS: gl.constexpr):  # fmt: skip
-        """Chunks ``C0`` to ``C0 + NC - 1`` of the 64-key tile from ``first_key`` into buffer ``buf``."""
+    def _load_half(c_desc, k_smem, bar, tables_ptr, stride_tb, seq, first_key, last_box, buf,
+                   HALF: gl.constexpr, PAGE: gl.constexpr, ROWS: gl.constexpr):  # fmt: skip
+        """Half ``HALF`` of the 64-key tile from ``first_key`` into key buffer ``buf``: chunks 0-3 (the
+        left values) or 4-8 (the right values and the rope columns), signalled on ``bar``."""
+        C0: gl.constexpr = 4 * HALF
+        NC: gl.constexpr = 4 + HALF
         mbarrier.expect(bar, NC * (_BLOCK_N // ROWS) * c_desc.block_type.nbytes)
         for i in gl.static_range(_BLOCK_N // ROWS):
             key = gl.minimum(first_key + i * ROWS, last_box)  # past the sequence: its last box (masked)
@@ -124,39 +127,42 @@ if _HAVE_GLUON:
                                                 k_smem.index(buf * _CHUNKS + C0 + j).slice(i * ROWS, ROWS))
 
     @gluon.jit
+    def _refill(c_desc, k_smem, k_ready, kv_empty, I: gl.constexpr, phase, tables_ptr, stride_tb, seq, first_key,
+                last_box, PAGE: gl.constexpr, ROWS: gl.constexpr):  # fmt: skip
+        """Half ``I % 2`` of key buffer ``I // 2`` once its last reader has released it (``kv_empty``
+        ``I``), then the tile's half from ``first_key`` into it (``k_ready`` ``I``)."""
+        mbarrier.wait(kv_empty.index(I), phase)
+        _load_half(c_desc, k_smem, k_ready.index(I), tables_ptr, stride_tb, seq, first_key, last_box, I // 2, I % 2,
+                   PAGE, ROWS)  # fmt: skip
+
+    @gluon.jit
     def _loader(q_desc, c_desc, q_smem, k_smem, q_ready, k_ready, kv_empty, tables_ptr, stride_tb, q_row, seq,
                 lo, n_tiles, last_key, PAGE: gl.constexpr, ROWS: gl.constexpr):  # fmt: skip
-        """Tile ``t`` goes to buffer ``t % 2`` in two halves: chunks 0-3 (the left values) and 4-8 (the
-        right values and the rope columns), barrier ``2 * buffer + half``; a half is refilled once its one
-        last reader has released it, in the order the pair's schedule releases them."""
+        """Tile ``t`` goes to key buffer ``t % 2`` in two halves (barriers ``2 * buffer + half``); from
+        the second pair on, each half is refilled once its one last reader has released it, in the
+        order the pair's schedule releases them."""
         mbarrier.expect(q_ready, _CHUNKS * q_desc.block_type.nbytes)
         for j in gl.static_range(_CHUNKS):
             tma.async_copy_global_to_shared(q_desc, [q_row, j * _COLS], q_ready, q_smem.index(j))
         last_box = (last_key // ROWS) * ROWS
         for t in range(gl.minimum(n_tiles, 2)):
             key = lo + t * _BLOCK_N
-            _load_half(c_desc, k_smem, k_ready.index(2 * t), tables_ptr, stride_tb, seq, key, last_box, t, 0, 4,
-                       PAGE, ROWS)  # fmt: skip
-            _load_half(c_desc, k_smem, k_ready.index(2 * t + 1), tables_ptr, stride_tb, seq, key, last_box, t, 4, 5,
+            _load_half(c_desc, k_smem, k_ready.index(2 * t), tables_ptr, stride_tb, seq, key, last_box, t, 0, PAGE,
+                       ROWS)  # fmt: skip
+            _load_half(c_desc, k_smem, k_ready.index(2 * t + 1), tables_ptr, stride_tb, seq, key, last_box, t, 1,
                        PAGE, ROWS)  # fmt: skip
         for p in range(1, gl.cdiv(n_tiles, 2)):
             phase = (p - 1) & 1
             key0 = lo + 2 * p * _BLOCK_N
             has1 = 2 * p + 1 < n_tiles
-            mbarrier.wait(kv_empty.index(0), phase)
-            _load_half(c_desc, k_smem, k_ready.index(0), tables_ptr, stride_tb, seq, key0, last_box, 0, 0, 4, PAGE,
-                       ROWS)  # fmt: skip
+            _refill(c_desc, k_smem, k_ready, kv_empty, 0, phase, tables_ptr, stride_tb, seq, key0, last_box, PAGE, ROWS)
             if has1:
-                mbarrier.wait(kv_empty.index(3), phase)
-                _load_half(c_desc, k_smem, k_ready.index(3), tables_ptr, stride_tb, seq, key0 + _BLOCK_N, last_box,
-                           1, 4, 5, PAGE, ROWS)  # fmt: skip
-            mbarrier.wait(kv_empty.index(1), phase)
-            _load_half(c_desc, k_smem, k_ready.index(1), tables_ptr, stride_tb, seq, key0, last_box, 0, 4, 5, PAGE,
-                       ROWS)  # fmt: skip
+                _refill(c_desc, k_smem, k_ready, kv_empty, 3, phase, tables_ptr, stride_tb, seq, key0 + _BLOCK_N,
+                        last_box, PAGE, ROWS)  # fmt: skip
+            _refill(c_desc, k_smem, k_ready, kv_empty, 1, phase, tables_ptr, stride_tb, seq, key0, last_box, PAGE, ROWS)
             if has1:
-                mbarrier.wait(kv_empty.index(2), phase)
-                _load_half(c_desc, k_smem, k_ready.index(2), tables_ptr, stride_tb, seq, key0 + _BLOCK_N, last_box,
-                           1, 0, 4, PAGE, ROWS)  # fmt: skip
+                _refill(c_desc, k_smem, k_ready, kv_empty, 2, phase, tables_ptr, stride_tb, seq, key0 + _BLOCK_N,
+                        last_box, PAGE, ROWS)  # fmt: skip
 
     @gluon.jit
     def _qk(q_smem, q_rope, k_smem, buf, z, s, FIRST: gl.constexpr, HALF: gl.constexpr):
