@@ -56,7 +56,8 @@ def test_mla_decode_v3_shapes(lens, num_heads, dtype):
 )  # fmt: skip
 def test_mla_decode_gluon(num_heads, lens, page, splits):
     """The Gluon Hopper decode kernel (what ``mla_decode`` runs for 16-bit caches on sm_90) against the
-    float32 reference: tile and page boundaries, pages of 8-128 rows, forced split counts (a split past
+    float32 reference: tile and page boundaries, odd and even tile counts (the seesaw schedule's pairs,
+    the last one half empty), pages of 8-128 rows, forced split counts (a split past
     a short sequence sees no key), a batch past the SMs (no split), head counts below 64 (the MMA rows
     past them padding: V2-Lite, V3 at -tp 8), the last sequence's padding rows past the query tensor."""
     from atom.ops.triton import mla_gluon
