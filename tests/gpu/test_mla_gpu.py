@@ -350,7 +350,7 @@ def test_tiny_deepseek_fp8_weights_on_cuda(dtype, tmp_path):
                   kv_cache_dtype="fp8")
     fp8 = LLMEngine(path, **common)
     attn = fp8.core.runner.model.model.layers[1].self_attn
-    assert attn.q_a_proj.weight.dtype == FP8 and attn.kv_b_proj.weight.dtype == getattr(torch, dtype)
+    assert attn.fused_qkv_a_proj.weight.dtype == FP8 and attn.kv_b_proj.weight.dtype == getattr(torch, dtype)
     cpu = LLMEngine(path, max_model_len=512, dtype="float32", device="cpu", kv_cache_dtype="fp8")
     fraction, positions = teacher_forced_agreement(cpu, fp8, prompts, 16, min_margin=0.5)
     # float32 on an H100: 44 of 47 (93.6%). Rounding upstream can move an activation across an
