@@ -183,6 +183,16 @@ if _HAVE_GLUON:
         return s
 
     @gluon.jit
+    def _row_sums(l_i, mine, other, l_ready, layout: gl.constexpr):
+        """The softmax denominators: each warpgroup holds the row sums of its own tiles, in the same
+        units; both get the total."""
+        mine.store(l_i)
+        gl.thread_barrier()
+        mbarrier.arrive(l_ready)
+        mbarrier.wait(l_ready, 0)
+        return l_i + other.load(layout)
+
+    @gluon.jit
     def _wg0(q_smem, k_smem, p0_smem, m_smem, sc0_smem, sc1_smem, l0_smem, l1_smem, q_ready, k_ready, kv_empty,
              sc0_ready, sc1_ready, p0_ready, p1_ready, l_ready, out_ptr, part_out_ptr, part_ml_ptr, qk_scale, seq,
              head0, split, num_heads, num_splits, lo, hi, n_tiles, stride_ob, stride_oh,
@@ -255,12 +265,7 @@ if _HAVE_GLUON:
                 mbarrier.wait(p1_ready, p & 1)
                 acc = warpgroup_mma(q_smem.index(_CHUNKS - 1), _half(k_smem, 1 + z, 0), acc, is_async=True)
                 acc = warpgroup_mma_wait(0, deps=[acc])
-        # the row sums: each warpgroup holds those of its tiles, in the same units
-        l0_smem.store(l_i)
-        gl.thread_barrier()
-        mbarrier.arrive(l_ready)
-        mbarrier.wait(l_ready, 0)
-        l_i = l_i + l1_smem.load(row_l)
+        l_i = _row_sums(l_i, l0_smem, l1_smem, l_ready, row_l)
         _store(acc, 0, seq, head0, split, num_heads, num_splits, out_ptr, part_out_ptr, stride_ob, stride_oh,
                gl.convert_layout(l_i, o_row), SPLIT, o_layout)  # fmt: skip
         if SPLIT:  # the running max (natural-log units, as the merge kernel expects) and the denominator
@@ -338,11 +343,7 @@ if _HAVE_GLUON:
                 mbarrier.wait(k_ready.index(2), (p + 1) & 1)
                 s = _qk(q_smem, q_rope, k_smem, 1 + z, z, s, 1, 0)
                 s = warpgroup_mma_wait(0, deps=[s])
-        l1_smem.store(l_i)
-        gl.thread_barrier()
-        mbarrier.arrive(l_ready)
-        mbarrier.wait(l_ready, 0)
-        l_i = l_i + l0_smem.load(row_l)
+        l_i = _row_sums(l_i, l1_smem, l0_smem, l_ready, row_l)
         _store(acc, 256, seq, head0, split, num_heads, num_splits, out_ptr, part_out_ptr, stride_ob, stride_oh,
                gl.convert_layout(l_i, o_row), SPLIT, o_layout)  # fmt: skip
 
