@@ -184,9 +184,8 @@ def _shared_load_as_experts(config: PretrainedConfig, quant: Fp8Config) -> bool:
     scale groups (so a group never spans two slots)."""
     if quant.group_k and config.moe_intermediate_size % quant.group_k:
         return False
-    layers = config.num_hidden_layers + (getattr(config, "num_nextn_predict_layers", None) or 0)
-    for i in range(layers):
-        mlp = f"model.layers.{i}.mlp"
+    for layer in _checkpoint_layers(config):
+        mlp = f"{layer}.mlp"
         experts = quant.ignores([f"{mlp}.experts"])
         if any(quant.ignores([f"{mlp}.shared_experts.{p}"]) != experts for p in ("gate_proj", "up_proj", "down_proj")):
             return False
@@ -205,9 +204,14 @@ def fuse_qkv_a(config: PretrainedConfig) -> bool:
     if quant is None or not quant.ignore:
         return True
     query = "q_a_proj" if getattr(config, "q_lora_rank", None) else "q_proj"
+    return all(quant.ignores([f"{layer}.self_attn.{query}"]) == quant.ignores([f"{layer}.self_attn.kv_a_proj_with_mqa"])
+               for layer in _checkpoint_layers(config))
+
+
+def _checkpoint_layers(config: PretrainedConfig) -> list[str]:
+    """The checkpoint's decoder layers' module names, its MTP layers' after them."""
     layers = config.num_hidden_layers + (getattr(config, "num_nextn_predict_layers", None) or 0)
-    return all(quant.ignores([f"model.layers.{i}.self_attn.{query}"])
-               == quant.ignores([f"model.layers.{i}.self_attn.kv_a_proj_with_mqa"]) for i in range(layers))
+    return [f"model.layers.{i}" for i in range(layers)]
 
 
 def packed_modules(config: PretrainedConfig) -> dict[str, tuple[str, int]]:

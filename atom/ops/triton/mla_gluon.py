@@ -65,7 +65,6 @@ HEADS = 64  # heads per program (one warpgroup's MMA rows)
 BLOCK_N = 64  # keys per tile
 COLS = 64  # columns per shared-memory chunk (128-byte swizzle rows)
 CHUNKS = (RANK + ROPE) // COLS
-STAGES = 2
 LOG2E = 1.4426950408889634
 
 
@@ -85,8 +84,17 @@ if _HAVE_GLUON:
     _BLOCK_N = gl.constexpr(BLOCK_N)
     _COLS = gl.constexpr(COLS)
     _CHUNKS = gl.constexpr(CHUNKS)
-    _STAGES = gl.constexpr(STAGES)
     _RANK = gl.constexpr(RANK)
+    # the math warpgroups' layouts: S (64 heads x 64 keys) and their half of O (64 x 256) as wgmma
+    # accumulators, P and Q's rope chunk as register operands, and the row vectors of both
+    _S = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+    _O = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 4 * COLS, 16])
+    _S_LAYOUT = gl.constexpr(_S)
+    _O_LAYOUT = gl.constexpr(_O)
+    _P_LAYOUT = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=_O, k_width=2))
+    _Q_LAYOUT = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=_S, k_width=2))
+    _ROW_LAYOUT = gl.constexpr(gl.SliceLayout(1, _S))
+    _O_ROW_LAYOUT = gl.constexpr(gl.SliceLayout(1, _O))
 
     @gluon.jit
     def _store(acc, col0: gl.constexpr, seq, head0, split, num_heads, num_splits, out_ptr, part_out_ptr,
@@ -198,22 +206,14 @@ if _HAVE_GLUON:
              head0, split, num_heads, num_splits, lo, hi, n_tiles, stride_ob, stride_oh,
              SPLIT: gl.constexpr):  # fmt: skip
         """Even tiles' QK^T and softmax; PV for latent columns 0-255 (O_L) over both tiles of each pair."""
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, _BLOCK_N, 16])  # fmt: skip
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, 4 * _COLS, 16])  # fmt: skip
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
-        row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
-        o_row: gl.constexpr = gl.SliceLayout(1, o_layout)
         dtype: gl.constexpr = q_smem.dtype
-        keys = gl.arange(0, _BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        m_i = gl.full([_HEADS], float("-inf"), gl.float32, row_l)
-        l_i = gl.zeros([_HEADS], gl.float32, row_l)
-        acc = gl.zeros([_HEADS, 4 * _COLS], gl.float32, o_layout)
-        s = gl.zeros([_HEADS, _BLOCK_N], gl.float32, s_layout)
+        keys = gl.arange(0, _BLOCK_N, layout=gl.SliceLayout(0, _S_LAYOUT))
+        m_i = gl.full([_HEADS], float("-inf"), gl.float32, _ROW_LAYOUT)
+        l_i = gl.zeros([_HEADS], gl.float32, _ROW_LAYOUT)
+        acc = gl.zeros([_HEADS, 4 * _COLS], gl.float32, _O_LAYOUT)
+        s = gl.zeros([_HEADS, _BLOCK_N], gl.float32, _S_LAYOUT)
         mbarrier.wait(q_ready, 0)
-        q_rope = q_smem.index(_CHUNKS - 1).load(q_layout)  # before the odd warpgroup's P takes its place
+        q_rope = q_smem.index(_CHUNKS - 1).load(_Q_LAYOUT)  # before the odd warpgroup's P takes its place
         if n_tiles > 0:
             mbarrier.wait(k_ready.index(0), 0)
             s = _qk(q_smem, q_rope, k_smem, 0, 0, s, 0, 0)
@@ -234,21 +234,21 @@ if _HAVE_GLUON:
             gl.thread_barrier()
             mbarrier.arrive(sc0_ready)
             # O_L = O_L * scale0 + P0 V0_L; then buffer 0's left half is free
-            acc = acc * gl.convert_layout(scale0, o_row)[:, None]
-            p0_op = gl.convert_layout(p0.to(dtype), p_layout)
+            acc = acc * gl.convert_layout(scale0, _O_ROW_LAYOUT)[:, None]
+            p0_op = gl.convert_layout(p0.to(dtype), _P_LAYOUT)
             acc = warpgroup_mma(p0_op, _half(k_smem, z, 0), acc, is_async=True)
             acc, p0_op = warpgroup_mma_wait(0, deps=[acc, p0_op])
             mbarrier.arrive(kv_empty.index(0))
             # WG1's max over tile t + 1: P0 in its units for WG1's right half, and O_L rescaled
             mbarrier.wait(sc1_ready, p & 1)
-            scale1 = sc1_smem.load(row_l)
-            m_i = m_smem.load(row_l)
+            scale1 = sc1_smem.load(_ROW_LAYOUT)
+            m_i = m_smem.load(_ROW_LAYOUT)
             p0_smem.store((p0 * scale1[:, None]).to(dtype))
             fence_async_shared()  # P0 is read by WG1's MMA (the async proxy)
             gl.thread_barrier()
             mbarrier.arrive(p0_ready)
             l_i = l_i * scale1
-            acc = acc * gl.convert_layout(scale1, o_row)[:, None]
+            acc = acc * gl.convert_layout(scale1, _O_ROW_LAYOUT)[:, None]
             # O_L += P1 V1_L (P1 from WG1, in Q's rope chunk), then the next even tile's QK^T, its left
             # chunks first (refilled first); buffer 1's left half is free once that PV is done
             if t + 2 < n_tiles:
@@ -265,11 +265,11 @@ if _HAVE_GLUON:
                 mbarrier.wait(p1_ready, p & 1)
                 acc = warpgroup_mma(q_smem.index(_CHUNKS - 1), _half(k_smem, 1 + z, 0), acc, is_async=True)
                 acc = warpgroup_mma_wait(0, deps=[acc])
-        l_i = _row_sums(l_i, l0_smem, l1_smem, l_ready, row_l)
+        l_i = _row_sums(l_i, l0_smem, l1_smem, l_ready, _ROW_LAYOUT)
         _store(acc, 0, seq, head0, split, num_heads, num_splits, out_ptr, part_out_ptr, stride_ob, stride_oh,
-               gl.convert_layout(l_i, o_row), SPLIT, o_layout)  # fmt: skip
+               gl.convert_layout(l_i, _O_ROW_LAYOUT), SPLIT, _O_LAYOUT)  # fmt: skip
         if SPLIT:  # the running max (natural-log units, as the merge kernel expects) and the denominator
-            heads = head0 + gl.arange(0, _HEADS, layout=row_l)
+            heads = head0 + gl.arange(0, _HEADS, layout=_ROW_LAYOUT)
             row = (seq * num_heads + heads) * num_splits + split
             gl.store(part_ml_ptr + 2 * row, m_i * 0.6931471805599453, mask=heads < num_heads)
             gl.store(part_ml_ptr + 2 * row + 1, l_i, mask=heads < num_heads)
@@ -279,21 +279,13 @@ if _HAVE_GLUON:
              sc0_ready, sc1_ready, p0_ready, p1_ready, l_ready, out_ptr, part_out_ptr, qk_scale, seq, head0, split,
              num_heads, num_splits, lo, hi, n_tiles, stride_ob, stride_oh, SPLIT: gl.constexpr):  # fmt: skip
         """Odd tiles' QK^T and softmax; PV for latent columns 256-511 (O_R) over both tiles of each pair."""
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, _BLOCK_N, 16])  # fmt: skip
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, 4 * _COLS, 16])  # fmt: skip
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
-        row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
-        o_row: gl.constexpr = gl.SliceLayout(1, o_layout)
         dtype: gl.constexpr = q_smem.dtype
-        keys = gl.arange(0, _BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        l_i = gl.zeros([_HEADS], gl.float32, row_l)
-        acc = gl.zeros([_HEADS, 4 * _COLS], gl.float32, o_layout)
-        s = gl.zeros([_HEADS, _BLOCK_N], gl.float32, s_layout)
+        keys = gl.arange(0, _BLOCK_N, layout=gl.SliceLayout(0, _S_LAYOUT))
+        l_i = gl.zeros([_HEADS], gl.float32, _ROW_LAYOUT)
+        acc = gl.zeros([_HEADS, 4 * _COLS], gl.float32, _O_LAYOUT)
+        s = gl.zeros([_HEADS, _BLOCK_N], gl.float32, _S_LAYOUT)
         mbarrier.wait(q_ready, 0)
-        q_rope = q_smem.index(_CHUNKS - 1).load(q_layout)
+        q_rope = q_smem.index(_CHUNKS - 1).load(_Q_LAYOUT)
         if n_tiles > 1:  # the right chunks first: the order buffer 1's halves are refilled in
             mbarrier.wait(k_ready.index(3), 0)
             s = _qk(q_smem, q_rope, k_smem, 1, 0, s, 1, 1)
@@ -305,8 +297,8 @@ if _HAVE_GLUON:
             z = p >> 24
             has1 = t < n_tiles
             mbarrier.wait(sc0_ready, p & 1)
-            m_old = m_smem.load(row_l)
-            scale0 = sc0_smem.load(row_l)
+            m_old = m_smem.load(_ROW_LAYOUT)
+            scale0 = sc0_smem.load(_ROW_LAYOUT)
             # past the tiles (an odd count) every key is masked: the max stays, P1 is zero, the factor 1
             sv = gl.where((lo + t * _BLOCK_N + keys < hi)[None, :], s * qk_scale, float("-inf"))
             m_new = gl.maximum(m_old, gl.max(sv, axis=1))
@@ -318,14 +310,14 @@ if _HAVE_GLUON:
             mbarrier.arrive(sc1_ready)
             factor = scale0 * scale1
             l_i = l_i * factor + gl.sum(p1, axis=1)
-            acc = acc * gl.convert_layout(factor, o_row)[:, None]
+            acc = acc * gl.convert_layout(factor, _O_ROW_LAYOUT)[:, None]
             if has1:  # P1 to WG0 through Q's rope chunk (both warpgroups hold those columns in registers)
                 p1_16 = p1.to(dtype)
                 q_smem.index(_CHUNKS - 1).store(p1_16)
                 fence_async_shared()
                 gl.thread_barrier()
                 mbarrier.arrive(p1_ready)
-                p1_op = gl.convert_layout(p1_16, p_layout)
+                p1_op = gl.convert_layout(p1_16, _P_LAYOUT)
                 acc = warpgroup_mma(p1_op, _half(k_smem, 1 + z, 1), acc, is_async=True)
                 mbarrier.wait(p0_ready, p & 1)
                 acc = warpgroup_mma(p0_smem, _half(k_smem, z, 1), acc, is_async=True)
@@ -343,9 +335,9 @@ if _HAVE_GLUON:
                 mbarrier.wait(k_ready.index(2), (p + 1) & 1)
                 s = _qk(q_smem, q_rope, k_smem, 1 + z, z, s, 1, 0)
                 s = warpgroup_mma_wait(0, deps=[s])
-        l_i = _row_sums(l_i, l1_smem, l0_smem, l_ready, row_l)
+        l_i = _row_sums(l_i, l1_smem, l0_smem, l_ready, _ROW_LAYOUT)
         _store(acc, 256, seq, head0, split, num_heads, num_splits, out_ptr, part_out_ptr, stride_ob, stride_oh,
-               gl.convert_layout(l_i, o_row), SPLIT, o_layout)  # fmt: skip
+               gl.convert_layout(l_i, _O_ROW_LAYOUT), SPLIT, _O_LAYOUT)  # fmt: skip
 
     @gluon.jit(
         do_not_specialize=["num_splits", "stride_tb"],
