@@ -2,6 +2,8 @@
 MLA backends (when vLLM imports). One command:
 
     python tests/gpu/gluon_mla_check.py [--timeout 240] [--config '{"wg1_regs": 232}']
+    ncu --clock-control none -k regex:_mla_decode_gluon --launch-skip 2 --launch-count 1 \
+        python tests/gpu/gluon_mla_check.py --once 64,4096 [--heads 16]   # four launches, nothing else
 
 The work runs in a subprocess with a timeout, so a kernel that fails to compile, computes wrong
 results or hangs is reported. Correctness: fresh random bf16 inputs (seed printed), ragged sequence
@@ -132,6 +134,21 @@ def _repage(cache_tables, page):
     return kb.paged(rows, page)
 
 
+def once(cfg: dict, shape: str, heads: int) -> None:
+    """Four launches at ``batch,context`` (kernel_bench's inputs), for a profiler."""
+    import kernel_bench as kb
+    import torch
+
+    from atom.ops.triton.mla_gluon import mla_decode_gluon
+
+    batch, context = (int(v) for v in shape.split(","))
+    x = kb.mla_inputs(batch, context, heads, False)
+    cache, tables = x.caches[16]
+    for _ in range(4):
+        mla_decode_gluon(x.q, cache, x.seq_lens, tables, kb.MLA_SCALE, None, cfg)
+    torch.cuda.synchronize()
+
+
 def worker(cfg: dict, seed: int, heads: int) -> dict:
     from atom.ops.triton import mla
 
@@ -152,8 +169,12 @@ def main():
     p.add_argument("--seed", type=int, default=int(time.time()) % 100000)
     p.add_argument("--timeout", type=int, default=240)
     p.add_argument("--heads", type=int, default=128, help="query heads of the timed shapes (V3: 128, V2-Lite: 16)")
+    p.add_argument("--once", metavar="B,CTX", help="only launch the kernel four times at this shape (for ncu)")
     args = p.parse_args()
     cfg = json.loads(args.config)
+    if args.once:
+        once(cfg, args.once, args.heads)
+        return
     if args.worker:
         print("RESULT " + json.dumps(worker(cfg, args.seed, args.heads)))
         return
