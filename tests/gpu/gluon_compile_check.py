@@ -69,6 +69,8 @@ def compile_config(mod, cfg: dict):
 
 
 MLA_CONFIGS = [dict(page=16, split=False), dict(page=16, split=True), dict(page=64, split=False)]
+NARROW_CONFIGS = [dict(heads=16, page=16, split=False), dict(heads=16, page=16, split=True),
+                  dict(heads=32, page=64, split=True)]
 
 
 def compile_mla(mod, cfg: dict):
@@ -87,6 +89,27 @@ def compile_mla(mod, cfg: dict):
     constexprs = dict(PAGE=cfg["page"], ROWS=rows, SPLIT=cfg["split"], WG1_REGS=232, LOADER_REGS=24)
     signature.update({k: "constexpr" for k in constexprs})
     src = GluonASTSource(mod._mla_decode_gluon_kernel, signature, constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+
+
+def compile_mla_narrow(mod, cfg: dict):
+    """``mla_gluon_narrow``'s decode kernel (``heads`` as the MMA's N) over ``page``-row pages."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    rows = min(cfg["page"], mod.BLOCK_N)
+    q_layout, c_layout, p_layout, acc_layout = mod._layouts(cfg["heads"])
+    desc = "tensordesc<bf16[{}, {}],{!r}>"
+    signature = {
+        "q_desc": desc.format(cfg["heads"], mod.COLS, q_layout), "c_desc": desc.format(rows, mod.COLS, c_layout),
+        "seq_lens_ptr": "*i32", "tables_ptr": "*i32", "out_ptr": "*bf16", "part_out_ptr": "*fp32",
+        "part_ml_ptr": "*fp32", "qk_scale": "fp32", "num_heads": "i32", "num_splits": "i32", "stride_tb": "i32",
+        "stride_ob": "i32", "stride_oh": "i32",
+    }  # fmt: skip
+    constexprs = dict(PAGE=cfg["page"], ROWS=rows, SPLIT=cfg["split"], N=cfg["heads"], ACC=acc_layout,
+                      P_LAYOUT=p_layout, LOADER_REGS=24)  # fmt: skip
+    signature.update({k: "constexpr" for k in constexprs})
+    src = GluonASTSource(mod._mla_decode_narrow_kernel, signature, constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
 
 
@@ -113,16 +136,18 @@ def main() -> int:
     ap.add_argument("--extra-site", help="site-packages providing torch (appended after Triton's)")
     ap.add_argument("--traceback", action="store_true")
     ap.add_argument("--dump", help="write the PTX of the default config here")
+    ap.add_argument("--mla-only", action="store_true", help="only the MLA decode kernels")
     args = ap.parse_args()
     if args.extra_site:
         sys.path.append(args.extra_site)
-    from atom.ops.triton import mla_gluon
+    from atom.ops.triton import mla_gluon, mla_gluon_narrow
     from atom.ops.triton import prefill_attention_gluon as mod
 
     print(f"triton {triton.__version__}; gluon available: {mod._HAVE_GLUON}")
     bad = 0
-    jobs = [(f"prefill {c}", compile_config, mod, c) for c in CONFIGS]
+    jobs = [(f"prefill {c}", compile_config, mod, c) for c in CONFIGS if not args.mla_only]
     jobs += [(f"mla decode {c}", compile_mla, mla_gluon, c) for c in MLA_CONFIGS]
+    jobs += [(f"mla narrow {c}", compile_mla_narrow, mla_gluon_narrow, c) for c in NARROW_CONFIGS]
     for name, compile_fn, module, cfg in jobs:
         try:
             k = compile_fn(module, cfg)

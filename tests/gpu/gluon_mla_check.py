@@ -33,7 +33,8 @@ CHECKS = [
     (64, [70, 5, 200], 64, None), (128, [333, 9], 32, None), (128, [77, 130], 8, None), (128, [700], 128, None),
     (128, [1000, 3], 16, 1), (128, [1000, 3], 16, 4), (128, [1000, 3], 16, 32), (256, [129], 16, 2),
     (128, [2048] * 64, 16, None), (16, [1, 63, 65, 1000], 16, None), (16, [4000], 16, 8), (32, [70, 5, 200], 64, None),
-    (16, [3000] * 140, 16, None),
+    (16, [3000] * 140, 16, None), (16, [77, 130], 8, None), (16, [700], 128, None), (16, [1, 64, 129], 16, 32),
+    (32, [1000, 3], 16, 4), (32, [2048] * 64, 16, None), (32, [4097], 16, None),
 ]  # fmt: skip
 TIMES = [(1, 1024), (1, 8192), (8, 4096), (8, 8192), (32, 4096), (64, 1024), (64, 4096), (64, 8192), (128, 4096),
          (1, 32768), (8, 32768)]  # fmt: skip
@@ -97,7 +98,7 @@ def timing(cfg: dict, heads: int) -> dict:
             return fn, refs, nbytes, 2 * heads * (2 * 512 + 64) * b * (ctx + 1)
 
         fns, refs, nbytes, flops = kb.prepare(builder)
-        row = dict(gluon=kb.graph_ms(fns), flops=flops)
+        row = dict(gluon=kb.graph_ms(fns), flops=flops, nbytes=nbytes)
         row |= {name: kb.graph_ms(calls) for name, calls in refs.items()}
         res[f"b={b} ctx={ctx // 1024}k"] = row
         del fns, refs
@@ -197,13 +198,15 @@ def main():
     for key, c in res["check"].items():
         print(f"{'ok  ' if c['ok'] else 'FAIL'} {key:<50} err {c['err']:.4f} vs triton {c['vs_triton']:.4f}")
     head = f"{args.heads} heads"
-    print(f"\n{head:<16} {'gluon ms':>9} {'TF/s':>6} {'triton ms':>10} {'x':>5} {'fa3-mla ms':>11} {'x':>5}")
+    cols = f"{'gluon ms':>9} {'TF/s':>6} {'GB/s':>6} {'triton ms':>10} {'x':>5} {'fa3-mla ms':>11} {'x':>5}"
+    print(f"\n{head:<16} {cols}")
     for key, ms in res.get("pages", {}).items():
         print(f"{key:<30} {ms:9.4f} ms")
     for key, r in res.get("ms", {}).items():
         fa = f"{r['fa3_mla']:11.4f} {r['fa3_mla'] / r['gluon']:5.2f}" if "fa3_mla" in r else ""
-        tf = r["flops"] / r["gluon"] / 1e9
-        print(f"{key:<16} {r['gluon']:9.4f} {tf:6.0f} {r['triton']:10.4f} {r['triton'] / r['gluon']:5.2f} {fa}")
+        tf, gbs = r["flops"] / r["gluon"] / 1e9, r["nbytes"] / r["gluon"] / 1e6  # the latent read
+        tri = f"{r['triton']:10.4f} {r['triton'] / r['gluon']:5.2f}"
+        print(f"{key:<16} {r['gluon']:9.4f} {tf:6.0f} {gbs:6.0f} {tri} {fa}")
 
 
 if __name__ == "__main__":

@@ -46,20 +46,27 @@ def test_mla_decode_v3_shapes(lens, num_heads, dtype):
     assert_close(out, ref, dtype)
 
 
+GLUON_CASES = [
+    (128, [1], 16, None), (128, [63, 64, 65], 16, None), (128, [17, 300, 2048, 5, 999, 64, 1, 128], 16, None),
+    (64, [70, 5, 200], 64, None), (128, [333, 9], 32, None), (128, [77, 130], 8, None), (128, [700], 128, None),
+    (128, [1000, 3], 16, 1), (128, [1000, 3], 16, 4), (128, [1000, 3], 16, 32), (256, [129], 16, 2),
+    (128, [2048] * 80, 16, None), (16, [1, 63, 65, 1000], 16, None), (16, [4000], 16, 8), (32, [70, 5, 200], 64, None),
+    (16, [3000] * 140, 16, None), (1, [500, 7], 8, 2), (16, [77, 130], 8, None), (16, [700], 128, None),
+    (16, [1, 64, 129], 16, 32), (32, [1000, 3], 16, 4), (32, [2048] * 64, 16, None), (32, [4097], 16, None),
+]  # fmt: skip
+
+
 @pytest.mark.parametrize(
-    "num_heads, lens, page, splits",
-    [(128, [1], 16, None), (128, [63, 64, 65], 16, None), (128, [17, 300, 2048, 5, 999, 64, 1, 128], 16, None),
-     (64, [70, 5, 200], 64, None), (128, [333, 9], 32, None), (128, [77, 130], 8, None), (128, [700], 128, None),
-     (128, [1000, 3], 16, 1), (128, [1000, 3], 16, 4), (128, [1000, 3], 16, 32), (256, [129], 16, 2),
-     (128, [2048] * 80, 16, None), (16, [1, 63, 65, 1000], 16, None), (16, [4000], 16, 8), (32, [70, 5, 200], 64, None),
-     (16, [3000] * 140, 16, None), (1, [500, 7], 8, 2)],
-)  # fmt: skip
-def test_mla_decode_gluon(num_heads, lens, page, splits):
-    """The Gluon Hopper decode kernel (what ``mla_decode`` runs for 16-bit caches on sm_90) against the
+    "num_heads, lens, page, splits, narrow",
+    [(*c, True) for c in GLUON_CASES] + [(*c, False) for c in GLUON_CASES if c[0] in (16, 32)],
+)
+def test_mla_decode_gluon(num_heads, lens, page, splits, narrow):
+    """The Gluon Hopper decode kernels (what ``mla_decode`` runs for 16-bit caches on sm_90) against the
     float32 reference: tile and page boundaries, odd and even tile counts (the seesaw schedule's pairs,
     the last one half empty), pages of 8-128 rows, forced split counts (a split past
     a short sequence sees no key), a batch past the SMs (no split), head counts below 64 (the MMA rows
-    past them padding: V2-Lite, V3 at -tp 8), the last sequence's padding rows past the query tensor."""
+    past them padding: V2-Lite, V3 at -tp 8), the last sequence's padding rows past the query tensor;
+    16 and 32 heads through both kernels (``narrow``: heads as the MMA's N, the default for them)."""
     from atom.ops.triton import mla_gluon
 
     if not mla_gluon.available(torch.device(DEV)):
@@ -73,10 +80,10 @@ def test_mla_decode_gluon(num_heads, lens, page, splits):
     q = torch.randn(len(lens), num_heads, 576, dtype=torch.bfloat16, device=DEV)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
     assert mla_gluon.supported(q, cache, 512)
-    out = mla_gluon.mla_decode_gluon(q, cache, seq_lens, tables, 192**-0.5, splits)
+    out = mla_gluon.mla_decode_gluon(q, cache, seq_lens, tables, 192**-0.5, splits, {"narrow": narrow})
     ref = reference.mla_decode(q.float(), cache.float(), seq_lens, tables, 192**-0.5, 512)
     assert_close(out, ref, torch.bfloat16)
-    if splits is None:  # what mla_decode dispatches to
+    if splits is None and narrow:  # what mla_decode dispatches to
         assert torch.equal(tk.mla_decode(q, cache, seq_lens, tables, 192**-0.5, 512), out)
 
 

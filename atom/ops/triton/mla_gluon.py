@@ -418,20 +418,24 @@ def num_splits(device: torch.device, num_seqs: int, num_heads: int) -> int:
 def mla_decode_gluon(q, kv_cache, seq_lens, block_tables, scale, splits=None, config=None):
     """``atom.ops.triton.mla_decode`` for the inputs ``supported`` accepts (no fp8 cache): q [B, H, 576],
     returns [B, H, 512]. ``splits``: context splits (from the SM count when None). Split partial
-    results merge in ``mla_merge``. ``config``: register counts of WG1 and of the loader partition
-    (``wg1_regs``, ``loader_regs``; WG0 gets what is left)."""
+    results merge in ``mla_merge``. 16 or 32 heads go to ``mla_gluon_narrow`` (heads as the MMA's N).
+    ``config``: register counts of WG1 and of the loader partition (``wg1_regs``, ``loader_regs``; WG0
+    gets what is left); ``narrow``: False keeps few heads on this kernel."""
+    from atom.ops.triton import mla_gluon_narrow  # here: it builds on this module's constants
 
-    cfg = {"wg1_regs": 232, "loader_regs": 24, **(config or {})}
+    cfg = {"wg1_regs": 232, "loader_regs": 24, "narrow": True, **(config or {})}
     num_seqs, num_heads, dim = q.shape
     out = torch.empty(num_seqs, num_heads, RANK, dtype=q.dtype, device=q.device)
     if num_seqs == 0:
         return out
+    splits = splits or num_splits(q.device, num_seqs, num_heads)
+    if cfg["narrow"] and mla_gluon_narrow.supported(num_heads):
+        return mla_gluon_narrow.mla_decode_narrow(q, kv_cache, seq_lens, block_tables, scale, splits, cfg, out)
     q = q.contiguous()
     page = kv_cache.shape[1]
     rows = min(page, BLOCK_N)
     q_desc = TensorDescriptor(q, [num_seqs * num_heads, dim], [dim, 1], [HEADS, COLS], _layout())
     c_desc = TensorDescriptor(kv_cache, [kv_cache.shape[0] * page, dim], [dim, 1], [rows, COLS], _layout())
-    splits = splits or num_splits(q.device, num_seqs, num_heads)
     part_out = part_ml = out
     if splits > 1:
         part_out = torch.empty(num_seqs, num_heads, splits, RANK, dtype=torch.float32, device=q.device)

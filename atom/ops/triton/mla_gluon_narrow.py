@@ -1,0 +1,197 @@
+"""MLA decode for Hopper with few heads (16 or 32: DeepSeek-V2-Lite, Moonlight, V3 at ``-tp 8`` / ``-tp 4``),
+written in Gluon; ``mla_gluon.py`` keeps 64 heads and more.
+
+With one query a sequence, a 64-row MMA over 16 heads does four times the work it needs (the rows
+past the heads are padding), and at 16 heads that padded work is as long as the latent read itself.
+This kernel turns the products around so the heads are the MMA's N dimension (8 to 256 wide):
+
+- S^T = K Q^T: A is the key tile in shared memory (64 keys x 576), B is Q^T (its chunks, permuted);
+- the online softmax runs down S^T's columns (one per head);
+- O^T = V^T P^T: A is the same key tile read transposed ([512, 64], the latent's 64-column chunks
+  are the 128-byte swizzle atoms of a 512-column tile), B is P^T from shared memory; the 512 x H
+  float32 accumulator is 4H registers a thread in one warpgroup.
+
+The MMA work a tile drops from 64 x 64 x 1088 to 64 x H x 1088, so the kernel is bound by the
+latent read: a one-warp loader keeps two 64-key tiles in flight with bulk tensor copies (TMA), each
+refilled once the math warpgroup's PV over it is done. Same inputs, splits and partial-result
+format as ``mla_gluon.py`` (merged by ``mla_merge``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from atom.ops.triton.mla_gluon import _HAVE_GLUON, BLOCK_N, CHUNKS, COLS, LOG2E, RANK
+from atom.ops.triton.mla_merge import merge_splits
+
+if _HAVE_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+HEADS = (16, 32)  # head counts this kernel takes (the MMA's N)
+STAGES = 2  # key tiles in shared memory (72 KiB each)
+
+
+def supported(num_heads: int) -> bool:
+    return num_heads in HEADS
+
+
+if _HAVE_GLUON:
+    _BLOCK_N = gl.constexpr(BLOCK_N)
+    _COLS = gl.constexpr(COLS)
+    _CHUNKS = gl.constexpr(CHUNKS)
+    _RANK = gl.constexpr(RANK)
+    _STAGES = gl.constexpr(STAGES)
+
+    @gluon.jit
+    def _loader(q_desc, c_desc, q_smem, k_smem, q_ready, k_ready, kv_empty, tables_ptr, stride_tb, q_row, seq,
+                lo, n_tiles, last_key, PAGE: gl.constexpr, ROWS: gl.constexpr):  # fmt: skip
+        """Q once (nine 64-column chunks), then tile ``t`` into stage ``t % STAGES`` once the PV over
+        the tile before it there is done; each tile in boxes of ``ROWS`` keys (a page or 64 rows)."""
+        mbarrier.expect(q_ready, _CHUNKS * q_desc.block_type.nbytes)
+        for j in gl.static_range(_CHUNKS):
+            tma.async_copy_global_to_shared(q_desc, [q_row, j * _COLS], q_ready, q_smem.index(j))
+        last_box = (last_key // ROWS) * ROWS
+        for t in range(n_tiles):
+            stage = t % _STAGES
+            if t >= _STAGES:
+                mbarrier.wait(kv_empty.index(stage), (t // _STAGES - 1) & 1)
+            bar = k_ready.index(stage)
+            mbarrier.expect(bar, _CHUNKS * (_BLOCK_N // ROWS) * c_desc.block_type.nbytes)
+            for i in gl.static_range(_BLOCK_N // ROWS):
+                key = gl.minimum(lo + t * _BLOCK_N + i * ROWS, last_box)  # past the sequence: masked
+                page = gl.load(tables_ptr + seq * stride_tb + key // PAGE)
+                row = page * PAGE + key % PAGE
+                for j in gl.static_range(_CHUNKS):
+                    tma.async_copy_global_to_shared(c_desc, [row, j * _COLS], bar,
+                                                    k_smem.index(stage * _CHUNKS + j).slice(i * ROWS, ROWS))
+
+    @gluon.jit
+    def _math(q_smem, k_smem, p_smem, q_ready, k_ready, kv_empty, out_ptr, part_out_ptr, part_ml_ptr, qk_scale,
+              seq, split, num_heads, num_splits, lo, hi, n_tiles, stride_ob, stride_oh, N: gl.constexpr,
+              SPLIT: gl.constexpr, ACC: gl.constexpr):  # fmt: skip
+        """Per tile: S^T = K Q^T, its softmax down the columns, O^T = O^T * factor + V^T P^T."""
+        dtype: gl.constexpr = q_smem.dtype
+        col: gl.constexpr = gl.SliceLayout(0, ACC)  # one value a head
+        keys = gl.arange(0, _BLOCK_N, layout=gl.SliceLayout(1, ACC))
+        m_i = gl.full([N], float("-inf"), gl.float32, col)
+        l_i = gl.zeros([N], gl.float32, col)
+        acc = gl.zeros([_RANK, N], gl.float32, ACC)
+        s = gl.zeros([_BLOCK_N, N], gl.float32, ACC)
+        mbarrier.wait(q_ready, 0)
+        for t in range(n_tiles):
+            stage = t % _STAGES
+            mbarrier.wait(k_ready.index(stage), (t // _STAGES) & 1)
+            for j in gl.static_range(_CHUNKS):
+                s = warpgroup_mma(k_smem.index(stage * _CHUNKS + j), q_smem.index(j).permute((1, 0)), s,
+                                  use_acc=j > 0, is_async=True)  # fmt: skip
+            s = warpgroup_mma_wait(0, deps=[s])
+            sv = gl.where((lo + t * _BLOCK_N + keys < hi)[:, None], s * qk_scale, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(sv, axis=0))
+            factor = gl.exp2(m_i - m_new)
+            p = gl.exp2(sv - m_new[None, :])
+            l_i = l_i * factor + gl.sum(p, axis=0)
+            m_i = m_new
+            acc = acc * factor[None, :]
+            p_smem.store(p.to(dtype))
+            fence_async_shared()  # P^T is read by the MMA (the async proxy)
+            gl.thread_barrier()
+            v_t = k_smem.index(stage * _CHUNKS)._reinterpret(dtype, [_BLOCK_N, _RANK], k_smem.layout).permute((1, 0))
+            acc = warpgroup_mma(v_t, p_smem, acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=[acc])
+            mbarrier.arrive(kv_empty.index(stage))
+        cols = gl.arange(0, _RANK, layout=gl.SliceLayout(1, ACC))
+        heads = gl.arange(0, N, layout=col)  # N is the head count
+        if SPLIT:  # unnormalised sums, the running max (natural-log units) and the denominator
+            row = (seq * num_heads + heads) * num_splits + split
+            gl.store(part_out_ptr + row[None, :] * _RANK + cols[:, None], acc)
+            gl.store(part_ml_ptr + 2 * row, m_i * 0.6931471805599453)
+            gl.store(part_ml_ptr + 2 * row + 1, l_i)
+        else:
+            offs = seq * stride_ob + heads[None, :] * stride_oh + cols[:, None]
+            gl.store(out_ptr + offs, (acc / l_i[None, :]).to(out_ptr.dtype.element_ty))
+
+    @gluon.jit(
+        do_not_specialize=["num_splits", "stride_tb"],
+        do_not_specialize_on_alignment=["seq_lens_ptr", "tables_ptr"],
+    )
+    def _mla_decode_narrow_kernel(q_desc, c_desc, seq_lens_ptr, tables_ptr, out_ptr, part_out_ptr, part_ml_ptr,
+                                   qk_scale, num_heads, num_splits, stride_tb, stride_ob, stride_oh,
+                                   PAGE: gl.constexpr, ROWS: gl.constexpr, SPLIT: gl.constexpr, N: gl.constexpr,
+                                   ACC: gl.constexpr, P_LAYOUT: gl.constexpr, LOADER_REGS: gl.constexpr):  # fmt: skip
+        dtype: gl.constexpr = q_desc.dtype
+        seq = gl.program_id(0).to(gl.int64)
+        split = gl.program_id(1)
+        seq_len = gl.load(seq_lens_ptr + seq)
+        chunk = gl.cdiv(gl.cdiv(seq_len, num_splits), _BLOCK_N) * _BLOCK_N
+        lo = split * chunk
+        hi = gl.minimum(lo + chunk, seq_len)
+        n_tiles = gl.cdiv(gl.maximum(hi - lo, 0), _BLOCK_N)
+        q_row = (seq * num_heads).to(gl.int32)
+
+        q_smem = gl.allocate_shared_memory(dtype, [_CHUNKS, N, _COLS], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [_STAGES * _CHUNKS, _BLOCK_N, _COLS], c_desc.layout)
+        p_smem = gl.allocate_shared_memory(dtype, [_BLOCK_N, N], P_LAYOUT)
+        q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_ready, count=1)
+        for i in gl.static_range(_STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(kv_empty.index(i), count=1)
+        gl.warp_specialize(
+            [
+                (_math, (q_smem, k_smem, p_smem, q_ready, k_ready, kv_empty, out_ptr, part_out_ptr, part_ml_ptr,
+                         qk_scale, seq, split, num_heads, num_splits, lo, hi, n_tiles, stride_ob, stride_oh, N,
+                         SPLIT, ACC)),
+                (_loader, (q_desc, c_desc, q_smem, k_smem, q_ready, k_ready, kv_empty, tables_ptr, stride_tb, q_row,
+                           seq, lo, n_tiles, seq_len - 1, PAGE, ROWS)),
+            ],
+            [1],
+            [LOADER_REGS],
+        )  # fmt: skip
+
+
+@functools.cache
+def _layouts(n: int):
+    """Shared-memory layouts of Q's [n, 64] chunks, the latent's [rows, 64] boxes and P^T [64, n];
+    the register layout of S^T and O^T (wgmma accumulators n wide)."""
+    q = gl.NVMMASharedLayout.get_default_for([n, COLS], gl.bfloat16)
+    c = gl.NVMMASharedLayout.get_default_for([BLOCK_N, COLS], gl.bfloat16)
+    p = gl.NVMMASharedLayout.get_default_for([BLOCK_N, n], gl.bfloat16)
+    acc = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+    return q, c, p, acc
+
+
+def mla_decode_narrow(q, kv_cache, seq_lens, block_tables, scale, splits, cfg, out):
+    """``mla_gluon.mla_decode_gluon`` for 16 or 32 heads (at least one sequence): q [B, H, 576] into
+    ``out`` [B, H, 512]."""
+    num_seqs, num_heads, dim = q.shape
+    q = q.contiguous()
+    page = kv_cache.shape[1]
+    rows = min(page, BLOCK_N)
+    q_layout, c_layout, p_layout, acc_layout = _layouts(num_heads)
+    q_desc = TensorDescriptor(q, [num_seqs * num_heads, dim], [dim, 1], [num_heads, COLS], q_layout)
+    c_desc = TensorDescriptor(kv_cache, [kv_cache.shape[0] * page, dim], [dim, 1], [rows, COLS], c_layout)
+    part_out = part_ml = out
+    if splits > 1:
+        part_out = torch.empty(num_seqs, num_heads, splits, RANK, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(num_seqs, num_heads, splits, 2, dtype=torch.float32, device=q.device)
+    _mla_decode_narrow_kernel[(num_seqs, splits)](
+        q_desc, c_desc, seq_lens, block_tables, out, part_out, part_ml, scale * LOG2E, num_heads, splits,
+        block_tables.stride(0), out.stride(0), out.stride(1), PAGE=page, ROWS=rows, SPLIT=splits > 1,
+        N=num_heads, ACC=acc_layout, P_LAYOUT=p_layout, LOADER_REGS=cfg["loader_regs"], num_warps=4,
+    )  # fmt: skip
+    if splits > 1:
+        merge_splits(out, part_out, part_ml)
+    return out
