@@ -98,16 +98,15 @@ def compile_mla_narrow(mod, cfg: dict):
     from triton.experimental.gluon._runtime import GluonASTSource
 
     rows = min(cfg["page"], mod.BLOCK_N)
-    q_layout, c_layout, p_layout, acc_layout = mod._layouts(cfg["heads"])
     desc = "tensordesc<bf16[{}, {}],{!r}>"
     signature = {
-        "q_desc": desc.format(cfg["heads"], mod.COLS, q_layout), "c_desc": desc.format(rows, mod.COLS, c_layout),
+        "q_desc": desc.format(cfg["heads"], mod.COLS, mod._layout()),
+        "c_desc": desc.format(rows, mod.COLS, mod._layout()),
         "seq_lens_ptr": "*i32", "tables_ptr": "*i32", "out_ptr": "*bf16", "part_out_ptr": "*fp32",
         "part_ml_ptr": "*fp32", "qk_scale": "fp32", "num_heads": "i32", "num_splits": "i32", "stride_tb": "i32",
         "stride_ob": "i32", "stride_oh": "i32",
     }  # fmt: skip
-    constexprs = dict(PAGE=cfg["page"], ROWS=rows, SPLIT=cfg["split"], N=cfg["heads"], ACC=acc_layout,
-                      P_LAYOUT=p_layout, LOADER_REGS=24)  # fmt: skip
+    constexprs = dict(PAGE=cfg["page"], ROWS=rows, SPLIT=cfg["split"], N=cfg["heads"], LOADER_REGS=24)
     signature.update({k: "constexpr" for k in constexprs})
     src = GluonASTSource(mod._mla_decode_narrow_kernel, signature, constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))

@@ -89,6 +89,31 @@ def test_mla_decode_gluon(num_heads, lens, page, splits, narrow):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("num_heads", [16, 128])
+def test_mla_decode_gluon_under_a_jit_cache_hook(num_heads, monkeypatch):
+    """torch.compile sets Triton's JIT cache hook, which writes each new specialisation of a kernel as
+    JSON: the Gluon decode kernels' constexpr arguments must serialise (a layout object did not, and
+    DeepSeek-V2-Lite's first compiled decode step failed). Pages of 256 rows: a specialisation no
+    other test compiles, so this one goes through the hook."""
+    from triton import knobs
+
+    from atom.ops.triton import mla_gluon
+
+    if not mla_gluon.available(torch.device(DEV)):
+        pytest.skip("needs Hopper (sm_90) and Triton's Gluon")
+    seen = []
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", lambda *args, **kwargs: seen.append(kwargs["fn"]) and False)
+    lens, page = [300, 5], 256
+    cache = torch.randn(4, page, 576, dtype=torch.bfloat16, device=DEV)
+    tables = torch.tensor([[2, 0], [1, 0]], dtype=torch.int32, device=DEV)
+    q = torch.randn(len(lens), num_heads, 576, dtype=torch.bfloat16, device=DEV)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    out = mla_gluon.mla_decode_gluon(q, cache, seq_lens, tables, 192**-0.5, 1)
+    assert seen, "the kernel was not compiled through the hook"
+    ref = reference.mla_decode(q.float(), cache.float(), seq_lens, tables, 192**-0.5, 512)
+    assert_close(out, ref, torch.bfloat16)
+
+
+@pytest.mark.parametrize("num_heads", [16, 128])
 def test_mla_prefill_attention_v3_shapes(num_heads, dtype):
     """The Triton MLA prefill (ATOM_MLA_TRITON_PREFILL=0 turns it off) at DeepSeek's dims: nope
     128, rope 64, v 128; whole prompts and chunks after earlier rows in one launch."""

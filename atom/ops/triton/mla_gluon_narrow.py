@@ -128,7 +128,12 @@ if _HAVE_GLUON:
     def _mla_decode_narrow_kernel(q_desc, c_desc, seq_lens_ptr, tables_ptr, out_ptr, part_out_ptr, part_ml_ptr,
                                    qk_scale, num_heads, num_splits, stride_tb, stride_ob, stride_oh,
                                    PAGE: gl.constexpr, ROWS: gl.constexpr, SPLIT: gl.constexpr, N: gl.constexpr,
-                                   ACC: gl.constexpr, P_LAYOUT: gl.constexpr, LOADER_REGS: gl.constexpr):  # fmt: skip
+                                   LOADER_REGS: gl.constexpr):  # fmt: skip
+        # built here, not passed in: a layout argument breaks the JIT cache hook torch.compile sets
+        # (it writes the specialisation as JSON). S^T and O^T: wgmma accumulators N wide; P^T [64, N]:
+        # rows of 2N bytes, swizzled as wide
+        ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 16])
+        P_LAYOUT: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * N, element_bitwidth=16, rank=2)
         dtype: gl.constexpr = q_desc.dtype
         seq = gl.program_id(0).to(gl.int64)
         split = gl.program_id(1)
@@ -163,14 +168,9 @@ if _HAVE_GLUON:
 
 
 @functools.cache
-def _layouts(n: int):
-    """Shared-memory layouts of Q's [n, 64] chunks, the latent's [rows, 64] boxes and P^T [64, n];
-    the register layout of S^T and O^T (wgmma accumulators n wide)."""
-    q = gl.NVMMASharedLayout.get_default_for([n, COLS], gl.bfloat16)
-    c = gl.NVMMASharedLayout.get_default_for([BLOCK_N, COLS], gl.bfloat16)
-    p = gl.NVMMASharedLayout.get_default_for([BLOCK_N, n], gl.bfloat16)
-    acc = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
-    return q, c, p, acc
+def _layout():
+    """Shared-memory layout of Q's [H, 64] chunks and the latent's [rows, 64] boxes (128-byte rows)."""
+    return gl.NVMMASharedLayout.get_default_for([BLOCK_N, COLS], gl.bfloat16)
 
 
 def mla_decode_narrow(q, kv_cache, seq_lens, block_tables, scale, splits, cfg, out):
@@ -180,9 +180,8 @@ def mla_decode_narrow(q, kv_cache, seq_lens, block_tables, scale, splits, cfg, o
     q = q.contiguous()
     page = kv_cache.shape[1]
     rows = min(page, BLOCK_N)
-    q_layout, c_layout, p_layout, acc_layout = _layouts(num_heads)
-    q_desc = TensorDescriptor(q, [num_seqs * num_heads, dim], [dim, 1], [num_heads, COLS], q_layout)
-    c_desc = TensorDescriptor(kv_cache, [kv_cache.shape[0] * page, dim], [dim, 1], [rows, COLS], c_layout)
+    q_desc = TensorDescriptor(q, [num_seqs * num_heads, dim], [dim, 1], [num_heads, COLS], _layout())
+    c_desc = TensorDescriptor(kv_cache, [kv_cache.shape[0] * page, dim], [dim, 1], [rows, COLS], _layout())
     part_out = part_ml = out
     if splits > 1:
         part_out = torch.empty(num_seqs, num_heads, splits, RANK, dtype=torch.float32, device=q.device)
@@ -190,7 +189,7 @@ def mla_decode_narrow(q, kv_cache, seq_lens, block_tables, scale, splits, cfg, o
     _mla_decode_narrow_kernel[(num_seqs, splits)](
         q_desc, c_desc, seq_lens, block_tables, out, part_out, part_ml, scale * LOG2E, num_heads, splits,
         block_tables.stride(0), out.stride(0), out.stride(1), PAGE=page, ROWS=rows, SPLIT=splits > 1,
-        N=num_heads, ACC=acc_layout, P_LAYOUT=p_layout, LOADER_REGS=cfg["loader_regs"], num_warps=4,
+        N=num_heads, LOADER_REGS=cfg["loader_regs"], num_warps=4,
     )  # fmt: skip
     if splits > 1:
         merge_splits(out, part_out, part_ml)
