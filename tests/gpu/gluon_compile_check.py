@@ -101,8 +101,8 @@ def compile_mla_narrow(mod, cfg: dict):
     rows = min(cfg["page"], mod.BLOCK_N)
     desc = "tensordesc<bf16[{}, {}],{!r}>"
     signature = {
-        "q_desc": desc.format(cfg["heads"], mod.COLS, mod._layout()),
-        "c_desc": desc.format(rows, mod.COLS, mod._layout()), "cache_ptr": "*bf16",
+        "q_desc": desc.format(cfg["heads"], mod.COLS, mod.mla_gluon._layout()),
+        "c_desc": desc.format(rows, mod.COLS, mod.mla_gluon._layout()), "cache_ptr": "*bf16",
         "seq_lens_ptr": "*i32", "tables_ptr": "*i32", "out_ptr": "*bf16", "part_out_ptr": "*fp32",
         "part_ml_ptr": "*fp32", "qk_scale": "fp32", "num_heads": "i32", "num_splits": "i32", "stride_tb": "i32",
         "stride_ob": "i32", "stride_oh": "i32",

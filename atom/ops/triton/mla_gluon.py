@@ -415,6 +415,22 @@ def num_splits(device: torch.device, num_seqs: int, num_heads: int) -> int:
     return 1 if fill < 2 else 1 << (fill.bit_length() - 1)
 
 
+def operands(q, kv_cache, splits, out, q_rows):
+    """What both decode kernels take: TMA descriptors of the query (contiguous; boxes of ``q_rows``
+    heads by 64 columns) and of the latent cache (boxes of a page or 64 rows), the page and box
+    rows, and the split partials' buffers (``out`` itself without splits)."""
+    num_seqs, num_heads, dim = q.shape
+    page = kv_cache.shape[1]
+    rows = min(page, BLOCK_N)
+    q_desc = TensorDescriptor(q, [num_seqs * num_heads, dim], [dim, 1], [q_rows, COLS], _layout())
+    c_desc = TensorDescriptor(kv_cache, [kv_cache.shape[0] * page, dim], [dim, 1], [rows, COLS], _layout())
+    part_out = part_ml = out
+    if splits > 1:
+        part_out = torch.empty(num_seqs, num_heads, splits, RANK, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(num_seqs, num_heads, splits, 2, dtype=torch.float32, device=q.device)
+    return q_desc, c_desc, page, rows, part_out, part_ml
+
+
 def mla_decode_gluon(q, kv_cache, seq_lens, block_tables, scale, splits=None, config=None):
     """``atom.ops.triton.mla_decode`` for the inputs ``supported`` accepts (no fp8 cache): q [B, H, 576],
     returns [B, H, 512]. ``splits``: context splits (from the SM count when None). Split partial
@@ -429,18 +445,11 @@ def mla_decode_gluon(q, kv_cache, seq_lens, block_tables, scale, splits=None, co
     out = torch.empty(num_seqs, num_heads, RANK, dtype=q.dtype, device=q.device)
     if num_seqs == 0:
         return out
+    q = q.contiguous()
     splits = splits or num_splits(q.device, num_seqs, num_heads)
     if cfg["narrow"] and mla_gluon_narrow.supported(num_heads):
         return mla_gluon_narrow.mla_decode_narrow(q, kv_cache, seq_lens, block_tables, scale, splits, cfg, out)
-    q = q.contiguous()
-    page = kv_cache.shape[1]
-    rows = min(page, BLOCK_N)
-    q_desc = TensorDescriptor(q, [num_seqs * num_heads, dim], [dim, 1], [HEADS, COLS], _layout())
-    c_desc = TensorDescriptor(kv_cache, [kv_cache.shape[0] * page, dim], [dim, 1], [rows, COLS], _layout())
-    part_out = part_ml = out
-    if splits > 1:
-        part_out = torch.empty(num_seqs, num_heads, splits, RANK, dtype=torch.float32, device=q.device)
-        part_ml = torch.empty(num_seqs, num_heads, splits, 2, dtype=torch.float32, device=q.device)
+    q_desc, c_desc, page, rows, part_out, part_ml = operands(q, kv_cache, splits, out, HEADS)
     _mla_decode_gluon_kernel[(head_blocks(num_heads), num_seqs, splits)](
         q_desc, c_desc, seq_lens, block_tables, out, part_out, part_ml, scale * LOG2E, num_heads, splits,
         block_tables.stride(0), out.stride(0), out.stride(1), PAGE=page, ROWS=rows, SPLIT=splits > 1,

@@ -19,10 +19,7 @@ format as ``mla_gluon.py`` (merged by ``mla_merge``).
 
 from __future__ import annotations
 
-import functools
-
-import torch
-
+from atom.ops.triton import mla_gluon
 from atom.ops.triton.mla_gluon import _HAVE_GLUON, BLOCK_N, CHUNKS, COLS, LOG2E, RANK
 from atom.ops.triton.mla_merge import merge_splits
 
@@ -36,7 +33,6 @@ if _HAVE_GLUON:
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 HEADS = (16, 32)  # head counts this kernel takes (the MMA's N)
 STAGES = 2  # key tiles in shared memory (72 KiB each)
@@ -187,25 +183,11 @@ if _HAVE_GLUON:
         )  # fmt: skip
 
 
-@functools.cache
-def _layout():
-    """Shared-memory layout of Q's [H, 64] chunks and the latent's [rows, 64] boxes (128-byte rows)."""
-    return gl.NVMMASharedLayout.get_default_for([BLOCK_N, COLS], gl.bfloat16)
-
-
 def mla_decode_narrow(q, kv_cache, seq_lens, block_tables, scale, splits, cfg, out):
-    """``mla_gluon.mla_decode_gluon`` for 16 or 32 heads (at least one sequence): q [B, H, 576] into
-    ``out`` [B, H, 512]."""
-    num_seqs, num_heads, dim = q.shape
-    q = q.contiguous()
-    page = kv_cache.shape[1]
-    rows = min(page, BLOCK_N)
-    q_desc = TensorDescriptor(q, [num_seqs * num_heads, dim], [dim, 1], [num_heads, COLS], _layout())
-    c_desc = TensorDescriptor(kv_cache, [kv_cache.shape[0] * page, dim], [dim, 1], [rows, COLS], _layout())
-    part_out = part_ml = out
-    if splits > 1:
-        part_out = torch.empty(num_seqs, num_heads, splits, RANK, dtype=torch.float32, device=q.device)
-        part_ml = torch.empty(num_seqs, num_heads, splits, 2, dtype=torch.float32, device=q.device)
+    """``mla_gluon.mla_decode_gluon`` for 16 or 32 heads (at least one sequence): q [B, H, 576]
+    (contiguous) into ``out`` [B, H, 512]."""
+    num_seqs, num_heads, _ = q.shape
+    q_desc, c_desc, page, rows, part_out, part_ml = mla_gluon.operands(q, kv_cache, splits, out, num_heads)
     _mla_decode_narrow_kernel[(num_seqs, splits)](
         q_desc, c_desc, kv_cache, seq_lens, block_tables, out, part_out, part_ml, scale * LOG2E, num_heads, splits,
         block_tables.stride(0), out.stride(0), out.stride(1), PAGE=page, ROWS=rows, SPLIT=splits > 1,
