@@ -339,6 +339,16 @@ if _HAVE_GLUON:
         _store(acc, 256, seq, head0, split, num_heads, num_splits, out_ptr, part_out_ptr, stride_ob, stride_oh,
                gl.convert_layout(l_i, _O_ROW_LAYOUT), SPLIT, _O_LAYOUT)  # fmt: skip
 
+    @gluon.jit
+    def split_range(seq_lens_ptr, seq, split, num_splits):
+        """The sequence's length and the keys [lo, hi) of its context split ``split`` (whole 64-key
+        tiles but the last; empty past a short sequence), in ``n_tiles`` tiles."""
+        seq_len = gl.load(seq_lens_ptr + seq)
+        chunk = gl.cdiv(gl.cdiv(seq_len, num_splits), _BLOCK_N) * _BLOCK_N
+        lo = split * chunk
+        hi = gl.minimum(lo + chunk, seq_len)
+        return seq_len, lo, hi, gl.cdiv(gl.maximum(hi - lo, 0), _BLOCK_N)
+
     @gluon.jit(
         do_not_specialize=["num_splits", "stride_tb"],
         do_not_specialize_on_alignment=["seq_lens_ptr", "tables_ptr"],
@@ -351,11 +361,7 @@ if _HAVE_GLUON:
         head0 = gl.program_id(0) * _HEADS
         seq = gl.program_id(1).to(gl.int64)
         split = gl.program_id(2)
-        seq_len = gl.load(seq_lens_ptr + seq)
-        chunk = gl.cdiv(gl.cdiv(seq_len, num_splits), _BLOCK_N) * _BLOCK_N
-        lo = split * chunk
-        hi = gl.minimum(lo + chunk, seq_len)
-        n_tiles = gl.cdiv(gl.maximum(hi - lo, 0), _BLOCK_N)
+        seq_len, lo, hi, n_tiles = split_range(seq_lens_ptr, seq, split, num_splits)
         q_row = (seq * num_heads + head0).to(gl.int32)
 
         q_smem = gl.allocate_shared_memory(dtype, [_CHUNKS, _HEADS, _COLS], q_desc.layout)

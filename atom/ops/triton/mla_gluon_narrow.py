@@ -153,11 +153,7 @@ if _HAVE_GLUON:
         dtype: gl.constexpr = q_desc.dtype
         seq = gl.program_id(0).to(gl.int64)
         split = gl.program_id(1)
-        seq_len = gl.load(seq_lens_ptr + seq)
-        chunk = gl.cdiv(gl.cdiv(seq_len, num_splits), _BLOCK_N) * _BLOCK_N
-        lo = split * chunk
-        hi = gl.minimum(lo + chunk, seq_len)
-        n_tiles = gl.cdiv(gl.maximum(hi - lo, 0), _BLOCK_N)
+        seq_len, lo, hi, n_tiles = mla_gluon.split_range(seq_lens_ptr, seq, split, num_splits)
         q_row = (seq * num_heads).to(gl.int32)
 
         q_smem = gl.allocate_shared_memory(dtype, [_CHUNKS, N, _COLS], q_desc.layout)
