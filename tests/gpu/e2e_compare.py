@@ -96,6 +96,9 @@ def kill_group(proc: subprocess.Popen) -> None:
 
 
 def main() -> None:
+    # a SIGTERM (an outer `timeout`) unwinds like Ctrl-C, so the finally blocks stop the run's own
+    # process group (started in a session of its own): a benchmark left running holds the GPUs
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tree", action="append", default=[], help="NAME=PATH of an atom checkout")
     p.add_argument("--run", action="append", default=[], help="TREE:MODEL[:FLAGS]")
