@@ -34,14 +34,23 @@ values (atom and vLLM allocate it zeroed).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from atom.ops.triton import prefill_attention_gluon
+from atom.ops.triton import mla_gluon_narrow, prefill_attention_gluon
+from atom.ops.triton.mla_gluon_base import (
+    BLOCK_N,
+    CHUNKS,
+    COLS,
+    HAVE_GLUON,
+    LOG2E,
+    RANK,
+    ROPE,
+    available,  # noqa: F401 - mla.py asks this module
+    operands,
+)
 from atom.ops.triton.mla_merge import merge_splits
 
-try:  # Gluon and its Hopper module exist from Triton 3.5; the API used here is 3.6's
+if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
@@ -51,21 +60,10 @@ try:  # Gluon and its Hopper module exist from Triton 3.5; the API used here is 
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    _HAVE_GLUON = hasattr(gl, "warp_specialize") and hasattr(tma, "async_copy_global_to_shared")
-except ImportError:  # pragma: no cover - depends on the installed Triton
-    _HAVE_GLUON = False
+    from atom.ops.triton.mla_gluon_base import split_range
 
-# the same conditions as the Gluon prefill kernel's (Hopper, Gluon, not the interpreter)
-available = prefill_attention_gluon.available
-
-RANK, ROPE = 512, 64
 HEADS = 64  # heads per program (one warpgroup's MMA rows)
-BLOCK_N = 64  # keys per tile
-COLS = 64  # columns per shared-memory chunk (128-byte swizzle rows)
-CHUNKS = (RANK + ROPE) // COLS
-LOG2E = 1.4426950408889634
 
 
 def supported(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int) -> bool:
@@ -79,7 +77,7 @@ def supported(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int) -> boo
             and kv_cache.stride(0) == page * dim and kv_cache.data_ptr() % 16 == 0)  # fmt: skip
 
 
-if _HAVE_GLUON:
+if HAVE_GLUON:
     _HEADS = gl.constexpr(HEADS)  # kernels read module constants only as constexpr
     _BLOCK_N = gl.constexpr(BLOCK_N)
     _COLS = gl.constexpr(COLS)
@@ -339,16 +337,6 @@ if _HAVE_GLUON:
         _store(acc, 256, seq, head0, split, num_heads, num_splits, out_ptr, part_out_ptr, stride_ob, stride_oh,
                gl.convert_layout(l_i, _O_ROW_LAYOUT), SPLIT, _O_LAYOUT)  # fmt: skip
 
-    @gluon.jit
-    def split_range(seq_lens_ptr, seq, split, num_splits):
-        """The sequence's length and the keys [lo, hi) of its context split ``split`` (whole 64-key
-        tiles but the last; empty past a short sequence), in ``n_tiles`` tiles."""
-        seq_len = gl.load(seq_lens_ptr + seq)
-        chunk = gl.cdiv(gl.cdiv(seq_len, num_splits), _BLOCK_N) * _BLOCK_N
-        lo = split * chunk
-        hi = gl.minimum(lo + chunk, seq_len)
-        return seq_len, lo, hi, gl.cdiv(gl.maximum(hi - lo, 0), _BLOCK_N)
-
     @gluon.jit(
         do_not_specialize=["num_splits", "stride_tb"],
         do_not_specialize_on_alignment=["seq_lens_ptr", "tables_ptr"],
@@ -404,11 +392,6 @@ if _HAVE_GLUON:
         )  # fmt: skip
 
 
-@functools.cache
-def _layout():
-    return gl.NVMMASharedLayout.get_default_for([HEADS, COLS], gl.bfloat16)
-
-
 def head_blocks(num_heads: int) -> int:
     """Programs per sequence and split: 64 heads each (one, padded, below 64)."""
     return max(1, num_heads // HEADS)
@@ -421,22 +404,6 @@ def num_splits(device: torch.device, num_seqs: int, num_heads: int) -> int:
     return 1 if fill < 2 else 1 << (fill.bit_length() - 1)
 
 
-def operands(q, kv_cache, splits, out, q_rows):
-    """What both decode kernels take: TMA descriptors of the query (contiguous; boxes of ``q_rows``
-    heads by 64 columns) and of the latent cache (boxes of a page or 64 rows), the page and box
-    rows, and the split partials' buffers (``out`` itself without splits)."""
-    num_seqs, num_heads, dim = q.shape
-    page = kv_cache.shape[1]
-    rows = min(page, BLOCK_N)
-    q_desc = TensorDescriptor(q, [num_seqs * num_heads, dim], [dim, 1], [q_rows, COLS], _layout())
-    c_desc = TensorDescriptor(kv_cache, [kv_cache.shape[0] * page, dim], [dim, 1], [rows, COLS], _layout())
-    part_out = part_ml = out
-    if splits > 1:
-        part_out = torch.empty(num_seqs, num_heads, splits, RANK, dtype=torch.float32, device=q.device)
-        part_ml = torch.empty(num_seqs, num_heads, splits, 2, dtype=torch.float32, device=q.device)
-    return q_desc, c_desc, page, rows, part_out, part_ml
-
-
 def mla_decode_gluon(q, kv_cache, seq_lens, block_tables, scale, splits=None, config=None):
     """``atom.ops.triton.mla_decode`` for the inputs ``supported`` accepts (no fp8 cache): q [B, H, 576],
     returns [B, H, 512]. ``splits``: context splits (from the SM count when None). Split partial
@@ -444,8 +411,6 @@ def mla_decode_gluon(q, kv_cache, seq_lens, block_tables, scale, splits=None, co
     ``config``: register counts of WG1 and of the loader partition (``wg1_regs``, ``loader_regs``; WG0
     gets what is left); ``narrow``: False keeps few heads on this kernel; ``prefetch``: the narrow
     kernel's L2 prefetch distance in tiles (0: none; under test, docs/plans/mla-decode-next.md)."""
-    from atom.ops.triton import mla_gluon_narrow  # here: it builds on this module's constants
-
     cfg = {"wg1_regs": 232, "loader_regs": 24, "narrow": True, "prefetch": 0, **(config or {})}
     num_seqs, num_heads, dim = q.shape
     out = torch.empty(num_seqs, num_heads, RANK, dtype=q.dtype, device=q.device)

@@ -19,11 +19,10 @@ format as ``mla_gluon.py`` (merged by ``mla_merge``).
 
 from __future__ import annotations
 
-from atom.ops.triton import mla_gluon
-from atom.ops.triton.mla_gluon import _HAVE_GLUON, BLOCK_N, CHUNKS, COLS, LOG2E, RANK
+from atom.ops.triton.mla_gluon_base import BLOCK_N, CHUNKS, COLS, HAVE_GLUON, LOG2E, RANK, operands
 from atom.ops.triton.mla_merge import merge_splits
 
-if _HAVE_GLUON:
+if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
@@ -34,6 +33,8 @@ if _HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
+    from atom.ops.triton.mla_gluon_base import split_range
+
 HEADS = (16, 32)  # head counts this kernel takes (the MMA's N)
 STAGES = 2  # key tiles in shared memory (72 KiB each)
 
@@ -42,7 +43,7 @@ def supported(num_heads: int) -> bool:
     return num_heads in HEADS
 
 
-if _HAVE_GLUON:
+if HAVE_GLUON:
     _BLOCK_N = gl.constexpr(BLOCK_N)
     _COLS = gl.constexpr(COLS)
     _CHUNKS = gl.constexpr(CHUNKS)
@@ -153,7 +154,7 @@ if _HAVE_GLUON:
         dtype: gl.constexpr = q_desc.dtype
         seq = gl.program_id(0).to(gl.int64)
         split = gl.program_id(1)
-        seq_len, lo, hi, n_tiles = mla_gluon.split_range(seq_lens_ptr, seq, split, num_splits)
+        seq_len, lo, hi, n_tiles = split_range(seq_lens_ptr, seq, split, num_splits)
         q_row = (seq * num_heads).to(gl.int32)
 
         q_smem = gl.allocate_shared_memory(dtype, [_CHUNKS, N, _COLS], q_desc.layout)
@@ -183,7 +184,7 @@ def mla_decode_narrow(q, kv_cache, seq_lens, block_tables, scale, splits, cfg, o
     """``mla_gluon.mla_decode_gluon`` for 16 or 32 heads (at least one sequence): q [B, H, 576]
     (contiguous) into ``out`` [B, H, 512]."""
     num_seqs, num_heads, _ = q.shape
-    q_desc, c_desc, page, rows, part_out, part_ml = mla_gluon.operands(q, kv_cache, splits, out, num_heads)
+    q_desc, c_desc, page, rows, part_out, part_ml = operands(q, kv_cache, splits, out, num_heads)
     _mla_decode_narrow_kernel[(num_seqs, splits)](
         q_desc, c_desc, kv_cache, seq_lens, block_tables, out, part_out, part_ml, scale * LOG2E, num_heads, splits,
         block_tables.stride(0), out.stride(0), out.stride(1), PAGE=page, ROWS=rows, SPLIT=splits > 1,
