@@ -79,12 +79,12 @@ def compile_mla(mod, cfg: dict):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from atom.ops.triton.mla_gluon_base import _layout
+    from atom.ops.triton.mla_gluon_base import smem_layout
 
     rows = min(cfg["page"], mod.BLOCK_N)
     desc = "tensordesc<bf16[{}, {}],{!r}>"
     signature = {
-        "q_desc": desc.format(mod.HEADS, mod.COLS, _layout()), "c_desc": desc.format(rows, mod.COLS, _layout()),
+        "q_desc": desc.format(mod.HEADS, mod.COLS, smem_layout()), "c_desc": desc.format(rows, mod.COLS, smem_layout()),
         "seq_lens_ptr": "*i32", "tables_ptr": "*i32", "out_ptr": "*bf16", "part_out_ptr": "*fp32",
         "part_ml_ptr": "*fp32", "qk_scale": "fp32", "num_heads": "i32", "num_splits": "i32", "stride_tb": "i32",
         "stride_ob": "i32", "stride_oh": "i32",
@@ -100,13 +100,13 @@ def compile_mla_narrow(mod, cfg: dict):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from atom.ops.triton.mla_gluon_base import _layout
+    from atom.ops.triton.mla_gluon_base import smem_layout
 
     rows = min(cfg["page"], mod.BLOCK_N)
     desc = "tensordesc<bf16[{}, {}],{!r}>"
     signature = {
-        "q_desc": desc.format(cfg["heads"], mod.COLS, _layout()),
-        "c_desc": desc.format(rows, mod.COLS, _layout()), "cache_ptr": "*bf16",
+        "q_desc": desc.format(cfg["heads"], mod.COLS, smem_layout()),
+        "c_desc": desc.format(rows, mod.COLS, smem_layout()), "cache_ptr": "*bf16",
         "seq_lens_ptr": "*i32", "tables_ptr": "*i32", "out_ptr": "*bf16", "part_out_ptr": "*fp32",
         "part_ml_ptr": "*fp32", "qk_scale": "fp32", "num_heads": "i32", "num_splits": "i32", "stride_tb": "i32",
         "stride_ob": "i32", "stride_oh": "i32",

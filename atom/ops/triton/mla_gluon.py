@@ -3,7 +3,8 @@
 Scope: a 16-bit latent cache ``[blocks, page, 576]`` (kv_lora_rank 512 + rope 64, DeepSeek-V2/V3's
 dims) with pages of at least 8 rows, a 16-bit query whose head count is a multiple or a divisor of 64
 (DeepSeek-V3: 128, 64 at ``-tp 2``, 16 at ``-tp 8``; V2-Lite and Moonlight: 16), sm_90. Everything else
-stays on ``atom.ops.triton.mla``.
+stays on ``atom.ops.triton.mla``. 16 and 32 heads run ``mla_gluon_narrow.py``'s kernel (the heads as
+the MMA's N) unless ``config`` says ``narrow: False``; this file's kernel takes the rest.
 
 Each program owns 64 heads of one sequence over one context split, in 64-key tiles (with fewer heads,
 the 64 MMA rows past them hold the next sequences' queries or zeros, computed and never stored). The

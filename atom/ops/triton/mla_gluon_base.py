@@ -32,7 +32,7 @@ LOG2E = 1.4426950408889634
 
 
 @functools.cache
-def _layout():
+def smem_layout():
     """Shared-memory layout of [rows, 64] boxes of 16-bit values (128-byte swizzled rows)."""
     return gl.NVMMASharedLayout.get_default_for([BLOCK_N, COLS], gl.bfloat16)
 
@@ -44,8 +44,8 @@ def operands(q, kv_cache, splits, out, q_rows):
     num_seqs, num_heads, dim = q.shape
     page = kv_cache.shape[1]
     rows = min(page, BLOCK_N)
-    q_desc = TensorDescriptor(q, [num_seqs * num_heads, dim], [dim, 1], [q_rows, COLS], _layout())
-    c_desc = TensorDescriptor(kv_cache, [kv_cache.shape[0] * page, dim], [dim, 1], [rows, COLS], _layout())
+    q_desc = TensorDescriptor(q, [num_seqs * num_heads, dim], [dim, 1], [q_rows, COLS], smem_layout())
+    c_desc = TensorDescriptor(kv_cache, [kv_cache.shape[0] * page, dim], [dim, 1], [rows, COLS], smem_layout())
     part_out = part_ml = out
     if splits > 1:
         part_out = torch.empty(num_seqs, num_heads, splits, RANK, dtype=torch.float32, device=q.device)
