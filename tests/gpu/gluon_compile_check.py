@@ -70,8 +70,7 @@ def compile_config(mod, cfg: dict):
 
 MLA_CONFIGS = [dict(page=16, split=False), dict(page=16, split=True), dict(page=64, split=False)]
 NARROW_CONFIGS = [dict(heads=16, page=16, split=False), dict(heads=16, page=16, split=True),
-                  dict(heads=32, page=64, split=True), dict(heads=16, page=16, split=True, prefetch=2),
-                  dict(heads=16, page=128, split=False, prefetch=3)]
+                  dict(heads=32, page=64, split=True), dict(heads=16, page=128, split=False)]
 
 
 def compile_mla(mod, cfg: dict):
@@ -106,13 +105,12 @@ def compile_mla_narrow(mod, cfg: dict):
     desc = "tensordesc<bf16[{}, {}],{!r}>"
     signature = {
         "q_desc": desc.format(cfg["heads"], mod.COLS, smem_layout()),
-        "c_desc": desc.format(rows, mod.COLS, smem_layout()), "cache_ptr": "*bf16",
-        "seq_lens_ptr": "*i32", "tables_ptr": "*i32", "out_ptr": "*bf16", "part_out_ptr": "*fp32",
+        "c_desc": desc.format(rows, mod.COLS, smem_layout()), "seq_lens_ptr": "*i32", "tables_ptr": "*i32",
+        "out_ptr": "*bf16", "part_out_ptr": "*fp32",
         "part_ml_ptr": "*fp32", "qk_scale": "fp32", "num_heads": "i32", "num_splits": "i32", "stride_tb": "i32",
         "stride_ob": "i32", "stride_oh": "i32",
     }  # fmt: skip
-    constexprs = dict(PAGE=cfg["page"], ROWS=rows, SPLIT=cfg["split"], N=cfg["heads"], LOADER_REGS=24,
-                      PREFETCH=cfg.get("prefetch", 0))  # fmt: skip
+    constexprs = dict(PAGE=cfg["page"], ROWS=rows, SPLIT=cfg["split"], N=cfg["heads"], LOADER_REGS=24)
     signature.update({k: "constexpr" for k in constexprs})
     src = GluonASTSource(mod._mla_decode_narrow_kernel, signature, constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))

@@ -410,9 +410,8 @@ def mla_decode_gluon(q, kv_cache, seq_lens, block_tables, scale, splits=None, co
     returns [B, H, 512]. ``splits``: context splits (from the SM count when None). Split partial
     results merge in ``mla_merge``. 16 or 32 heads go to ``mla_gluon_narrow`` (heads as the MMA's N).
     ``config``: register counts of WG1 and of the loader partition (``wg1_regs``, ``loader_regs``; WG0
-    gets what is left); ``narrow``: False keeps few heads on this kernel; ``prefetch``: the narrow
-    kernel's L2 prefetch distance in tiles (0: none; under test, docs/plans/mla-decode-next.md)."""
-    cfg = {"wg1_regs": 232, "loader_regs": 24, "narrow": True, "prefetch": 0, **(config or {})}
+    gets what is left); ``narrow``: False keeps few heads on this kernel."""
+    cfg = {"wg1_regs": 232, "loader_regs": 24, "narrow": True, **(config or {})}
     num_seqs, num_heads, dim = q.shape
     out = torch.empty(num_seqs, num_heads, RANK, dtype=q.dtype, device=q.device)
     if num_seqs == 0:

@@ -51,35 +51,15 @@ if HAVE_GLUON:
     _STAGES = gl.constexpr(STAGES)
 
     @gluon.jit
-    def _prefetch_l2(cache_ptr, tables_ptr, stride_tb, seq, first_key, last_box, live, PAGE: gl.constexpr,
-                     ROWS: gl.constexpr):  # fmt: skip
-        """The 64-key tile from ``first_key`` into L2 (a bulk prefetch a box of ``ROWS`` rows, a lane
-        a box), when ``live``: the tile's bytes are then on their way while both stages are taken."""
-        box = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
-        on = (box < _BLOCK_N // ROWS) & live
-        key = gl.minimum(first_key + box * ROWS, last_box)
-        page = gl.load(tables_ptr + seq * stride_tb + key // PAGE, mask=on, other=0)
-        addr = (cache_ptr + (page * PAGE + key % PAGE).to(gl.int64) * (_CHUNKS * _COLS)).to(gl.int64)
-        size = gl.full([32], ROWS * _CHUNKS * _COLS * 2, gl.int32, box.type.layout)
-        gl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $3; mov.u32 $0, 0; }",
-            "=r,l,r,r", [addr, on.to(gl.int32), size], dtype=gl.int32, is_pure=False, pack=1)
-
-    @gluon.jit
-    def _loader(q_desc, c_desc, cache_ptr, q_smem, k_smem, q_ready, k_ready, kv_empty, tables_ptr, stride_tb,
-                q_row, seq, lo, n_tiles, last_key, PAGE: gl.constexpr, ROWS: gl.constexpr,
-                PREFETCH: gl.constexpr):  # fmt: skip
+    def _loader(q_desc, c_desc, q_smem, k_smem, q_ready, k_ready, kv_empty, tables_ptr, stride_tb, q_row, seq,
+                lo, n_tiles, last_key, PAGE: gl.constexpr, ROWS: gl.constexpr):  # fmt: skip
         """Q once (nine 64-column chunks), then tile ``t`` into stage ``t % STAGES`` once the PV over
-        the tile before it there is done; each tile in boxes of ``ROWS`` keys (a page or 64 rows).
-        ``PREFETCH`` > 0: with tile ``t``'s copies, tile ``t + PREFETCH`` into L2."""
+        the tile before it there is done; each tile in boxes of ``ROWS`` keys (a page or 64 rows)."""
         mbarrier.expect(q_ready, _CHUNKS * q_desc.block_type.nbytes)
         for j in gl.static_range(_CHUNKS):
             tma.async_copy_global_to_shared(q_desc, [q_row, j * _COLS], q_ready, q_smem.index(j))
         last_box = (last_key // ROWS) * ROWS
         for t in range(n_tiles):
-            if PREFETCH > 0:
-                _prefetch_l2(cache_ptr, tables_ptr, stride_tb, seq, lo + (t + PREFETCH) * _BLOCK_N, last_box,
-                             t + PREFETCH < n_tiles, PAGE, ROWS)  # fmt: skip
             stage = t % _STAGES
             if t >= _STAGES:
                 mbarrier.wait(kv_empty.index(stage), (t // _STAGES - 1) & 1)
@@ -142,10 +122,10 @@ if HAVE_GLUON:
         do_not_specialize=["num_splits", "stride_tb"],
         do_not_specialize_on_alignment=["seq_lens_ptr", "tables_ptr"],
     )
-    def _mla_decode_narrow_kernel(q_desc, c_desc, cache_ptr, seq_lens_ptr, tables_ptr, out_ptr, part_out_ptr,
+    def _mla_decode_narrow_kernel(q_desc, c_desc, seq_lens_ptr, tables_ptr, out_ptr, part_out_ptr,
                                    part_ml_ptr, qk_scale, num_heads, num_splits, stride_tb, stride_ob, stride_oh,
                                    PAGE: gl.constexpr, ROWS: gl.constexpr, SPLIT: gl.constexpr, N: gl.constexpr,
-                                   LOADER_REGS: gl.constexpr, PREFETCH: gl.constexpr):  # fmt: skip
+                                   LOADER_REGS: gl.constexpr):  # fmt: skip
         # built here, not passed in: a layout argument breaks the JIT cache hook torch.compile sets
         # (it writes the specialisation as JSON). S^T and O^T: wgmma accumulators N wide; P^T [64, N]:
         # rows of 2N bytes, swizzled as wide
@@ -172,8 +152,8 @@ if HAVE_GLUON:
                 (_math, (q_smem, k_smem, p_smem, q_ready, k_ready, kv_empty, out_ptr, part_out_ptr, part_ml_ptr,
                          qk_scale, seq, split, num_heads, num_splits, lo, hi, n_tiles, stride_ob, stride_oh, N,
                          SPLIT, ACC)),
-                (_loader, (q_desc, c_desc, cache_ptr, q_smem, k_smem, q_ready, k_ready, kv_empty, tables_ptr,
-                           stride_tb, q_row, seq, lo, n_tiles, seq_len - 1, PAGE, ROWS, PREFETCH)),
+                (_loader, (q_desc, c_desc, q_smem, k_smem, q_ready, k_ready, kv_empty, tables_ptr, stride_tb, q_row,
+                           seq, lo, n_tiles, seq_len - 1, PAGE, ROWS)),
             ],
             [1],
             [LOADER_REGS],
@@ -186,9 +166,9 @@ def mla_decode_narrow(q, kv_cache, seq_lens, block_tables, scale, splits, cfg, o
     num_seqs, num_heads, _ = q.shape
     q_desc, c_desc, page, rows, part_out, part_ml = operands(q, kv_cache, splits, out, num_heads)
     _mla_decode_narrow_kernel[(num_seqs, splits)](
-        q_desc, c_desc, kv_cache, seq_lens, block_tables, out, part_out, part_ml, scale * LOG2E, num_heads, splits,
+        q_desc, c_desc, seq_lens, block_tables, out, part_out, part_ml, scale * LOG2E, num_heads, splits,
         block_tables.stride(0), out.stride(0), out.stride(1), PAGE=page, ROWS=rows, SPLIT=splits > 1,
-        N=num_heads, LOADER_REGS=cfg["loader_regs"], PREFETCH=cfg["prefetch"], num_warps=4,
+        N=num_heads, LOADER_REGS=cfg["loader_regs"], num_warps=4,
     )  # fmt: skip
     if splits > 1:
         merge_splits(out, part_out, part_ml)
