@@ -2,6 +2,7 @@
 MLA backends (when vLLM imports). One command:
 
     python tests/gpu/gluon_mla_check.py [--timeout 240] [--config '{"wg1_regs": 232}']
+    python tests/gpu/gluon_mla_check.py --heads 16 --config '{"fp8": true}'   # fp8 cache, vs FlashMLA
     ncu --clock-control none -k regex:_mla_decode_gluon --launch-skip 2 --launch-count 1 \
         python tests/gpu/gluon_mla_check.py --once 64,4096 [--heads 16]   # four launches, nothing else
 
@@ -9,8 +10,9 @@ The work runs in a subprocess with a timeout, so a kernel that fails to compile,
 results or hangs is reported. Correctness: fresh random bf16 inputs (seed printed), ragged sequence
 lengths around the 64-key tiles, pages of 8 to 128 rows, forced split counts; each output against
 atom's float32 reference (``atom.ops.mla.mla_decode``) within 2e-2 x max(1, |ref|) and its difference
-from atom's Triton kernel. Timing: DeepSeek-V3's 128 heads (``--heads``), ``tests/gpu/kernel_bench.py``'s MLA inputs
-and method (CUDA graph over input copies that defeat L2, median replay).
+from atom's Triton kernel (``{"fp8": true}``: an fp8 cache, 16 and 32 heads only). Timing:
+DeepSeek-V3's 128 heads (``--heads``), ``tests/gpu/kernel_bench.py``'s MLA inputs and method (CUDA graph
+over input copies that defeat L2, median replay).
 """
 
 from __future__ import annotations
@@ -50,7 +52,11 @@ def check(cfg: dict, seed: int) -> dict:
     assert available(), "Gluon Hopper path not available on this device / Triton"
     g = torch.Generator(device="cuda").manual_seed(seed)
     out = {}
+    fp8 = cfg.get("fp8", False)
+    k_scale = torch.tensor([0.5], device="cuda") if fp8 else None
     for heads, lens, page, splits in CHECKS:
+        if fp8 and heads not in (16, 32):  # the narrow kernel's head counts
+            continue
         blocks = [-(-n // page) for n in lens]
         tables = torch.full((len(lens), max(blocks) + 3), -1, dtype=torch.int32, device="cuda")
         ids = torch.randperm(sum(blocks) + 5, generator=g, device="cuda").int()
@@ -58,15 +64,16 @@ def check(cfg: dict, seed: int) -> dict:
         for i, b in enumerate(blocks):
             tables[i, :b] = ids[at : at + b]
             at += b
-        cache = torch.randn(sum(blocks) + 5, page, 576, generator=g, device="cuda").bfloat16()
+        cache = torch.randn(sum(blocks) + 5, page, 576, generator=g, device="cuda")
+        cache = (cache / k_scale).to(torch.float8_e4m3fn) if fp8 else cache.bfloat16()
         q = torch.randn(len(lens), heads, 576, generator=g, device="cuda").bfloat16()
         seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
         scale = 192**-0.5
         assert supported(q, cache, 512)
-        got = mla_decode_gluon(q, cache, seq_lens, tables.clamp(min=0), scale, splits, cfg)
+        got = mla_decode_gluon(q, cache, seq_lens, tables.clamp(min=0), scale, splits, cfg, k_scale)
         torch.cuda.synchronize()
-        ref = reference.mla_decode(q.float(), cache, seq_lens, tables.clamp(min=0), scale, 512)
-        tri = mla_decode(q, cache, seq_lens, tables.clamp(min=0), scale, 512)
+        ref = reference.mla_decode(q.float(), cache, seq_lens, tables.clamp(min=0), scale, 512, k_scale)
+        tri = mla_decode(q, cache, seq_lens, tables.clamp(min=0), scale, 512, k_scale)
         err = (got.float() - ref).abs().max().item() if not got.isnan().any() else float("nan")
         tol = 2e-2 * max(1.0, ref.abs().max().item())
         key = f"H={heads} lens={lens if len(lens) < 5 else f'{len(lens)}x{lens[0]}'} page={page} splits={splits}"
@@ -84,17 +91,21 @@ def timing(cfg: dict, heads: int) -> dict:
     from atom.ops.triton.mla_gluon import mla_decode_gluon
 
     res = {}
+    fp8 = cfg.get("fp8", False)
     for b, ctx in TIMES:
 
         def builder(b=b, ctx=ctx):
-            x = kb.mla_inputs(b, ctx, heads, False)
+            x = kb.mla_inputs(b, ctx, heads, fp8)
             cache, tables = x.caches[16]
             args = (x.q, cache, x.seq_lens, tables, kb.MLA_SCALE)
-            refs = {"triton": functools.partial(mla_decode, *args, 512)}
-            if not isinstance(kb.vllm_mla()["FLASH_ATTN_MLA"], str):
+            refs = {"triton": functools.partial(mla_decode, *args, 512, x.k_scale)}
+            # what vLLM runs: FA3-MLA over a bf16 cache, FlashMLA (fp8 query, block-64 cache) over an fp8 one
+            if fp8 and not isinstance(kb.vllm_mla()["FLASHMLA"], str):
+                refs["flashmla"] = kb.flashmla_call(x)
+            if not fp8 and not isinstance(kb.vllm_mla()["FLASH_ATTN_MLA"], str):
                 refs["fa3_mla"] = kb.fa3_mla_call(x)
-            fn = functools.partial(mla_decode_gluon, *args, None, cfg)
-            nbytes = b * (ctx + 1) * 576 * 2
+            fn = functools.partial(mla_decode_gluon, *args, None, cfg, x.k_scale)
+            nbytes = b * (ctx + 1) * 576 * cache.element_size()
             return fn, refs, nbytes, 2 * heads * (2 * 512 + 64) * b * (ctx + 1)
 
         fns, refs, nbytes, flops = kb.prepare(builder)
@@ -198,12 +209,14 @@ def main():
     for key, c in res["check"].items():
         print(f"{'ok  ' if c['ok'] else 'FAIL'} {key:<50} err {c['err']:.4f} vs triton {c['vs_triton']:.4f}")
     head = f"{args.heads} heads"
-    cols = f"{'gluon ms':>9} {'TF/s':>6} {'GB/s':>6} {'triton ms':>10} {'x':>5} {'fa3-mla ms':>11} {'x':>5}"
+    ref = "flashmla" if cfg.get("fp8") else "fa3_mla"
+    ref_ms = ref.replace("_", "-") + " ms"
+    cols = f"{'gluon ms':>9} {'TF/s':>6} {'GB/s':>6} {'triton ms':>10} {'x':>5} {ref_ms:>11} {'x':>5}"
     print(f"\n{head:<16} {cols}")
     for key, ms in res.get("pages", {}).items():
         print(f"{key:<30} {ms:9.4f} ms")
     for key, r in res.get("ms", {}).items():
-        fa = f"{r['fa3_mla']:11.4f} {r['fa3_mla'] / r['gluon']:5.2f}" if "fa3_mla" in r else ""
+        fa = f"{r[ref]:11.4f} {r[ref] / r['gluon']:5.2f}" if ref in r else ""
         tf, gbs = r["flops"] / r["gluon"] / 1e9, r["nbytes"] / r["gluon"] / 1e6  # the latent read
         tri = f"{r['triton']:10.4f} {r['triton'] / r['gluon']:5.2f}"
         print(f"{key:<16} {r['gluon']:9.4f} {tf:6.0f} {gbs:6.0f} {tri} {fa}")

@@ -18,6 +18,7 @@ from atom.ops import triton as tk  # noqa: E402
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 DEV = "cuda"
+FP8 = torch.float8_e4m3fn  # fp8 latent cache (--kv_cache_dtype fp8): e4m3 rows divided by the layer's k_scale
 
 
 def assert_close(out, ref, dtype):
@@ -56,6 +57,20 @@ GLUON_CASES = [
 ]  # fmt: skip
 
 
+def gluon_inputs(num_heads, lens, page, k_scale=None):
+    """A bf16 query and a shuffled paged cache (bf16, or fp8 rows divided by ``k_scale``); zero-padded
+    block tables, as vLLM's."""
+    blocks = [-(-n // page) for n in lens]
+    tables = torch.zeros(len(lens), max(blocks) + 2, dtype=torch.int32, device=DEV)
+    ids = torch.randperm(sum(blocks) + 5, device=DEV).int()
+    for i, (start, n) in enumerate(zip([0, *torch.tensor(blocks).cumsum(0).tolist()], blocks)):
+        tables[i, :n] = ids[start : start + n]
+    cache = torch.randn(sum(blocks) + 5, page, 576, device=DEV)
+    cache = cache.bfloat16() if k_scale is None else (cache / k_scale).clamp(-448, 448).to(FP8)
+    q = torch.randn(len(lens), num_heads, 576, dtype=torch.bfloat16, device=DEV)
+    return q, cache, torch.tensor(lens, dtype=torch.int32, device=DEV), tables
+
+
 @pytest.mark.parametrize(
     "num_heads, lens, page, splits, narrow",
     [(*c, True) for c in GLUON_CASES] + [(*c, False) for c in GLUON_CASES if c[0] in (16, 32)],
@@ -71,20 +86,35 @@ def test_mla_decode_gluon(num_heads, lens, page, splits, narrow):
 
     if not mla_gluon.available(torch.device(DEV)):
         pytest.skip("needs Hopper (sm_90) and Triton's Gluon")
-    blocks = [-(-n // page) for n in lens]
-    tables = torch.zeros(len(lens), max(blocks) + 2, dtype=torch.int32, device=DEV)  # zero-padded, as vLLM's
-    ids = torch.randperm(sum(blocks) + 5, device=DEV).int()
-    for i, (start, n) in enumerate(zip([0, *torch.tensor(blocks).cumsum(0).tolist()], blocks)):
-        tables[i, :n] = ids[start : start + n]
-    cache = torch.randn(sum(blocks) + 5, page, 576, dtype=torch.bfloat16, device=DEV)
-    q = torch.randn(len(lens), num_heads, 576, dtype=torch.bfloat16, device=DEV)
-    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    q, cache, seq_lens, tables = gluon_inputs(num_heads, lens, page)
     assert mla_gluon.supported(q, cache, 512)
     out = mla_gluon.mla_decode_gluon(q, cache, seq_lens, tables, 192**-0.5, splits, {"narrow": narrow})
     ref = reference.mla_decode(q.float(), cache.float(), seq_lens, tables, 192**-0.5, 512)
     assert_close(out, ref, torch.bfloat16)
     if splits is None and narrow:  # what mla_decode dispatches to
         assert torch.equal(tk.mla_decode(q, cache, seq_lens, tables, 192**-0.5, 512), out)
+
+
+@pytest.mark.parametrize("k_scale", [0.05, 1.0])
+@pytest.mark.parametrize("num_heads, lens, page, splits", [c for c in GLUON_CASES if c[0] in (16, 32)])
+def test_mla_decode_gluon_fp8_cache(num_heads, lens, page, splits, k_scale):
+    """The narrow kernel over an fp8 latent cache (three fp8 stages widened a tile at a time, the scale
+    folded into the softmax and the output) against the float32 reference over the dequantised cache,
+    at the 16- and 32-head cases of the 16-bit test; the 64-row kernel refuses such a cache."""
+    from atom.ops.triton import mla_gluon
+
+    if not mla_gluon.available(torch.device(DEV)):
+        pytest.skip("needs Hopper (sm_90) and Triton's Gluon")
+    q, cache, seq_lens, tables = gluon_inputs(num_heads, lens, page, k_scale)
+    k = torch.tensor([k_scale], device=DEV)
+    assert mla_gluon.supported(q, cache, 512)
+    out = mla_gluon.mla_decode_gluon(q, cache, seq_lens, tables, 192**-0.5, splits, k_scale=k)
+    ref = reference.mla_decode(q.float(), cache, seq_lens, tables, 192**-0.5, 512, k)
+    assert_close(out, ref, torch.bfloat16)
+    if splits is None:  # what mla_decode dispatches to
+        assert torch.equal(tk.mla_decode(q, cache, seq_lens, tables, 192**-0.5, 512, k), out)
+    with pytest.raises(ValueError, match="narrow kernel"):
+        mla_gluon.mla_decode_gluon(q, cache, seq_lens, tables, 192**-0.5, splits, {"narrow": False}, k)
 
 
 @pytest.mark.parametrize("num_heads", [16, 128])
@@ -280,9 +310,6 @@ def test_spec_decode_on_cuda_matches_plain_decoding(arch, k, tmp_path):
             assert spec.num_accepted_tokens >= 0.9 * spec.num_draft_tokens
 
 
-# fp8 latent cache (--kv_cache_dtype fp8): e4m3 rows divided by the layer's k_scale
-FP8 = torch.float8_e4m3fn
-
 
 @pytest.mark.parametrize("k_scale", [1.0, 0.05])
 @pytest.mark.parametrize("interleaved", [True, False])
@@ -313,7 +340,7 @@ def test_mla_rope_store_fp8_v3_shapes(interleaved, k_scale):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("lens", [[1], [4097], [17, 300, 2048, 5, 999, 64, 1, 128]])
-@pytest.mark.parametrize("num_heads", [16, 128])
+@pytest.mark.parametrize("num_heads", [16, 32, 128])  # bf16 at 16 and 32: the Gluon narrow kernel
 def test_mla_decode_fp8_cache_v3_shapes(lens, num_heads, dtype):
     rank, rope, block_size, k_scale = 512, 64, 16, 0.05
     max_blocks = -(-max(lens) // block_size)

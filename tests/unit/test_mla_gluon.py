@@ -18,6 +18,8 @@ def test_supported_deepseek_shapes():
         for page in (8, 16, 64, 256):
             assert mla_gluon.supported(*_inputs(heads, page), 512)
     assert mla_gluon.supported(*_inputs(dtype=torch.float16), 512)
+    for heads in (16, 32):  # an fp8 latent cache: the narrow kernel's head counts
+        assert mla_gluon.supported(*_inputs(heads, cache_dtype=torch.float8_e4m3fn), 512)
 
 
 def test_unsupported_inputs_stay_on_triton():
@@ -25,7 +27,10 @@ def test_unsupported_inputs_stay_on_triton():
     assert not mla_gluon.supported(*_inputs(heads=24), 512)  # nor a divisor of one
     assert not mla_gluon.supported(*_inputs(page=4), 512)  # pages below the 8-row swizzle atom
     assert not mla_gluon.supported(*_inputs(dtype=torch.float32), 512)
-    assert not mla_gluon.supported(*_inputs(cache_dtype=torch.float8_e4m3fn), 512)  # fp8 latent cache
+    for heads in (1, 64, 128):  # an fp8 latent cache past the narrow kernel's head counts
+        assert not mla_gluon.supported(*_inputs(heads, cache_dtype=torch.float8_e4m3fn), 512)
+    assert not mla_gluon.supported(*_inputs(16, dtype=torch.float32, cache_dtype=torch.float8_e4m3fn), 512)
+    assert not mla_gluon.supported(*_inputs(16, cache_dtype=torch.float16), 512)  # not q's 16-bit dtype
     assert not mla_gluon.supported(*_inputs(rank=256, rope=64), 256)  # other latent dims
     q, _ = _inputs()
     wide = torch.zeros(10, 16, 640, dtype=torch.bfloat16)[..., :576]  # rows not packed

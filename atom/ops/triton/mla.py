@@ -20,8 +20,9 @@ from atom.ops.triton import mla_gluon
 from atom.ops.triton.mla_merge import merge_splits
 from atom.ops.triton.rope_cache import to_cache
 
-# 16-bit caches decode through the Gluon kernel on Hopper (mla_gluon.py: 2.2-2.9x this file's kernel at
-# DeepSeek-V3's 128 heads, 1.1-2.0x at 16, docs/kernels.md); ATOM_MLA_GLUON_DECODE=0 keeps them here
+# 16-bit caches decode through the Gluon kernels on Hopper (mla_gluon.py: 2.2-2.9x this file's kernel at
+# DeepSeek-V3's 128 heads, 1.4-2.7x at 16, docs/kernels.md), fp8 ones at 16 and 32 heads;
+# ATOM_MLA_GLUON_DECODE=0 keeps them here
 GLUON_DECODE = os.environ.get("ATOM_MLA_GLUON_DECODE", "1") == "1"
 
 
@@ -296,7 +297,7 @@ def mla_decode(
     the device's SM count when None; one on the CPU). ``k_scale``: an fp8 cache's scale."""
     num_seqs, num_heads, dim = q.shape
     if num_seqs and _gluon_decode(q.device) and mla_gluon.supported(q, kv_cache, kv_lora_rank):
-        return mla_gluon.mla_decode_gluon(q, kv_cache, seq_lens, block_tables, scale, num_splits)
+        return mla_gluon.mla_decode_gluon(q, kv_cache, seq_lens, block_tables, scale, num_splits, k_scale=k_scale)
     out = torch.empty(num_seqs, num_heads, kv_lora_rank, dtype=q.dtype, device=q.device)
     if num_seqs == 0:
         return out

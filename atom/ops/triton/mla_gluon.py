@@ -42,6 +42,7 @@ from atom.ops.triton.mla_gluon_base import (
     BLOCK_N,
     CHUNKS,
     COLS,
+    FP8,
     HAVE_GLUON,
     LOG2E,
     RANK,
@@ -68,10 +69,12 @@ HEADS = 64  # heads per program (one warpgroup's MMA rows)
 
 
 def supported(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int) -> bool:
-    """Shapes, dtypes and layouts the kernel handles."""
+    """Shapes, dtypes and layouts the kernels handle: a cache of q's 16-bit dtype, or an fp8 one at the
+    narrow kernel's head counts."""
     _, num_heads, dim = q.shape
     _, page, cache_dim = kv_cache.shape
-    return (q.dtype in (torch.bfloat16, torch.float16) and kv_cache.dtype == q.dtype and kv_lora_rank == RANK
+    cache_ok = kv_cache.dtype == q.dtype or (kv_cache.dtype == FP8 and mla_gluon_narrow.supported(num_heads))
+    return (q.dtype in (torch.bfloat16, torch.float16) and cache_ok and kv_lora_rank == RANK
             and dim == RANK + ROPE and cache_dim == dim and (num_heads % HEADS == 0 or HEADS % num_heads == 0)
             and page >= 8
             and page & (page - 1) == 0 and kv_cache.stride(2) == 1 and kv_cache.stride(1) == dim
@@ -405,10 +408,11 @@ def num_splits(device: torch.device, num_seqs: int, num_heads: int) -> int:
     return 1 if fill < 2 else 1 << (fill.bit_length() - 1)
 
 
-def mla_decode_gluon(q, kv_cache, seq_lens, block_tables, scale, splits=None, config=None):
-    """``atom.ops.triton.mla_decode`` for the inputs ``supported`` accepts (no fp8 cache): q [B, H, 576],
-    returns [B, H, 512]. ``splits``: context splits (from the SM count when None). Split partial
-    results merge in ``mla_merge``. 16 or 32 heads go to ``mla_gluon_narrow`` (heads as the MMA's N).
+def mla_decode_gluon(q, kv_cache, seq_lens, block_tables, scale, splits=None, config=None, k_scale=None):
+    """``atom.ops.triton.mla_decode`` for the inputs ``supported`` accepts: q [B, H, 576], returns
+    [B, H, 512]. ``splits``: context splits (from the SM count when None). Split partial results merge
+    in ``mla_merge``. 16 or 32 heads go to ``mla_gluon_narrow`` (heads as the MMA's N), which also
+    takes an fp8 cache (``k_scale``: its scale, 1 when None).
     ``config``: register counts of WG1 and of the loader partition (``wg1_regs``, ``loader_regs``; WG0
     gets what is left); ``narrow``: False keeps few heads on this kernel."""
     cfg = {"wg1_regs": 232, "loader_regs": 24, "narrow": True, **(config or {})}
@@ -419,7 +423,10 @@ def mla_decode_gluon(q, kv_cache, seq_lens, block_tables, scale, splits=None, co
     q = q.contiguous()
     splits = splits or num_splits(q.device, num_seqs, num_heads)
     if cfg["narrow"] and mla_gluon_narrow.supported(num_heads):
-        return mla_gluon_narrow.mla_decode_narrow(q, kv_cache, seq_lens, block_tables, scale, splits, cfg, out)
+        return mla_gluon_narrow.mla_decode_narrow(q, kv_cache, seq_lens, block_tables, scale, splits, cfg, out,
+                                                  k_scale)  # fmt: skip
+    if kv_cache.dtype == FP8:
+        raise ValueError(f"an fp8 latent cache decodes through the narrow kernel (16 or 32 heads), not {num_heads}")
     q_desc, c_desc, page, rows, part_out, part_ml = operands(q, kv_cache, splits, out, HEADS)
     _mla_decode_gluon_kernel[(head_blocks(num_heads), num_seqs, splits)](
         q_desc, c_desc, seq_lens, block_tables, out, part_out, part_ml, scale * LOG2E, num_heads, splits,

@@ -29,23 +29,26 @@ BLOCK_N = 64  # keys per tile
 COLS = 64  # columns per shared-memory chunk (128-byte swizzle rows)
 CHUNKS = (RANK + ROPE) // COLS
 LOG2E = 1.4426950408889634
+FP8 = torch.float8_e4m3fn
 
 
 @functools.cache
-def smem_layout():
-    """Shared-memory layout of [rows, 64] boxes of 16-bit values (128-byte swizzled rows)."""
-    return gl.NVMMASharedLayout.get_default_for([BLOCK_N, COLS], gl.bfloat16)
+def smem_layout(dtype: torch.dtype = torch.bfloat16):
+    """Shared-memory layout of [rows, 64] boxes of 16-bit values (128-byte swizzled rows), or of fp8
+    ones (64-byte rows, as swizzled)."""
+    return gl.NVMMASharedLayout.get_default_for([BLOCK_N, COLS], gl.float8e4nv if dtype == FP8 else gl.bfloat16)
 
 
 def operands(q, kv_cache, splits, out, q_rows):
     """What both decode kernels take: TMA descriptors of the query (contiguous; boxes of ``q_rows``
-    heads by 64 columns) and of the latent cache (boxes of a page or 64 rows), the page and box
-    rows, and the split partials' buffers (``out`` itself without splits)."""
+    heads by 64 columns) and of the latent cache (16-bit or fp8; boxes of a page or 64 rows), the page
+    and box rows, and the split partials' buffers (``out`` itself without splits)."""
     num_seqs, num_heads, dim = q.shape
     page = kv_cache.shape[1]
     rows = min(page, BLOCK_N)
     q_desc = TensorDescriptor(q, [num_seqs * num_heads, dim], [dim, 1], [q_rows, COLS], smem_layout())
-    c_desc = TensorDescriptor(kv_cache, [kv_cache.shape[0] * page, dim], [dim, 1], [rows, COLS], smem_layout())
+    c_desc = TensorDescriptor(kv_cache, [kv_cache.shape[0] * page, dim], [dim, 1], [rows, COLS],
+                              smem_layout(kv_cache.dtype))
     part_out = part_ml = out
     if splits > 1:
         part_out = torch.empty(num_seqs, num_heads, splits, RANK, dtype=torch.float32, device=q.device)

@@ -15,9 +15,16 @@ The MMA work a tile drops from 64 x 64 x 1088 to 64 x H x 1088, so the kernel is
 latent read: a one-warp loader keeps two 64-key tiles in flight with bulk tensor copies (TMA), each
 refilled once the math warpgroup's PV over it is done. Same inputs, splits and partial-result
 format as ``mla_gluon.py`` (merged by ``mla_merge``).
+
+An fp8 latent cache (``--kv-cache-dtype fp8``: e4m3 rows divided by the layer's ``k_scale``) halves
+the read: three 36 KiB fp8 stages in flight, the math warpgroup widens each tile into one 16-bit tile
+(freeing its stage at once) and runs the same 16-bit MMAs; ``k_scale`` folds into the softmax scale
+and the output. The query stays 16-bit (FlashMLA's fp8 path quantises it too).
 """
 
 from __future__ import annotations
+
+import torch
 
 from atom.ops.triton.mla_gluon_base import BLOCK_N, CHUNKS, COLS, HAVE_GLUON, LOG2E, RANK, operands
 from atom.ops.triton.mla_merge import merge_splits
@@ -37,6 +44,7 @@ if HAVE_GLUON:
 
 HEADS = (16, 32)  # head counts this kernel takes (the MMA's N)
 STAGES = 2  # key tiles in shared memory (72 KiB each)
+FP8_STAGES = 3  # of an fp8 cache (36 KiB each, beside the one widened 16-bit tile)
 
 
 def supported(num_heads: int) -> bool:
@@ -48,21 +56,20 @@ if HAVE_GLUON:
     _COLS = gl.constexpr(COLS)
     _CHUNKS = gl.constexpr(CHUNKS)
     _RANK = gl.constexpr(RANK)
-    _STAGES = gl.constexpr(STAGES)
 
     @gluon.jit
-    def _loader(q_desc, c_desc, q_smem, k_smem, q_ready, k_ready, kv_empty, tables_ptr, stride_tb, q_row, seq,
-                lo, n_tiles, last_key, PAGE: gl.constexpr, ROWS: gl.constexpr):  # fmt: skip
-        """Q once (nine 64-column chunks), then tile ``t`` into stage ``t % STAGES`` once the PV over
-        the tile before it there is done; each tile in boxes of ``ROWS`` keys (a page or 64 rows)."""
+    def _loader(q_desc, c_desc, q_smem, ring, q_ready, k_ready, kv_empty, tables_ptr, stride_tb, q_row, seq, lo,
+                n_tiles, last_key, PAGE: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+        """Q once (nine 64-column chunks), then tile ``t`` into stage ``t % STAGES`` of the ring once the
+        tile before it there is used up; each tile in boxes of ``ROWS`` keys (a page or 64 rows)."""
         mbarrier.expect(q_ready, _CHUNKS * q_desc.block_type.nbytes)
         for j in gl.static_range(_CHUNKS):
             tma.async_copy_global_to_shared(q_desc, [q_row, j * _COLS], q_ready, q_smem.index(j))
         last_box = (last_key // ROWS) * ROWS
         for t in range(n_tiles):
-            stage = t % _STAGES
-            if t >= _STAGES:
-                mbarrier.wait(kv_empty.index(stage), (t // _STAGES - 1) & 1)
+            stage = t % STAGES
+            if t >= STAGES:
+                mbarrier.wait(kv_empty.index(stage), (t // STAGES - 1) & 1)
             bar = k_ready.index(stage)
             mbarrier.expect(bar, _CHUNKS * (_BLOCK_N // ROWS) * c_desc.block_type.nbytes)
             for i in gl.static_range(_BLOCK_N // ROWS):
@@ -71,26 +78,43 @@ if HAVE_GLUON:
                 row = page * PAGE + key % PAGE
                 for j in gl.static_range(_CHUNKS):
                     tma.async_copy_global_to_shared(c_desc, [row, j * _COLS], bar,
-                                                    k_smem.index(stage * _CHUNKS + j).slice(i * ROWS, ROWS))
+                                                    ring.index(stage * _CHUNKS + j).slice(i * ROWS, ROWS))
 
     @gluon.jit
-    def _math(q_smem, k_smem, p_smem, q_ready, k_ready, kv_empty, out_ptr, part_out_ptr, part_ml_ptr, qk_scale,
-              seq, split, num_heads, num_splits, lo, hi, n_tiles, stride_ob, stride_oh, N: gl.constexpr,
-              SPLIT: gl.constexpr, ACC: gl.constexpr):  # fmt: skip
-        """Per tile: S^T = K Q^T, its softmax down the columns, O^T = O^T * factor + V^T P^T."""
+    def _math(q_smem, ring, k_smem, p_smem, q_ready, k_ready, kv_empty, k_scale_ptr, out_ptr, part_out_ptr,
+              part_ml_ptr, qk_scale, seq, split, num_heads, num_splits, lo, hi, n_tiles, stride_ob, stride_oh,
+              N: gl.constexpr, SPLIT: gl.constexpr, ACC: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr,
+              HAS_SCALE: gl.constexpr):  # fmt: skip
+        """Per tile: S^T = K Q^T, its softmax down the columns, O^T = O^T * factor + V^T P^T. An fp8
+        ring's tile is first widened into ``k_smem`` (the MMAs read 16-bit tiles) and its stage freed at
+        once; the cache's scale folds into the softmax scale and the output."""
         dtype: gl.constexpr = q_smem.dtype
+        WIDEN: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])  # 16 bytes a thread a row
         col: gl.constexpr = gl.SliceLayout(0, ACC)  # one value a head
         keys = gl.arange(0, _BLOCK_N, layout=gl.SliceLayout(1, ACC))
         m_i = gl.full([N], float("-inf"), gl.float32, col)
         l_i = gl.zeros([N], gl.float32, col)
         acc = gl.zeros([_RANK, N], gl.float32, ACC)
         s = gl.zeros([_BLOCK_N, N], gl.float32, ACC)
+        if HAS_SCALE:
+            qk_scale = qk_scale * gl.load(k_scale_ptr)
         mbarrier.wait(q_ready, 0)
         for t in range(n_tiles):
-            stage = t % _STAGES
-            mbarrier.wait(k_ready.index(stage), (t // _STAGES) & 1)
+            stage = t % STAGES
+            mbarrier.wait(k_ready.index(stage), (t // STAGES) & 1)
+            if FP8:
+                for j in gl.static_range(_CHUNKS):
+                    k_smem.index(j).store(ring.index(stage * _CHUNKS + j).load(WIDEN).to(dtype))
+                mbarrier.arrive(kv_empty.index(stage))  # read: the loader may refill it
+                fence_async_shared()  # the widened tile is read by the MMAs (the async proxy)
+                gl.thread_barrier()
+                # a zero the compiler cannot see: the one tile's MMA descriptors, hoisted out of the
+                # loop, would spill
+                first = (t >> 24) * _CHUNKS
+            else:
+                first = stage * _CHUNKS
             for j in gl.static_range(_CHUNKS):
-                s = warpgroup_mma(k_smem.index(stage * _CHUNKS + j), q_smem.index(j).permute((1, 0)), s,
+                s = warpgroup_mma(k_smem.index(first + j), q_smem.index(j).permute((1, 0)), s,
                                   use_acc=j > 0, is_async=True)  # fmt: skip
             s = warpgroup_mma_wait(0, deps=[s])
             sv = gl.where((lo + t * _BLOCK_N + keys < hi)[:, None], s * qk_scale, float("-inf"))
@@ -103,10 +127,13 @@ if HAVE_GLUON:
             p_smem.store(p.to(dtype))
             fence_async_shared()  # P^T is read by the MMA (the async proxy)
             gl.thread_barrier()
-            v_t = k_smem.index(stage * _CHUNKS)._reinterpret(dtype, [_BLOCK_N, _RANK], k_smem.layout).permute((1, 0))
+            v_t = k_smem.index(first)._reinterpret(dtype, [_BLOCK_N, _RANK], k_smem.layout).permute((1, 0))
             acc = warpgroup_mma(v_t, p_smem, acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=[acc])
-            mbarrier.arrive(kv_empty.index(stage))
+            if not FP8:
+                mbarrier.arrive(kv_empty.index(stage))
+        if HAS_SCALE:
+            acc = acc * gl.load(k_scale_ptr)
         cols = gl.arange(0, _RANK, layout=gl.SliceLayout(1, ACC))
         heads = gl.arange(0, N, layout=col)  # N is the head count
         if SPLIT:  # unnormalised sums, the running max (natural-log units) and the denominator
@@ -122,10 +149,11 @@ if HAVE_GLUON:
         do_not_specialize=["num_splits", "stride_tb"],
         do_not_specialize_on_alignment=["seq_lens_ptr", "tables_ptr"],
     )
-    def _mla_decode_narrow_kernel(q_desc, c_desc, seq_lens_ptr, tables_ptr, out_ptr, part_out_ptr,
+    def _mla_decode_narrow_kernel(q_desc, c_desc, seq_lens_ptr, tables_ptr, k_scale_ptr, out_ptr, part_out_ptr,
                                    part_ml_ptr, qk_scale, num_heads, num_splits, stride_tb, stride_ob, stride_oh,
                                    PAGE: gl.constexpr, ROWS: gl.constexpr, SPLIT: gl.constexpr, N: gl.constexpr,
-                                   LOADER_REGS: gl.constexpr):  # fmt: skip
+                                   LOADER_REGS: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr,
+                                   HAS_SCALE: gl.constexpr):  # fmt: skip
         # built here, not passed in: a layout argument breaks the JIT cache hook torch.compile sets
         # (it writes the specialisation as JSON). S^T and O^T: wgmma accumulators N wide; P^T [64, N]:
         # rows of 2N bytes, swizzled as wide
@@ -138,37 +166,45 @@ if HAVE_GLUON:
         q_row = (seq * num_heads).to(gl.int32)
 
         q_smem = gl.allocate_shared_memory(dtype, [_CHUNKS, N, _COLS], q_desc.layout)
-        k_smem = gl.allocate_shared_memory(dtype, [_STAGES * _CHUNKS, _BLOCK_N, _COLS], c_desc.layout)
+        ring = gl.allocate_shared_memory(c_desc.dtype, [STAGES * _CHUNKS, _BLOCK_N, _COLS], c_desc.layout)
+        if FP8:
+            k_smem = gl.allocate_shared_memory(dtype, [_CHUNKS, _BLOCK_N, _COLS], q_desc.layout)
+        else:
+            k_smem = ring
         p_smem = gl.allocate_shared_memory(dtype, [_BLOCK_N, N], P_LAYOUT)
         q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        k_ready = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], mbarrier.MBarrierLayout())
-        kv_empty = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_ready, count=1)
-        for i in gl.static_range(_STAGES):
+        for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(kv_empty.index(i), count=1)
         gl.warp_specialize(
             [
-                (_math, (q_smem, k_smem, p_smem, q_ready, k_ready, kv_empty, out_ptr, part_out_ptr, part_ml_ptr,
-                         qk_scale, seq, split, num_heads, num_splits, lo, hi, n_tiles, stride_ob, stride_oh, N,
-                         SPLIT, ACC)),
-                (_loader, (q_desc, c_desc, q_smem, k_smem, q_ready, k_ready, kv_empty, tables_ptr, stride_tb, q_row,
-                           seq, lo, n_tiles, seq_len - 1, PAGE, ROWS)),
+                (_math, (q_smem, ring, k_smem, p_smem, q_ready, k_ready, kv_empty, k_scale_ptr, out_ptr, part_out_ptr,
+                         part_ml_ptr, qk_scale, seq, split, num_heads, num_splits, lo, hi, n_tiles, stride_ob,
+                         stride_oh, N, SPLIT, ACC, STAGES, FP8, HAS_SCALE)),
+                (_loader, (q_desc, c_desc, q_smem, ring, q_ready, k_ready, kv_empty, tables_ptr, stride_tb, q_row,
+                           seq, lo, n_tiles, seq_len - 1, PAGE, ROWS, STAGES)),
             ],
             [1],
             [LOADER_REGS],
         )  # fmt: skip
 
 
-def mla_decode_narrow(q, kv_cache, seq_lens, block_tables, scale, splits, cfg, out):
+def mla_decode_narrow(q, kv_cache, seq_lens, block_tables, scale, splits, cfg, out, k_scale=None):
     """``mla_gluon.mla_decode_gluon`` for 16 or 32 heads (at least one sequence): q [B, H, 576]
-    (contiguous) into ``out`` [B, H, 512]."""
+    (contiguous, 16-bit) into ``out`` [B, H, 512]; the cache 16-bit like q, or fp8 (e4m3, the rows
+    divided by ``k_scale``)."""
     num_seqs, num_heads, _ = q.shape
+    fp8 = kv_cache.dtype == torch.float8_e4m3fn
     q_desc, c_desc, page, rows, part_out, part_ml = operands(q, kv_cache, splits, out, num_heads)
+    has_scale = fp8 and k_scale is not None
     _mla_decode_narrow_kernel[(num_seqs, splits)](
-        q_desc, c_desc, seq_lens, block_tables, out, part_out, part_ml, scale * LOG2E, num_heads, splits,
-        block_tables.stride(0), out.stride(0), out.stride(1), PAGE=page, ROWS=rows, SPLIT=splits > 1,
-        N=num_heads, LOADER_REGS=cfg["loader_regs"], num_warps=4,
+        q_desc, c_desc, seq_lens, block_tables, k_scale if has_scale else seq_lens, out, part_out, part_ml,
+        scale * LOG2E, num_heads, splits, block_tables.stride(0), out.stride(0), out.stride(1), PAGE=page, ROWS=rows,
+        SPLIT=splits > 1, N=num_heads, LOADER_REGS=cfg["loader_regs"], STAGES=FP8_STAGES if fp8 else STAGES,
+        FP8=fp8, HAS_SCALE=has_scale, num_warps=4,
     )  # fmt: skip
     if splits > 1:
         merge_splits(out, part_out, part_ml)
