@@ -154,10 +154,10 @@ def once(cfg: dict, shape: str, heads: int) -> None:
     from atom.ops.triton.mla_gluon import mla_decode_gluon
 
     batch, context = (int(v) for v in shape.split(","))
-    x = kb.mla_inputs(batch, context, heads, False)
+    x = kb.mla_inputs(batch, context, heads, cfg.get("fp8", False))
     cache, tables = x.caches[16]
     for _ in range(4):
-        mla_decode_gluon(x.q, cache, x.seq_lens, tables, kb.MLA_SCALE, None, cfg)
+        mla_decode_gluon(x.q, cache, x.seq_lens, tables, kb.MLA_SCALE, None, cfg, x.k_scale)
     torch.cuda.synchronize()
 
 
