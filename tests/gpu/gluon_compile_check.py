@@ -72,7 +72,10 @@ MLA_CONFIGS = [dict(page=16, split=False), dict(page=16, split=True), dict(page=
 NARROW_CONFIGS = [dict(heads=16, page=16, split=False), dict(heads=16, page=16, split=True),
                   dict(heads=32, page=64, split=True), dict(heads=16, page=128, split=False),
                   dict(heads=16, page=16, split=True, fp8=True), dict(heads=32, page=16, split=False, fp8=True),
-                  dict(heads=32, page=64, split=True, fp8=True)]
+                  dict(heads=32, page=64, split=True, fp8=True), dict(heads=16, page=16, split=True, fp8=True,
+                                                                      interleave=True),
+                  dict(heads=32, page=16, split=False, fp8=True, interleave=True),
+                  dict(heads=16, page=16, split=True, fp8=True, interleave=True, fp16=True)]
 
 
 def compile_mla(mod, cfg: dict):
@@ -111,13 +114,15 @@ def compile_mla_narrow(mod, cfg: dict):
     cache = desc.format("fp8e4nv", rows, mod.COLS, smem_layout(torch.float8_e4m3fn)) if fp8 else \
         desc.format("bf16", rows, mod.COLS, smem_layout())
     signature = {
-        "q_desc": desc.format("bf16", cfg["heads"], mod.COLS, smem_layout()), "c_desc": cache,
+        "q_desc": desc.format("fp16" if cfg.get("fp16") else "bf16", cfg["heads"], mod.COLS, smem_layout()),
+        "c_desc": cache,
         "seq_lens_ptr": "*i32", "tables_ptr": "*i32", "k_scale_ptr": "*fp32", "out_ptr": "*bf16",
         "part_out_ptr": "*fp32", "part_ml_ptr": "*fp32", "qk_scale": "fp32", "num_heads": "i32",
         "num_splits": "i32", "stride_tb": "i32", "stride_ob": "i32", "stride_oh": "i32",
     }  # fmt: skip
     constexprs = dict(PAGE=cfg["page"], ROWS=rows, SPLIT=cfg["split"], N=cfg["heads"], LOADER_REGS=24,
-                      STAGES=mod.FP8_STAGES if fp8 else mod.STAGES, FP8=fp8, HAS_SCALE=fp8)  # fmt: skip
+                      STAGES=mod.FP8_STAGES if fp8 else mod.STAGES, FP8=fp8, HAS_SCALE=fp8,
+                      INTERLEAVE=cfg.get("interleave", False))  # fmt: skip
     signature.update({k: "constexpr" for k in constexprs})
     src = GluonASTSource(mod._mla_decode_narrow_kernel, signature, constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))

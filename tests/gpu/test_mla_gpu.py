@@ -95,12 +95,14 @@ def test_mla_decode_gluon(num_heads, lens, page, splits, narrow):
         assert torch.equal(tk.mla_decode(q, cache, seq_lens, tables, 192**-0.5, 512), out)
 
 
+@pytest.mark.parametrize("config", [{}, {"interleave": True}, {"interleave": True, "fp16": True}])
 @pytest.mark.parametrize("k_scale", [0.05, 1.0])
 @pytest.mark.parametrize("num_heads, lens, page, splits", [c for c in GLUON_CASES if c[0] in (16, 32)])
-def test_mla_decode_gluon_fp8_cache(num_heads, lens, page, splits, k_scale):
+def test_mla_decode_gluon_fp8_cache(num_heads, lens, page, splits, k_scale, config):
     """The narrow kernel over an fp8 latent cache (three fp8 stages widened a tile at a time, the scale
     folded into the softmax and the output) against the float32 reference over the dequantised cache,
-    at the 16- and 32-head cases of the 16-bit test; the 64-row kernel refuses such a cache."""
+    at the 16- and 32-head cases of the 16-bit test, with the widening between the QK^T MMAs and in
+    fp16 too (configs under test); the 64-row kernel refuses such a cache."""
     from atom.ops.triton import mla_gluon
 
     if not mla_gluon.available(torch.device(DEV)):
@@ -108,10 +110,11 @@ def test_mla_decode_gluon_fp8_cache(num_heads, lens, page, splits, k_scale):
     q, cache, seq_lens, tables = gluon_inputs(num_heads, lens, page, k_scale)
     k = torch.tensor([k_scale], device=DEV)
     assert mla_gluon.supported(q, cache, 512)
-    out = mla_gluon.mla_decode_gluon(q, cache, seq_lens, tables, 192**-0.5, splits, k_scale=k)
+    out = mla_gluon.mla_decode_gluon(q, cache, seq_lens, tables, 192**-0.5, splits, config, k)
     ref = reference.mla_decode(q.float(), cache, seq_lens, tables, 192**-0.5, 512, k)
+    assert out.dtype == q.dtype
     assert_close(out, ref, torch.bfloat16)
-    if splits is None:  # what mla_decode dispatches to
+    if splits is None and not config:  # what mla_decode dispatches to
         assert torch.equal(tk.mla_decode(q, cache, seq_lens, tables, 192**-0.5, 512, k), out)
     with pytest.raises(ValueError, match="narrow kernel"):
         mla_gluon.mla_decode_gluon(q, cache, seq_lens, tables, 192**-0.5, splits, {"narrow": False}, k)

@@ -84,7 +84,7 @@ if HAVE_GLUON:
     def _math(q_smem, ring, k_smem, p_smem, q_ready, k_ready, kv_empty, k_scale_ptr, out_ptr, part_out_ptr,
               part_ml_ptr, qk_scale, seq, split, num_heads, num_splits, lo, hi, n_tiles, stride_ob, stride_oh,
               N: gl.constexpr, SPLIT: gl.constexpr, ACC: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr,
-              HAS_SCALE: gl.constexpr):  # fmt: skip
+              HAS_SCALE: gl.constexpr, INTERLEAVE: gl.constexpr):  # fmt: skip
         """Per tile: S^T = K Q^T, its softmax down the columns, O^T = O^T * factor + V^T P^T. An fp8
         ring's tile is first widened into ``k_smem`` (the MMAs read 16-bit tiles) and its stage freed at
         once; the cache's scale folds into the softmax scale and the output."""
@@ -103,19 +103,29 @@ if HAVE_GLUON:
             stage = t % STAGES
             mbarrier.wait(k_ready.index(stage), (t // STAGES) & 1)
             if FP8:
-                for j in gl.static_range(_CHUNKS):
-                    k_smem.index(j).store(ring.index(stage * _CHUNKS + j).load(WIDEN).to(dtype))
-                mbarrier.arrive(kv_empty.index(stage))  # read: the loader may refill it
-                fence_async_shared()  # the widened tile is read by the MMAs (the async proxy)
-                gl.thread_barrier()
                 # a zero the compiler cannot see: the one tile's MMA descriptors, hoisted out of the
                 # loop, would spill
                 first = (t >> 24) * _CHUNKS
+                if INTERLEAVE:  # chunk j + 1 widens while chunk j's QK^T MMA runs
+                    for j in gl.static_range(_CHUNKS):
+                        k_smem.index(first + j).store(ring.index(stage * _CHUNKS + j).load(WIDEN).to(dtype))
+                        fence_async_shared()
+                        gl.thread_barrier()
+                        s = warpgroup_mma(k_smem.index(first + j), q_smem.index(j).permute((1, 0)), s,
+                                          use_acc=j > 0, is_async=True)  # fmt: skip
+                    mbarrier.arrive(kv_empty.index(stage))  # read: the loader may refill it
+                else:
+                    for j in gl.static_range(_CHUNKS):
+                        k_smem.index(j).store(ring.index(stage * _CHUNKS + j).load(WIDEN).to(dtype))
+                    mbarrier.arrive(kv_empty.index(stage))
+                    fence_async_shared()  # the widened tile is read by the MMAs (the async proxy)
+                    gl.thread_barrier()
             else:
                 first = stage * _CHUNKS
-            for j in gl.static_range(_CHUNKS):
-                s = warpgroup_mma(k_smem.index(first + j), q_smem.index(j).permute((1, 0)), s,
-                                  use_acc=j > 0, is_async=True)  # fmt: skip
+            if not (FP8 and INTERLEAVE):
+                for j in gl.static_range(_CHUNKS):
+                    s = warpgroup_mma(k_smem.index(first + j), q_smem.index(j).permute((1, 0)), s,
+                                      use_acc=j > 0, is_async=True)  # fmt: skip
             s = warpgroup_mma_wait(0, deps=[s])
             sv = gl.where((lo + t * _BLOCK_N + keys < hi)[:, None], s * qk_scale, float("-inf"))
             m_new = gl.maximum(m_i, gl.max(sv, axis=0))
@@ -153,7 +163,7 @@ if HAVE_GLUON:
                                    part_ml_ptr, qk_scale, num_heads, num_splits, stride_tb, stride_ob, stride_oh,
                                    PAGE: gl.constexpr, ROWS: gl.constexpr, SPLIT: gl.constexpr, N: gl.constexpr,
                                    LOADER_REGS: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr,
-                                   HAS_SCALE: gl.constexpr):  # fmt: skip
+                                   HAS_SCALE: gl.constexpr, INTERLEAVE: gl.constexpr):  # fmt: skip
         # built here, not passed in: a layout argument breaks the JIT cache hook torch.compile sets
         # (it writes the specialisation as JSON). S^T and O^T: wgmma accumulators N wide; P^T [64, N]:
         # rows of 2N bytes, swizzled as wide
@@ -183,7 +193,7 @@ if HAVE_GLUON:
             [
                 (_math, (q_smem, ring, k_smem, p_smem, q_ready, k_ready, kv_empty, k_scale_ptr, out_ptr, part_out_ptr,
                          part_ml_ptr, qk_scale, seq, split, num_heads, num_splits, lo, hi, n_tiles, stride_ob,
-                         stride_oh, N, SPLIT, ACC, STAGES, FP8, HAS_SCALE)),
+                         stride_oh, N, SPLIT, ACC, STAGES, FP8, HAS_SCALE, INTERLEAVE)),
                 (_loader, (q_desc, c_desc, q_smem, ring, q_ready, k_ready, kv_empty, tables_ptr, stride_tb, q_row,
                            seq, lo, n_tiles, seq_len - 1, PAGE, ROWS, STAGES)),
             ],
@@ -198,13 +208,15 @@ def mla_decode_narrow(q, kv_cache, seq_lens, block_tables, scale, splits, cfg, o
     divided by ``k_scale``)."""
     num_seqs, num_heads, _ = q.shape
     fp8 = kv_cache.dtype == torch.float8_e4m3fn
+    if fp8 and cfg["fp16"]:  # e4m3 widens to f16 in one conversion (to bf16 through f16 and f32)
+        q = q.to(torch.float16)
     q_desc, c_desc, page, rows, part_out, part_ml = operands(q, kv_cache, splits, out, num_heads)
     has_scale = fp8 and k_scale is not None
     _mla_decode_narrow_kernel[(num_seqs, splits)](
         q_desc, c_desc, seq_lens, block_tables, k_scale if has_scale else seq_lens, out, part_out, part_ml,
         scale * LOG2E, num_heads, splits, block_tables.stride(0), out.stride(0), out.stride(1), PAGE=page, ROWS=rows,
         SPLIT=splits > 1, N=num_heads, LOADER_REGS=cfg["loader_regs"], STAGES=FP8_STAGES if fp8 else STAGES,
-        FP8=fp8, HAS_SCALE=has_scale, num_warps=4,
+        FP8=fp8, HAS_SCALE=has_scale, INTERLEAVE=fp8 and cfg["interleave"], num_warps=4,
     )  # fmt: skip
     if splits > 1:
         merge_splits(out, part_out, part_ml)
