@@ -65,3 +65,14 @@ def kv_cache_budget(start: MemorySnapshot, now: MemorySnapshot, utilization: flo
     peak = now.peak - start.allocated
     non_torch = max(0, now.non_torch - start.non_torch)
     return KVBudget(weights, peak - weights, non_torch, int(utilization * now.total) - non_torch - peak)
+
+
+def no_room_message(b: KVBudget, utilization: float, total: int) -> str:
+    """Why the KV cache got no memory, in the numbers that decided it."""
+    return (
+        f"no memory left for the KV cache: gpu_memory_utilization {utilization} is {utilization * total / GIB:.2f} "
+        f"GiB, of which this engine's weights and buffers take {b.weights / GIB:.2f}, the profile run's activations "
+        f"{b.activations / GIB:.2f} and memory outside torch's allocator {b.non_torch / GIB:.2f} (CUDA context and "
+        "libraries, or another process that allocated while this engine started); lower max_num_batched_tokens or "
+        "raise gpu_memory_utilization"
+    )

@@ -34,7 +34,7 @@ from atom.spec_decode.decoder import build_spec_decoder
 from atom.spec_decode.proposers import MtpProposer, SharedWeightsProposer
 from atom.worker.logits_processors import process_logits
 from atom.worker.logprobs import prompt_logprobs, token_logprobs, top_logprobs
-from atom.worker.memory import GIB, MemorySnapshot, check_startup_memory, kv_cache_budget
+from atom.worker.memory import GIB, MemorySnapshot, check_startup_memory, kv_cache_budget, no_room_message
 from atom.worker.piecewise import PiecewiseGraphs
 from atom.worker.profiler import start_torch_profiler
 from atom.worker.sampler import SamplingTensors, sample
@@ -161,6 +161,8 @@ class ModelRunner:
         logger.info("memory profile: weights and buffers %.2f GiB, peak activations %.2f GiB, outside torch "
                     "%.2f GiB; %.2f GiB of %.2f (gpu_memory_utilization %.2f) left for the KV cache",
                     b.weights / GIB, b.activations / GIB, b.non_torch / GIB, b.kv_cache / GIB, now.total / GIB, util)
+        if b.kv_cache < self.block_bytes():
+            raise RuntimeError(no_room_message(b, util, now.total))
         return b.kv_cache
 
     def allocate_kv_cache(self, num_blocks: int) -> None:

@@ -3,7 +3,7 @@ gpu_memory_utilization), checked on the arithmetic: the snapshots are plain numb
 
 import pytest
 
-from atom.worker.memory import GIB, MemorySnapshot, check_startup_memory, kv_cache_budget
+from atom.worker.memory import GIB, MemorySnapshot, check_startup_memory, kv_cache_budget, no_room_message
 
 TOTAL = 100 * GIB
 
@@ -36,6 +36,16 @@ def test_other_processes_and_engines_do_not_shrink_the_budget():
 def test_no_room_is_a_negative_budget():
     b = kv_cache_budget(snap(0, 0, 0, 0), snap(0, 9 * GIB, 12 * GIB, 12 * GIB), 0.1)
     assert b.kv_cache < 0
+
+
+def test_no_room_names_what_took_the_share():
+    # another process grew by 30 GiB while this engine started (seen on an H200 beside an hf run)
+    b = kv_cache_budget(snap(10 * GIB, 0, 0, 0), snap(40 * GIB, GIB, 3 * GIB, 3 * GIB), 0.25)
+    assert b.kv_cache < 0
+    msg = no_room_message(b, 0.25, TOTAL)
+    assert "gpu_memory_utilization 0.25 is 25.00 GiB" in msg
+    assert "weights and buffers take 1.00, the profile run's activations 2.00" in msg
+    assert "outside torch's allocator 30.00" in msg and "another process" in msg
 
 
 def test_startup_check_wants_the_share_free():
