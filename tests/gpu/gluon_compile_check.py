@@ -75,7 +75,10 @@ NARROW_CONFIGS = [dict(heads=16, page=16, split=False), dict(heads=16, page=16, 
                   dict(heads=32, page=64, split=True, fp8=True), dict(heads=16, page=16, split=True, fp8=True,
                                                                       interleave=True),
                   dict(heads=32, page=16, split=False, fp8=True, interleave=True),
-                  dict(heads=16, page=16, split=True, fp8=True, interleave=True, fp16=True)]
+                  dict(heads=16, page=16, split=True, fp8=True, interleave=True, fp16=True),
+                  dict(heads=16, page=16, split=True, warp_sums=True),
+                  dict(heads=32, page=16, split=True, warp_sums=True),
+                  dict(heads=32, page=16, split=True, fp8=True, warp_sums=True)]
 
 
 def compile_mla(mod, cfg: dict):
@@ -122,7 +125,7 @@ def compile_mla_narrow(mod, cfg: dict):
     }  # fmt: skip
     constexprs = dict(PAGE=cfg["page"], ROWS=rows, SPLIT=cfg["split"], N=cfg["heads"], LOADER_REGS=24,
                       STAGES=mod.FP8_STAGES if fp8 else mod.STAGES, FP8=fp8, HAS_SCALE=fp8,
-                      INTERLEAVE=cfg.get("interleave", False))  # fmt: skip
+                      INTERLEAVE=cfg.get("interleave", False), WARP_SUMS=cfg.get("warp_sums", False))  # fmt: skip
     signature.update({k: "constexpr" for k in constexprs})
     src = GluonASTSource(mod._mla_decode_narrow_kernel, signature, constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))

@@ -95,7 +95,7 @@ def test_mla_decode_gluon(num_heads, lens, page, splits, narrow):
         assert torch.equal(tk.mla_decode(q, cache, seq_lens, tables, 192**-0.5, 512), out)
 
 
-@pytest.mark.parametrize("config", [{}, {"interleave": True}, {"interleave": True, "fp16": True}])
+@pytest.mark.parametrize("config", [{}, {"interleave": True}, {"interleave": True, "fp16": True}, {"warp_sums": True}])
 @pytest.mark.parametrize("k_scale", [0.05, 1.0])
 @pytest.mark.parametrize("num_heads, lens, page, splits", [c for c in GLUON_CASES if c[0] in (16, 32)])
 def test_mla_decode_gluon_fp8_cache(num_heads, lens, page, splits, k_scale, config):
@@ -118,6 +118,19 @@ def test_mla_decode_gluon_fp8_cache(num_heads, lens, page, splits, k_scale, conf
         assert torch.equal(tk.mla_decode(q, cache, seq_lens, tables, 192**-0.5, 512, k), out)
     with pytest.raises(ValueError, match="narrow kernel"):
         mla_gluon.mla_decode_gluon(q, cache, seq_lens, tables, 192**-0.5, splits, {"narrow": False}, k)
+
+
+@pytest.mark.parametrize("num_heads, lens, page, splits", [c for c in GLUON_CASES if c[0] in (16, 32)])
+def test_mla_decode_gluon_warp_sums(num_heads, lens, page, splits):
+    """The narrow kernel with its softmax denominators kept elementwise and summed once at the end
+    (config ``warp_sums``, under test: three warpgroup barriers a tile fewer) against the reference."""
+    from atom.ops.triton import mla_gluon
+
+    if not mla_gluon.available(torch.device(DEV)):
+        pytest.skip("needs Hopper (sm_90) and Triton's Gluon")
+    q, cache, seq_lens, tables = gluon_inputs(num_heads, lens, page)
+    out = mla_gluon.mla_decode_gluon(q, cache, seq_lens, tables, 192**-0.5, splits, {"warp_sums": True})
+    assert_close(out, reference.mla_decode(q.float(), cache.float(), seq_lens, tables, 192**-0.5, 512), torch.bfloat16)
 
 
 @pytest.mark.parametrize("num_heads", [16, 128])

@@ -84,7 +84,7 @@ if HAVE_GLUON:
     def _math(q_smem, ring, k_smem, p_smem, q_ready, k_ready, kv_empty, k_scale_ptr, out_ptr, part_out_ptr,
               part_ml_ptr, qk_scale, seq, split, num_heads, num_splits, lo, hi, n_tiles, stride_ob, stride_oh,
               N: gl.constexpr, SPLIT: gl.constexpr, ACC: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr,
-              HAS_SCALE: gl.constexpr, INTERLEAVE: gl.constexpr):  # fmt: skip
+              HAS_SCALE: gl.constexpr, INTERLEAVE: gl.constexpr, WARP_SUMS: gl.constexpr):  # fmt: skip
         """Per tile: S^T = K Q^T, its softmax down the columns, O^T = O^T * factor + V^T P^T. An fp8
         ring's tile is first widened into ``k_smem`` (the MMAs read 16-bit tiles) and its stage freed at
         once; the cache's scale folds into the softmax scale and the output."""
@@ -93,7 +93,10 @@ if HAVE_GLUON:
         col: gl.constexpr = gl.SliceLayout(0, ACC)  # one value a head
         keys = gl.arange(0, _BLOCK_N, layout=gl.SliceLayout(1, ACC))
         m_i = gl.full([N], float("-inf"), gl.float32, col)
-        l_i = gl.zeros([N], gl.float32, col)
+        if WARP_SUMS:  # the softmax denominators elementwise, summed over the keys once at the end
+            l_t = gl.zeros([_BLOCK_N, N], gl.float32, ACC)
+        else:
+            l_i = gl.zeros([N], gl.float32, col)
         acc = gl.zeros([_RANK, N], gl.float32, ACC)
         s = gl.zeros([_BLOCK_N, N], gl.float32, ACC)
         if HAS_SCALE:
@@ -131,7 +134,10 @@ if HAVE_GLUON:
             m_new = gl.maximum(m_i, gl.max(sv, axis=0))
             factor = gl.exp2(m_i - m_new)
             p = gl.exp2(sv - m_new[None, :])
-            l_i = l_i * factor + gl.sum(p, axis=0)
+            if WARP_SUMS:
+                l_t = l_t * factor[None, :] + p
+            else:
+                l_i = l_i * factor + gl.sum(p, axis=0)
             m_i = m_new
             acc = acc * factor[None, :]
             p_smem.store(p.to(dtype))
@@ -144,6 +150,8 @@ if HAVE_GLUON:
                 mbarrier.arrive(kv_empty.index(stage))
         if HAS_SCALE:
             acc = acc * gl.load(k_scale_ptr)
+        if WARP_SUMS:
+            l_i = gl.sum(l_t, axis=0)
         cols = gl.arange(0, _RANK, layout=gl.SliceLayout(1, ACC))
         heads = gl.arange(0, N, layout=col)  # N is the head count
         if SPLIT:  # unnormalised sums, the running max (natural-log units) and the denominator
@@ -163,7 +171,8 @@ if HAVE_GLUON:
                                    part_ml_ptr, qk_scale, num_heads, num_splits, stride_tb, stride_ob, stride_oh,
                                    PAGE: gl.constexpr, ROWS: gl.constexpr, SPLIT: gl.constexpr, N: gl.constexpr,
                                    LOADER_REGS: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr,
-                                   HAS_SCALE: gl.constexpr, INTERLEAVE: gl.constexpr):  # fmt: skip
+                                   HAS_SCALE: gl.constexpr, INTERLEAVE: gl.constexpr,
+                                   WARP_SUMS: gl.constexpr):  # fmt: skip
         # built here, not passed in: a layout argument breaks the JIT cache hook torch.compile sets
         # (it writes the specialisation as JSON). S^T and O^T: wgmma accumulators N wide; P^T [64, N]:
         # rows of 2N bytes, swizzled as wide
@@ -193,7 +202,7 @@ if HAVE_GLUON:
             [
                 (_math, (q_smem, ring, k_smem, p_smem, q_ready, k_ready, kv_empty, k_scale_ptr, out_ptr, part_out_ptr,
                          part_ml_ptr, qk_scale, seq, split, num_heads, num_splits, lo, hi, n_tiles, stride_ob,
-                         stride_oh, N, SPLIT, ACC, STAGES, FP8, HAS_SCALE, INTERLEAVE)),
+                         stride_oh, N, SPLIT, ACC, STAGES, FP8, HAS_SCALE, INTERLEAVE, WARP_SUMS)),
                 (_loader, (q_desc, c_desc, q_smem, ring, q_ready, k_ready, kv_empty, tables_ptr, stride_tb, q_row,
                            seq, lo, n_tiles, seq_len - 1, PAGE, ROWS, STAGES)),
             ],
@@ -216,7 +225,8 @@ def mla_decode_narrow(q, kv_cache, seq_lens, block_tables, scale, splits, cfg, o
         q_desc, c_desc, seq_lens, block_tables, k_scale if has_scale else seq_lens, out, part_out, part_ml,
         scale * LOG2E, num_heads, splits, block_tables.stride(0), out.stride(0), out.stride(1), PAGE=page, ROWS=rows,
         SPLIT=splits > 1, N=num_heads, LOADER_REGS=cfg["loader_regs"], STAGES=FP8_STAGES if fp8 else STAGES,
-        FP8=fp8, HAS_SCALE=has_scale, INTERLEAVE=fp8 and cfg["interleave"], num_warps=4,
+        FP8=fp8, HAS_SCALE=has_scale, INTERLEAVE=fp8 and cfg["interleave"],
+        WARP_SUMS=cfg["warp_sums"], num_warps=4,
     )  # fmt: skip
     if splits > 1:
         merge_splits(out, part_out, part_ml)
