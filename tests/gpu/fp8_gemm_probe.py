@@ -6,8 +6,7 @@ For each linear layer (N, K) and batch M, GPU time per call of:
   path below needs first (their columns exclude it);
 - ``w8a8``: atom's Triton tile kernel (``w8a8_matmul`` with ``fp8_configs.gemm_config``'s tiles);
 - ``skinny`` (M <= 16): the skinny kernel that ``w8a8_matmul`` now picks for few rows
-  (``gemv.skinny_gemm`` with ``fp8_configs.skinny_config``); ``fixup``: the same with its split-K
-  partials summed by each column block's last program (``ATOM_SKINNY_FIXUP=1``: no second launch);
+  (``gemv.skinny_gemm`` with ``fp8_configs.skinny_config``);
 - ``scaled_mm``: ``torch._scaled_mm`` with block-wise scales (activations 1x128 groups,
   column-major; weight 128x128 blocks, ``scale_b`` the transpose of a contiguous
   [N/128, K/128] tensor: cuBLASLt's DeepSeek recipe on sm90), when this torch accepts it (the
@@ -54,7 +53,7 @@ BF16 = torch.bfloat16
 GROUP = 128
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
 MS = (1, 2, 4, 8, 16, 64, 256, 1024, 4096, 8192)
-METHODS = ("w8a8", "skinny", "fixup", "scaled_mm", "bf16")
+METHODS = ("w8a8", "skinny", "scaled_mm", "bf16")
 
 
 def block_scales(w_scale: torch.Tensor) -> torch.Tensor:
@@ -67,8 +66,8 @@ def w8a8_call(a, a_scale, c, cfg):
     return w8a8_matmul(a, a_scale, c[0], c[1], GROUP, BF16, config=cfg)
 
 
-def skinny_call(a, a_scale, c, cfg, fixup=False):
-    return skinny_gemm(a, c[0], None, cfg, (a_scale, c[1], GROUP), BF16, fixup=fixup)
+def skinny_call(a, a_scale, c, cfg):
+    return skinny_gemm(a, c[0], None, cfg, (a_scale, c[1], GROUP), BF16)
 
 
 def scaled_mm_call(a, a_scale, c, cfg=None):
@@ -130,7 +129,6 @@ def main() -> None:
             calls = {"w8a8": (w8a8_call, gemm_config(m, n, k, True)), "scaled_mm": (scaled_mm_call, None)}
             if m <= SKINNY_MAX_ROWS:
                 calls["skinny"] = (skinny_call, skinny_config(n, k, GROUP))
-                calls["fixup"] = (partial(skinny_call, fixup=True), skinny_config(n, k, GROUP))
             row = {"layer": name, "n": n, "k": k, "m": m}
             fp8_moved = fp8_bytes + m * k * (1 + 4 / GROUP) + m * n * 2
             row["quant_us"] = graph_ms([partial(per_token_group_quant_fp8, x, GROUP)]) * 1e3

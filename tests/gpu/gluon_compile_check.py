@@ -73,12 +73,7 @@ NARROW_CONFIGS = [dict(heads=16, page=16, split=False), dict(heads=16, page=16, 
                   dict(heads=32, page=64, split=True), dict(heads=16, page=128, split=False),
                   dict(heads=16, page=16, split=True, fp8=True), dict(heads=32, page=16, split=False, fp8=True),
                   dict(heads=32, page=64, split=True, fp8=True), dict(heads=16, page=16, split=True, fp8=True,
-                                                                      interleave=True),
-                  dict(heads=32, page=16, split=False, fp8=True, interleave=True),
-                  dict(heads=16, page=16, split=True, fp8=True, interleave=True, fp16=True),
-                  dict(heads=16, page=16, split=True, warp_sums=True),
-                  dict(heads=32, page=16, split=True, warp_sums=True),
-                  dict(heads=32, page=16, split=True, fp8=True, warp_sums=True)]
+                                                                      q="fp16")]
 
 
 def compile_mla(mod, cfg: dict):
@@ -104,20 +99,20 @@ def compile_mla(mod, cfg: dict):
 
 def compile_mla_narrow(mod, cfg: dict):
     """``mla_gluon_narrow``'s decode kernel (``heads`` as the MMA's N) over ``page``-row pages of a bf16
-    cache, or of an fp8 one (``fp8``)."""
+    cache, or of an fp8 one (``fp8``; the query ``q``: bf16, converted in the kernel, or fp16)."""
     import torch
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from atom.ops.triton.mla_gluon_base import smem_layout
 
-    fp8 = cfg.get("fp8", False)
+    fp8, q = cfg.get("fp8", False), cfg.get("q", "bf16")
     rows = min(cfg["page"], mod.BLOCK_N)
     desc = "tensordesc<{}[{}, {}],{!r}>"
     cache = desc.format("fp8e4nv", rows, mod.COLS, smem_layout(torch.float8_e4m3fn)) if fp8 else \
         desc.format("bf16", rows, mod.COLS, smem_layout())
     signature = {
-        "q_desc": desc.format("fp16" if cfg.get("fp16") else "bf16", cfg["heads"], mod.COLS, smem_layout()),
+        "q_desc": desc.format(q, cfg["heads"], mod.COLS, smem_layout()),
         "c_desc": cache,
         "seq_lens_ptr": "*i32", "tables_ptr": "*i32", "k_scale_ptr": "*fp32", "out_ptr": "*bf16",
         "part_out_ptr": "*fp32", "part_ml_ptr": "*fp32", "qk_scale": "fp32", "num_heads": "i32",
@@ -125,7 +120,7 @@ def compile_mla_narrow(mod, cfg: dict):
     }  # fmt: skip
     constexprs = dict(PAGE=cfg["page"], ROWS=rows, SPLIT=cfg["split"], N=cfg["heads"], LOADER_REGS=24,
                       STAGES=mod.FP8_STAGES if fp8 else mod.STAGES, FP8=fp8, HAS_SCALE=fp8,
-                      INTERLEAVE=cfg.get("interleave", False), WARP_SUMS=cfg.get("warp_sums", False))  # fmt: skip
+                      CONVERT_Q=fp8 and q == "bf16")  # fmt: skip
     signature.update({k: "constexpr" for k in constexprs})
     src = GluonASTSource(mod._mla_decode_narrow_kernel, signature, constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))

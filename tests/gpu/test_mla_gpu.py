@@ -95,42 +95,47 @@ def test_mla_decode_gluon(num_heads, lens, page, splits, narrow):
         assert torch.equal(tk.mla_decode(q, cache, seq_lens, tables, 192**-0.5, 512), out)
 
 
-@pytest.mark.parametrize("config", [{}, {"interleave": True}, {"interleave": True, "fp16": True}, {"warp_sums": True}])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("k_scale", [0.05, 1.0])
 @pytest.mark.parametrize("num_heads, lens, page, splits", [c for c in GLUON_CASES if c[0] in (16, 32)])
-def test_mla_decode_gluon_fp8_cache(num_heads, lens, page, splits, k_scale, config):
-    """The narrow kernel over an fp8 latent cache (three fp8 stages widened a tile at a time, the scale
-    folded into the softmax and the output) against the float32 reference over the dequantised cache,
-    at the 16- and 32-head cases of the 16-bit test, with the widening between the QK^T MMAs and in
-    fp16 too (configs under test); the 64-row kernel refuses such a cache."""
+def test_mla_decode_gluon_fp8_cache(num_heads, lens, page, splits, k_scale, dtype):
+    """The narrow kernel over an fp8 latent cache (three fp8 stages widened to fp16 chunk by chunk
+    between the QK^T MMAs, a bf16 query converted in the kernel, the scale folded into the softmax and
+    the output) against the float32 reference over the dequantised cache, at the 16- and 32-head cases
+    of the 16-bit test; the 64-row kernel refuses such a cache."""
     from atom.ops.triton import mla_gluon
 
     if not mla_gluon.available(torch.device(DEV)):
         pytest.skip("needs Hopper (sm_90) and Triton's Gluon")
     q, cache, seq_lens, tables = gluon_inputs(num_heads, lens, page, k_scale)
-    k = torch.tensor([k_scale], device=DEV)
+    q, k = q.to(dtype), torch.tensor([k_scale], device=DEV)
     assert mla_gluon.supported(q, cache, 512)
-    out = mla_gluon.mla_decode_gluon(q, cache, seq_lens, tables, 192**-0.5, splits, config, k)
+    out = mla_gluon.mla_decode_gluon(q, cache, seq_lens, tables, 192**-0.5, splits, None, k)
     ref = reference.mla_decode(q.float(), cache, seq_lens, tables, 192**-0.5, 512, k)
     assert out.dtype == q.dtype
     assert_close(out, ref, torch.bfloat16)
-    if splits is None and not config:  # what mla_decode dispatches to
+    if splits is None:  # what mla_decode dispatches to
         assert torch.equal(tk.mla_decode(q, cache, seq_lens, tables, 192**-0.5, 512, k), out)
     with pytest.raises(ValueError, match="narrow kernel"):
         mla_gluon.mla_decode_gluon(q, cache, seq_lens, tables, 192**-0.5, splits, {"narrow": False}, k)
 
 
-@pytest.mark.parametrize("num_heads, lens, page, splits", [c for c in GLUON_CASES if c[0] in (16, 32)])
-def test_mla_decode_gluon_warp_sums(num_heads, lens, page, splits):
-    """The narrow kernel with its softmax denominators kept elementwise and summed once at the end
-    (config ``warp_sums``, under test: three warpgroup barriers a tile fewer) against the reference."""
+def test_mla_decode_gluon_fp8_cache_saturates_the_query():
+    """Over an fp8 cache the MMAs run in fp16: a bf16 query past fp16's range (65,504) is saturated,
+    not made inf (inf x a zero key column would be NaN): the output is the reference's with the query
+    clamped."""
     from atom.ops.triton import mla_gluon
 
     if not mla_gluon.available(torch.device(DEV)):
         pytest.skip("needs Hopper (sm_90) and Triton's Gluon")
-    q, cache, seq_lens, tables = gluon_inputs(num_heads, lens, page)
-    out = mla_gluon.mla_decode_gluon(q, cache, seq_lens, tables, 192**-0.5, splits, {"warp_sums": True})
-    assert_close(out, reference.mla_decode(q.float(), cache.float(), seq_lens, tables, 192**-0.5, 512), torch.bfloat16)
+    q, cache, seq_lens, tables = gluon_inputs(16, [300, 70], 16, 0.05)
+    cache.view(torch.uint8)[..., 7] = 0  # e4m3 +0 in one latent column
+    q[:, :, 7] = -1e6
+    k = torch.tensor([0.05], device=DEV)
+    out = mla_gluon.mla_decode_gluon(q, cache, seq_lens, tables, 192**-0.5, None, None, k)
+    ref = reference.mla_decode(q.float().clamp(-65504, 65504), cache, seq_lens, tables, 192**-0.5, 512, k)
+    assert not out.isnan().any()
+    assert_close(out, ref, torch.bfloat16)
 
 
 @pytest.mark.parametrize("num_heads", [16, 128])

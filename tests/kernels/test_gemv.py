@@ -60,32 +60,3 @@ def test_linear_falls_back_to_torch():
         ww = w.to(x.dtype)
         assert not gemv.use_skinny(x, ww, None)
         torch.testing.assert_close(gemv.linear(x, ww), F.linear(x, ww), atol=0, rtol=0)
-
-
-@pytest.mark.parametrize("split_k", [2, 3, 8])
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_split_k_summed_by_the_last_program(split_k, with_bias):
-    """``fixup``: each column block's last split sums the partials in the kernel (a ticket per block,
-    back to zero afterwards), bit for bit what the second launch sums; a block whose output columns
-    run past N, and a launch right after another on the same tickets."""
-    x = torch.randn(3, 200, dtype=torch.bfloat16)
-    w = torch.randn(37, 200, dtype=torch.bfloat16) / 200**0.5
-    bias = torch.randn(37, dtype=torch.bfloat16) if with_bias else None
-    cfg = GemvConfig(block_n=16, block_k=16, split_k=split_k, mode="dot_t")
-    two_launches = skinny_gemm(x, w, bias, cfg, fixup=False)
-    for _ in range(2):
-        one_launch = skinny_gemm(x, w, bias, cfg, fixup=True)
-        assert torch.equal(one_launch, two_launches)
-        assert not gemv._TICKETS[x.device].any()
-
-
-def test_split_k_fixup_for_fp8_block_scales():
-    """The same over e4m3 weights with block scales and activations quantised in the kernel (the
-    decode path of ``fp8_linear``, whose splits this is for)."""
-    x = torch.randn(2, 256, dtype=torch.bfloat16)
-    w8 = (torch.randn(48, 256) * 20).clamp(-448, 448).to(torch.float8_e4m3fn)
-    w_scale = torch.rand(48, 2) + 0.5
-    cfg = GemvConfig(block_n=16, block_k=128, split_k=2, mode="dot_t")
-    got = skinny_gemm(x, w8, None, cfg, scales=(None, w_scale, 128), fixup=True)
-    assert torch.equal(got, skinny_gemm(x, w8, None, cfg, scales=(None, w_scale, 128), fixup=False))
-    assert not gemv._TICKETS[x.device].any()

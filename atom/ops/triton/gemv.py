@@ -25,7 +25,6 @@ few rows): per-channel scales multiply the accumulator once, block scales (one p
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -41,10 +40,6 @@ _MODES = {"sum": 0, "defer": 1, "dot": 2, "dot_t": 3}
 MAX_ROWS = 1
 WIDE_MAX_ROWS = 32
 WIDE_N = 65536
-# split-K summed in the kernel by each column block's last program (skinny_gemm's ``fixup``;
-# under test on the GPU, docs/fp8.md): one launch fewer per split layer
-FIXUP = os.environ.get("ATOM_SKINNY_FIXUP", "0") == "1"
-_TICKETS: dict[torch.device, torch.Tensor] = {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,12 +58,12 @@ class GemvConfig:
 # split-K partial sums' (M * N apart); Triton would compile variants for 1 and multiples of 16.
 @triton.jit(do_not_specialize=["M", "stride_os", "stride_xsk"])
 def _skinny_gemm_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, xs_ptr, ws_ptr, final_ptr, tickets_ptr,
+    x_ptr, w_ptr, b_ptr, out_ptr, xs_ptr, ws_ptr,
     M, N, K, k_per_split,
-    stride_xm, stride_wn, stride_om, stride_os, stride_xsm, stride_xsk, stride_wsn, stride_wsk, stride_fm,
+    stride_xm, stride_wn, stride_om, stride_os, stride_xsm, stride_xsk, stride_wsn, stride_wsk,
     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr, MODE: tl.constexpr,
     SCALES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    QUANT_X: tl.constexpr, FIXUP: tl.constexpr,
+    QUANT_X: tl.constexpr,
 ):  # fmt: skip
     # SCALES: 0 none; 1 one scale per input row (xs[m, 0]) and weight row (ws[n, 0]), applied
     # once; 2 one per row and BLOCK_K-wide key group (xs[m, g], ws[n, g]), applied every step.
@@ -153,20 +148,6 @@ def _skinny_gemm_kernel(
     offs = rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
     if PARTIAL:
         tl.store(out_ptr + pid_k.to(tl.int64) * stride_os + offs, acc, mask=mask)
-        if FIXUP:
-            # the last split of this column block to finish sums the partials, in split order as
-            # _split_k_reduce_kernel does (the same bits), and puts the ticket back to zero
-            tl.debug_barrier()  # every thread's partial before the release
-            ticket = tl.atomic_add(tickets_ptr + pid_n, 1, sem="acq_rel")
-            if ticket == tl.num_programs(1) - 1:
-                total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for s in range(0, tl.num_programs(1)):
-                    total += tl.load(out_ptr + s * stride_os + offs, mask=mask, other=0.0, cache_modifier=".cg")
-                if HAS_BIAS:
-                    total += tl.load(b_ptr + rn_load).to(tl.float32)[None, :]
-                f_offs = rm.to(tl.int64)[:, None] * stride_fm + rn[None, :]
-                tl.store(final_ptr + f_offs, total.to(final_ptr.dtype.element_ty), mask=mask)
-                tl.atomic_xchg(tickets_ptr + pid_n, 0)
     else:
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn_load).to(tl.float32)[None, :]
@@ -189,21 +170,9 @@ def _split_k_reduce_kernel(
     tl.store(out_ptr + m * stride_om + rn, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _tickets(device: torch.device, blocks: int) -> torch.Tensor | None:
-    """The device's split-K tickets (int32 zeros, one per column block; each launch leaves them
-    zero), or None when more are needed while a CUDA graph is being captured (no allocation there)."""
-    tickets = _TICKETS.get(device)
-    if tickets is None or tickets.numel() < blocks:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        tickets = _TICKETS[device] = torch.zeros(max(blocks, 4096), dtype=torch.int32, device=device)
-    return tickets
-
-
 def skinny_gemm(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: GemvConfig,
     scales: tuple[torch.Tensor, torch.Tensor, int] | None = None, out_dtype: torch.dtype | None = None,
-    fixup: bool | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """``x @ weight.T + bias`` for 2-D ``x`` [M, K] and ``weight`` [N, K], both with unit
     stride along K; fp32 accumulation, output in ``out_dtype`` (default: ``x``'s dtype).
@@ -213,12 +182,7 @@ def skinny_gemm(
     step one group at a time (``cfg.block_k`` is replaced by ``group_k``); per-channel ones
     (``group_k`` 0, one scale column) apply once. Any scale strides. ``x_scale`` None (block
     scales only): ``x`` is 16-bit and is quantised in the kernel, 1 x ``group_k`` per row, to
-    the codes and scales of ``per_token_group_quant_fp8`` (one launch fewer per layer).
-
-    ``fixup`` (default: ``ATOM_SKINNY_FIXUP=1``): with split-K, the last program of each column
-    block sums the float32 partials (tickets taken with an atomic) instead of a second launch;
-    the same bits. The tickets are one buffer a device, so launches must not overlap on it
-    (one stream: atom's engine)."""
+    the codes and scales of ``per_token_group_quant_fp8`` (one launch fewer per layer)."""
     m, k = x.shape
     n = weight.shape[0]
     out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
@@ -242,17 +206,16 @@ def skinny_gemm(
     target = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if partial else out
     b = bias if bias is not None else out
     grid = (triton.cdiv(n, cfg.block_n), split_k)
-    tickets = _tickets(x.device, grid[0]) if partial and (FIXUP if fixup is None else fixup) else None
     _skinny_gemm_kernel[grid](
-        x, weight, b, target, x_scale, w_scale, out, out if tickets is None else tickets, m, n, k, k_per_split,
+        x, weight, b, target, x_scale, w_scale, m, n, k, k_per_split,
         x.stride(0), weight.stride(0), target.stride(-2), target.stride(0) if partial else 0,
-        x_scale.stride(0), x_scale.stride(1), w_scale.stride(0), w_scale.stride(1), out.stride(0),
+        x_scale.stride(0), x_scale.stride(1), w_scale.stride(0), w_scale.stride(1),
         HAS_BIAS=bias is not None, PARTIAL=partial, EVEN_K=even_k, MODE=mode,
         SCALES=0 if scales is None else 2 if group_k else 1,
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, QUANT_X=quant_x, FIXUP=tickets is not None,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, QUANT_X=quant_x,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    if partial and tickets is None:
+    if partial:
         block = min(triton.next_power_of_2(n), 1024)
         _split_k_reduce_kernel[(m, triton.cdiv(n, block))](
             target, b, out, n, target.stride(1), target.stride(0), out.stride(0),

@@ -414,12 +414,8 @@ def mla_decode_gluon(q, kv_cache, seq_lens, block_tables, scale, splits=None, co
     in ``mla_merge``. 16 or 32 heads go to ``mla_gluon_narrow`` (heads as the MMA's N), which also
     takes an fp8 cache (``k_scale``: its scale, 1 when None).
     ``config``: register counts of WG1 and of the loader partition (``wg1_regs``, ``loader_regs``; WG0
-    gets what is left); ``narrow``: False keeps few heads on this kernel; over an fp8 cache (under
-    test, docs/plans/mla-decode-next.md) ``interleave`` widens a tile chunk by chunk between its QK^T
-    MMAs, and ``fp16`` runs the MMAs in fp16 (the query converted); ``warp_sums``: the narrow kernel
-    keeps the softmax denominators elementwise (no cross-warp sum a tile; under test)."""
-    cfg = {"wg1_regs": 232, "loader_regs": 24, "narrow": True, "interleave": False, "fp16": False,
-           "warp_sums": False, **(config or {})}
+    gets what is left); ``narrow``: False keeps few heads on this kernel."""
+    cfg = {"wg1_regs": 232, "loader_regs": 24, "narrow": True, **(config or {})}
     num_seqs, num_heads, dim = q.shape
     out = torch.empty(num_seqs, num_heads, RANK, dtype=q.dtype, device=q.device)
     if num_seqs == 0:
