@@ -3,6 +3,7 @@ MLA backends (when vLLM imports). One command:
 
     python tests/gpu/gluon_mla_check.py [--timeout 240] [--config '{"wg1_regs": 232}']
     python tests/gpu/gluon_mla_check.py --heads 16 --config '{"fp8": true}'   # fp8 cache, vs FlashMLA
+    python tests/gpu/gluon_mla_check.py --heads 16 --times "1,8192 1,32768" --splits 64   # shapes, splits
     ncu --clock-control none -k regex:_mla_decode_gluon --launch-skip 2 --launch-count 1 \
         python tests/gpu/gluon_mla_check.py --once 64,4096 [--heads 16]   # four launches, nothing else
 
@@ -81,7 +82,7 @@ def check(cfg: dict, seed: int) -> dict:
     return out
 
 
-def timing(cfg: dict, heads: int) -> dict:
+def timing(cfg: dict, heads: int, times=TIMES, splits: int | None = None) -> dict:
     import functools
 
     import kernel_bench as kb
@@ -92,7 +93,7 @@ def timing(cfg: dict, heads: int) -> dict:
 
     res = {}
     fp8 = cfg.get("fp8", False)
-    for b, ctx in TIMES:
+    for b, ctx in times:
 
         def builder(b=b, ctx=ctx):
             x = kb.mla_inputs(b, ctx, heads, fp8)
@@ -104,7 +105,7 @@ def timing(cfg: dict, heads: int) -> dict:
                 refs["flashmla"] = kb.flashmla_call(x)
             if not fp8 and not isinstance(kb.vllm_mla()["FLASH_ATTN_MLA"], str):
                 refs["fa3_mla"] = kb.fa3_mla_call(x)
-            fn = functools.partial(mla_decode_gluon, *args, None, cfg, x.k_scale)
+            fn = functools.partial(mla_decode_gluon, *args, splits, cfg, x.k_scale)
             nbytes = b * (ctx + 1) * 576 * cache.element_size()
             return fn, refs, nbytes, 2 * heads * (2 * 512 + 64) * b * (ctx + 1)
 
@@ -161,7 +162,7 @@ def once(cfg: dict, shape: str, heads: int) -> None:
     torch.cuda.synchronize()
 
 
-def worker(cfg: dict, seed: int, heads: int) -> dict:
+def worker(cfg: dict, seed: int, heads: int, times=TIMES, splits: int | None = None) -> dict:
     from atom.ops.triton import mla
 
     mla._gluon_decode = lambda device: False  # mla_decode: the Triton kernel, the "triton" columns
@@ -170,7 +171,7 @@ def worker(cfg: dict, seed: int, heads: int) -> dict:
         res["pages"] = page_timing(cfg)
         return res
     if all(c["ok"] for c in res["check"].values()):
-        res["ms"] = timing(cfg, heads)
+        res["ms"] = timing(cfg, heads, times, splits)
     return res
 
 
@@ -182,17 +183,22 @@ def main():
     p.add_argument("--timeout", type=int, default=240)
     p.add_argument("--heads", type=int, default=128, help="query heads of the timed shapes (V3: 128, V2-Lite: 16)")
     p.add_argument("--once", metavar="B,CTX", help="only launch the kernel four times at this shape (for ncu)")
+    p.add_argument("--times", metavar="B,CTX ...", help="the timed shapes instead of the default eleven")
+    p.add_argument("--splits", type=int, help="context splits of the timed calls (default: the kernel's choice)")
     args = p.parse_args()
     cfg = json.loads(args.config)
     if args.once:
         once(cfg, args.once, args.heads)
         return
     if args.worker:
-        print("RESULT " + json.dumps(worker(cfg, args.seed, args.heads)))
+        times = [tuple(int(v) for v in t.split(",")) for t in args.times.split()] if args.times else TIMES
+        print("RESULT " + json.dumps(worker(cfg, args.seed, args.heads, times, args.splits)))
         return
     print(f"seed {args.seed}, config {cfg}")
     cmd = [sys.executable, __file__, "--worker", "--config", args.config, "--seed", str(args.seed), "--heads",
            str(args.heads)]  # fmt: skip
+    cmd += ["--times", args.times] if args.times else []
+    cmd += ["--splits", str(args.splits)] if args.splits else []
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     except subprocess.TimeoutExpired as e:
