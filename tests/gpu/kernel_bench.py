@@ -38,8 +38,10 @@ import triton
 from atom.benchmarks.benchmark_utils import add_arguments, write_to_json
 from atom.benchmarks.model_configs import copy_bandwidth
 from atom.ops import mla as mla_reference
+from atom.ops import reference_fp8
 from atom.ops import triton as tk
 from atom.ops.reference import to_cache_dtype
+from atom.ops.triton.moe_fp8 import fused_moe_fp8
 
 BF16 = torch.bfloat16
 FP8 = torch.float8_e4m3fn
@@ -55,6 +57,16 @@ def vllm_kernels() -> tuple[Callable | None, Callable | None]:
     with contextlib.suppress(ImportError):
         from vllm.model_executor.layers.fused_moe import fused_experts
     return fa3, fused_experts
+
+
+@functools.cache
+def vllm_fp8_moe_config() -> Callable | None:
+    """vLLM's ``fp8_w8a8_moe_quant_config`` (its fused_experts' FP8 arguments), or None where missing."""
+    with contextlib.suppress(ImportError):
+        from vllm.model_executor.layers.fused_moe.config import fp8_w8a8_moe_quant_config
+
+        return fp8_w8a8_moe_quant_config
+    return None
 
 
 def bench_ms(fn: Callable[[], object], rep: int = 100) -> float:
@@ -128,6 +140,29 @@ def moe_case(num_tokens, hidden=2048, inter=768, num_experts=128, top_k=8):
     weight_bytes = ids.unique().numel() * 3 * hidden * inter * 2  # only the experts some token uses
     flops = 2 * num_tokens * top_k * 3 * hidden * inter
     return functools.partial(tk.fused_moe, x, w13, w2, weights, ids), ref, weight_bytes + 2 * x.nbytes, flops
+
+
+def moe_fp8_case(num_tokens, hidden=2048, inter=768, num_experts=128, top_k=8, config=None):
+    """Qwen3-30B-A3B-FP8's experts (e4m3 weights with 128 x 128 block scales, activations quantised in
+    1 x 128 groups): atom's ``fused_moe_fp8`` (``config``: its tiles, the table's when None) and vLLM's
+    ``fused_experts`` with the same weights and block scales (as its TRITON FP8 MoE backend runs them)."""
+    x = torch.randn(num_tokens, hidden, dtype=BF16, device=DEV)
+    quantized = []
+    for rows, cols in ((2 * inter, hidden), (hidden, inter)):
+        w = torch.randn(num_experts * rows, cols, device=DEV) * cols**-0.5
+        q, scale = reference_fp8.quantize_weight(w, 128, 128)  # rows are a multiple of 128: per expert
+        quantized.append((q.view(num_experts, rows, cols), scale.view(num_experts, rows, -1)))
+    (w13, s13), (w2, s2) = quantized
+    weights, ids = tk.moe_topk(torch.randn(num_tokens, num_experts, device=DEV), top_k, True)
+    ref, fused_experts, quant_config = None, vllm_kernels()[1], vllm_fp8_moe_config()
+    if fused_experts is not None and quant_config is not None:  # block scales: one row of each 128
+        cfg = quant_config(
+            w1_scale=s13[:, ::128].contiguous(), w2_scale=s2[:, ::128].contiguous(), block_shape=[128, 128]
+        )
+        ref = functools.partial(fused_experts, x, w13, w2, weights, ids.to(torch.int32), quant_config=cfg)
+    fn = functools.partial(fused_moe_fp8, x, w13, s13, w2, s2, weights, ids, 128, config=config)
+    weight_bytes = ids.unique().numel() * 3 * hidden * inter  # one byte a weight, only the experts used
+    return fn, ref, weight_bytes + 2 * x.nbytes, 2 * num_tokens * top_k * 3 * hidden * inter
 
 
 def rms_norm_case(num_tokens, hidden=4096):
@@ -388,6 +423,7 @@ def cases() -> list[tuple[str, str, Callable]]:
     # DeepSeek-V2-Lite's routed experts (64 of 1408 columns, top-6): decode batches read every expert
     v2 = dict(inter=1408, num_experts=64, top_k=6)
     out += [("fused_moe", f"T={n} E=64 top6 I=1408", case(moe_case, n, **v2)) for n in [1, 64, 256, 1024, 4096]]
+    out += [("fused_moe fp8", f"T={n} E=128 top8", case(moe_fp8_case, n)) for n in [1, 16, 128, 512, 2048, 8192]]
     out += [("rms_norm+res", f"T={n} H=4096", case(rms_norm_case, n)) for n in [1, 512, 8192]]
     for rows, vocab in [(r, 151936) for r in [1, 4, 8, 32, 64, 256]] + [(256, 128256), (256, 49152)]:
         out.append(("sample", f"B={rows} V={vocab} vs sort", case(sampling_case, rows, sort_sample, vocab)))

@@ -1,8 +1,9 @@
-"""Alternative tile configs of atom's MoE GEMM, prefill attention and MLA decode kernels, and the decode
-attention's split-K factor, timed as ``tests/gpu/kernel_bench.py`` times its cases (how the defaults in
+"""Alternative tile configs of atom's MoE GEMMs (bf16 and FP8), prefill attention and MLA decode kernels, and the
+decode attention's split-K factor, timed as ``tests/gpu/kernel_bench.py`` times its cases (how the defaults in
 ``atom.ops.triton`` were picked). GPU only:
 
-    python tests/gpu/kernel_sweep.py [moe] [prefill] [mla] [mla_prefill] [decode] [--output-json sweep.json]
+    python tests/gpu/kernel_sweep.py [moe] [moe_small] [moe_fp8] [prefill] [mla] [mla_prefill] [decode] \
+        [--output-json sweep.json]
 
 Prints the best two configs per case and the default; ``--output-json`` writes every row
 (case, config, ms, GB/s, TFLOP/s; prefill rows also the compiler's resource report and the max abs
@@ -28,6 +29,7 @@ from kernel_bench import (
     max_diff,
     mla_case,
     moe_case,
+    moe_fp8_case,
     new_kv,
     prepare,
     row,
@@ -56,12 +58,15 @@ def _timed(case: str, config, prepared: Callable, check: Callable | None = None)
         torch.cuda.empty_cache()
 
 
-def moe_sweep() -> list[dict]:
+def moe_sweep(small: bool = False) -> list[dict]:
     """MoE GEMM tile configs (``down``: the down GEMM's own overrides; ``b_desc``: expert weight tiles
-    through tensor descriptors), each patched in as the config of every size."""
+    through tensor descriptors), each patched in as the config of every size, and vLLM's
+    ``fused_experts`` on the same inputs where it is importable (config ``vllm``). ``small``: decode
+    batches only (1-16 tokens)."""
     down = dict(BLOCK_N=256, num_warps=8, num_stages=4)
+    sorted_keys = "BLOCK_M BLOCK_N BLOCK_K num_warps num_stages down b_desc"
     cfgs = _cfgs(
-        "BLOCK_M BLOCK_N BLOCK_K num_warps num_stages down b_desc",
+        sorted_keys,
         [
             (16, 64, 128, 4, 4, {}, True),
             (16, 128, 128, 4, 4, {}, True),
@@ -75,10 +80,15 @@ def moe_sweep() -> list[dict]:
             (128, 128, 64, 8, 3, {}, True),  # vLLM's default tile above 512 tokens
         ],
     )
-    rows, default = [], moe._gemm_config
     # Qwen3-30B-A3B's experts (128 of 768 columns, top-8), then DeepSeek-V2-Lite's (64 of 1408, top-6)
     shapes = [(n, {}) for n in [1, 16, 512, 2048, 8192]]
     shapes += [(n, dict(inter=1408, num_experts=64, top_k=6)) for n in [256, 1024, 4096]]
+    if small:  # decode tiles, the routed experts of Qwen3-30B-A3B, DeepSeek-V2-Lite and V3
+        cfgs = cfgs[:2] + _cfgs(sorted_keys, [(16, 32, 128, 4, 4, {}, True), (16, 64, 64, 4, 5, {}, True)])
+        shapes = [(n, {}) for n in [1, 2, 4, 8, 16]]
+        shapes += [(n, dict(inter=1408, num_experts=64, top_k=6)) for n in [1, 2, 4]]
+        shapes += [(n, dict(hidden=7168, inter=2048, num_experts=256, top_k=8)) for n in [1, 8]]
+    rows, default = [], moe._gemm_config
     for n, experts in shapes:
         prepared = prepare(functools.partial(moe_case, n, **experts))
         label = f"moe T={n}" + (f" E={experts['num_experts']}" if experts else "")
@@ -88,7 +98,44 @@ def moe_sweep() -> list[dict]:
                 rows.append(_timed(label, cfg or "default", lambda p=prepared: p))
         finally:
             moe._gemm_config = default
+        if refs := prepared[1].get(""):
+            rows.append(_timed(label, "vllm", lambda p=prepared, r=refs: (r, {}, *p[2:])))
         del prepared
+    return [r for r in rows if r]
+
+
+def moe_fp8_sweep() -> list[dict]:
+    """The FP8 MoE's tiles at Qwen3-30B-A3B-FP8's experts (block-128 weights; ``down``: the down GEMM's
+    overrides), each passed as ``fused_moe_fp8(config=...)``, beside the table's pick (``default``) and
+    vLLM's FP8 ``fused_experts`` on the same weights (``vllm``)."""
+    cfgs = _cfgs(
+        "BLOCK_M BLOCK_N num_warps num_stages down",
+        [
+            (16, 64, 4, 3, {}),
+            (16, 128, 4, 3, {}),
+            (16, 64, 4, 5, {}),
+            (32, 64, 4, 4, {}),
+            (64, 64, 4, 4, {}),
+            (64, 128, 4, 4, {}),
+            (64, 64, 4, 4, {"BLOCK_N": 128}),
+            (64, 128, 4, 3, {}),
+            (128, 64, 8, 4, {}),
+            (128, 128, 8, 3, {}),
+            (128, 64, 8, 3, {"BLOCK_N": 128}),
+        ],
+    )
+    rows = []
+    for n in [1, 16, 128, 512, 2048, 8192]:
+        label = f"moe fp8 T={n}"
+        fns, refs, nbytes, flops = prepare(functools.partial(moe_fp8_case, n))
+        for cfg in [None, *cfgs]:
+            if cfg and (cfg["BLOCK_M"] > 32 if n <= 16 else cfg["BLOCK_M"] < 32 and n >= 2048):
+                continue  # tiles far from the rows per expert
+            calls = [functools.partial(f, config=cfg) for f in fns]
+            rows.append(_timed(label, cfg or "default", lambda c=calls, b=nbytes, f=flops: (c, {}, b, f)))
+        if refs.get(""):
+            rows.append(_timed(label, "vllm", lambda r=refs[""], b=nbytes, f=flops: (r, {}, b, f)))
+        del fns, refs
     return [r for r in rows if r]
 
 
@@ -252,12 +299,18 @@ def decode_sweep() -> list[dict]:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # no argparse choices: Python 3.10 rejects an empty list against them
-    kernels = "moe, prefill, mla, mla_prefill and/or decode (default: moe and prefill)"
+    kernels = "moe, moe_small, moe_fp8, prefill, mla, mla_prefill and/or decode (default: moe and prefill)"
     parser.add_argument("kernels", nargs="*", default=["moe", "prefill"], help=kernels)
     parser.add_argument("--output-json", help="write every row here")
     args = parser.parse_args()
     sweeps = dict(
-        moe=moe_sweep, prefill=prefill_sweep, mla=mla_sweep, mla_prefill=mla_prefill_sweep, decode=decode_sweep
+        moe=moe_sweep,
+        moe_small=functools.partial(moe_sweep, small=True),
+        moe_fp8=moe_fp8_sweep,
+        prefill=prefill_sweep,
+        mla=mla_sweep,
+        mla_prefill=mla_prefill_sweep,
+        decode=decode_sweep,
     )
     if unknown := set(args.kernels) - set(sweeps):
         parser.error(f"unknown kernels {sorted(unknown)}: choose from {', '.join(sweeps)}")
@@ -265,7 +318,7 @@ def main():
     print("\nsweep (best 2 per case, and the default):")
     for case in dict.fromkeys(r["case"] for r in sweep_rows):
         rows = sorted((r for r in sweep_rows if r["case"] == case), key=lambda r: r["ms"])
-        for r in rows[:2] + [r for r in rows[2:] if _is_default(r["config"])]:
+        for r in rows[:2] + [r for r in rows[2:] if _is_default(r["config"]) or r["config"] == "vllm"]:
             print(f"  {case:<22} {r['ms']:8.4f} ms {r['gbps']:6.0f} GB/s {r['tflops']:6.1f} TF  {r['config']}")
     if args.output_json:
         write_to_json(args.output_json, dict(device=torch.cuda.get_device_name(), sweep=sweep_rows), indent=2)

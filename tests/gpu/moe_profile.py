@@ -1,0 +1,88 @@
+"""Where the fused MoE's time goes at decode sizes: per-kernel device times (torch profiler over CUDA-graph
+replays of ``atom.ops.triton.fused_moe`` on ``kernel_bench.moe_case`` inputs), the gated and the down GEMM
+told apart by launch order, for the default tiles and a few alternatives. GPU only:
+
+    python tests/gpu/moe_profile.py
+
+One line per (shape, tiles): the sum a call and each kernel's share, in us. Shapes: 1, 2 and 4 tokens of
+Qwen3-30B-A3B's experts, one token of DeepSeek-V2-Lite's and of DeepSeek-V3's.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+
+import torch
+
+# tests/gpu/kernel_bench.py: python puts this script's directory on sys.path
+from kernel_bench import moe_case, prepare
+
+from atom.ops.triton import moe
+
+
+def tiles(bn, bk, warps, stages, down_bn, down_bk, down_warps, down_stages=4) -> dict:
+    down = dict(BLOCK_N=down_bn, BLOCK_K=down_bk, num_warps=down_warps, num_stages=down_stages)
+    return dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, b_desc=True, down=down)
+
+
+CONFIGS = [None, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)]  # the default, the 4-row tile
+CONFIGS += [tiles(16, 128, 4, 4, 32, 128, 4), tiles(32, 128, 4, 4, 64, 256, 4, 3), tiles(16, 128, 2, 4, 32, 128, 2)]
+CONFIGS += [tiles(64, 128, 4, 4, 64, 128, 4), tiles(32, 256, 4, 3, 16, 128, 2)]
+SHAPES = [(1, {}), (2, {}), (4, {}), (1, dict(inter=1408, num_experts=64, top_k=6))]
+SHAPES += [(1, dict(hidden=7168, inter=2048, num_experts=256, top_k=8))]
+
+
+def kernel_times(fns, reps: int = 50) -> dict[str, float]:
+    """Mean device time of each kernel a call, in us."""
+    for fn in fns:
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    for _ in range(5):
+        graph.replay()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            graph.replay()
+        torch.cuda.synchronize()
+    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                    key=lambda e: e.time_range.start)  # fmt: skip
+    total, gemms = collections.Counter(), 0
+    for e in events:
+        name = e.name.split("(")[0][:32]
+        if name.startswith("_moe_gemm"):  # the gated GEMM launches first in each call
+            name, gemms = ("gated gemm", "down gemm")[gemms % 2], gemms + 1
+        total[name] += e.device_time
+    return {name: t / (reps * len(fns)) for name, t in total.most_common()}
+
+
+def label(cfg: dict | None) -> str:
+    if cfg is None:
+        return "default"
+    d = {**cfg, **cfg.get("down", {})}
+    return f"{cfg['BLOCK_N']}/{cfg['BLOCK_K']}/w{cfg['num_warps']} down {d['BLOCK_N']}/{d['BLOCK_K']}/w{d['num_warps']}"
+
+
+def main():
+    default = moe._gemm_config
+    for tokens, experts in SHAPES:
+        fns, _, nbytes, _ = prepare(functools.partial(moe_case, tokens, **experts))
+        shape = f"T={tokens} E={experts.get('num_experts', 128)} ({nbytes / 1e6:.0f} MB)"
+        for cfg in CONFIGS:
+            moe._gemm_config = default if cfg is None else (lambda *_, c=cfg: c)
+            try:
+                times = kernel_times(fns)
+                parts = " | ".join(f"{k} {v:6.2f}" for k, v in times.items())
+                print(f"{shape:<22} {label(cfg):<34} {sum(times.values()):7.2f} us | {parts}")
+            finally:
+                moe._gemm_config = default
+        del fns
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
