@@ -28,7 +28,7 @@ def tiles(bn, bk, warps, stages, down_bn, down_bk, down_warps, down_stages=4) ->
 
 CONFIGS = [None, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)]  # the default, the 4-row tile
 CONFIGS += [tiles(16, 128, 4, 4, 32, 128, 4), tiles(32, 128, 4, 4, 64, 256, 4, 3), tiles(16, 128, 2, 4, 32, 128, 2)]
-CONFIGS += [tiles(64, 128, 4, 4, 64, 128, 4), tiles(32, 256, 4, 3, 16, 128, 2)]
+CONFIGS += [tiles(32, 256, 4, 3, 16, 128, 2)]
 SHAPES = [(1, {}), (2, {}), (4, {}), (1, dict(inter=1408, num_experts=64, top_k=6))]
 SHAPES += [(1, dict(hidden=7168, inter=2048, num_experts=256, top_k=8))]
 
@@ -63,8 +63,9 @@ def kernel_times(fns, reps: int = 50) -> dict[str, float]:
 def label(cfg: dict | None) -> str:
     if cfg is None:
         return "default"
-    d = {**cfg, **cfg.get("down", {})}
-    return f"{cfg['BLOCK_N']}/{cfg['BLOCK_K']}/w{cfg['num_warps']} down {d['BLOCK_N']}/{d['BLOCK_K']}/w{d['num_warps']}"
+    d, loads = {**cfg, **cfg.get("down", {})}, " desc" if cfg.get("b_desc") else ""
+    down = f"{d['BLOCK_N']}/{d['BLOCK_K']}/w{d['num_warps']}"
+    return f"{cfg['BLOCK_N']}/{cfg['BLOCK_K']}/w{cfg['num_warps']} down {down}{loads}"
 
 
 def main():
