@@ -2,21 +2,25 @@
 replays of ``atom.ops.triton.fused_moe`` on ``kernel_bench.moe_case`` inputs), the gated and the down GEMM
 told apart by launch order, for the default tiles and a few alternatives. GPU only:
 
-    python tests/gpu/moe_profile.py
+    python tests/gpu/moe_profile.py [--fp8 [--tokens 1,512,2048,8192]]
 
-One line per (shape, tiles): the sum a call and each kernel's share, in us. Shapes: 1, 2 and 4 tokens of
-Qwen3-30B-A3B's experts, one token of DeepSeek-V2-Lite's and of DeepSeek-V3's.
+One line per (shape, tiles): the sum a call and each kernel's share, in us (a kernel launched twice a call,
+as the two GEMMs, numbered by launch order). Shapes: 1, 2 and 4 tokens of Qwen3-30B-A3B's experts, one
+token of DeepSeek-V2-Lite's and of DeepSeek-V3's. ``--fp8``: Qwen3-30B-A3B-FP8's experts (block-128
+weights), atom's ``fused_moe_fp8`` and vLLM's FP8 ``fused_experts`` (``kernel_bench.moe_fp8_case``)
+kernel by kernel, where vLLM is importable.
 """
 
 from __future__ import annotations
 
+import argparse
 import collections
 import functools
 
 import torch
 
 # tests/gpu/kernel_bench.py: python puts this script's directory on sys.path
-from kernel_bench import moe_case, prepare
+from kernel_bench import moe_case, moe_fp8_case, prepare
 
 from atom.ops.triton import moe
 
@@ -51,13 +55,16 @@ def kernel_times(fns, reps: int = 50) -> dict[str, float]:
         torch.cuda.synchronize()
     events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
                     key=lambda e: e.time_range.start)  # fmt: skip
-    total, gemms = collections.Counter(), 0
-    for e in events:
-        name = e.name.split("(")[0][:32]
-        if name.startswith("_moe_gemm"):  # the gated GEMM launches first in each call
-            name, gemms = ("gated gemm", "down gemm")[gemms % 2], gemms + 1
+    calls = reps * len(fns)
+    names = [e.name.split("(")[0].split("<")[0][:40] for e in events]
+    per_call = {name: n // calls for name, n in collections.Counter(names).items()}
+    total, seen = collections.Counter(), collections.Counter()
+    for name, e in zip(names, events):
+        if per_call[name] > 1:  # a kernel launched several times a call (the two GEMMs): by launch order
+            seen[name] += 1
+            name = f"{name} #{(seen[name] - 1) % per_call[name] + 1}"
         total[name] += e.device_time
-    return {name: t / (reps * len(fns)) for name, t in total.most_common()}
+    return {name: t / calls for name, t in total.most_common()}
 
 
 def label(cfg: dict | None) -> str:
@@ -69,6 +76,21 @@ def label(cfg: dict | None) -> str:
 
 
 def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--fp8", action="store_true", help="the FP8 MoE (block-128 weights) and vLLM's, by tokens")
+    parser.add_argument("--tokens", default="1,512,2048,8192", help="with --fp8: token counts")
+    args = parser.parse_args()
+    if args.fp8:
+        for tokens in map(int, args.tokens.split(",")):
+            fns, refs, nbytes, _ = prepare(functools.partial(moe_fp8_case, tokens))
+            for engine, calls in [("atom", fns), ("vllm", refs.get(""))]:
+                if calls:
+                    times = kernel_times(calls)
+                    parts = " | ".join(f"{k} {v:7.2f}" for k, v in times.items())
+                    print(f"fp8 T={tokens:<5} {engine:<5} {sum(times.values()):8.2f} us | {parts}")
+            del fns, refs
+            torch.cuda.empty_cache()
+        return
     default = moe._gemm_config
     for tokens, experts in SHAPES:
         fns, _, nbytes, _ = prepare(functools.partial(moe_case, tokens, **experts))
