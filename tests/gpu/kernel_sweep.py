@@ -80,6 +80,7 @@ def moe_sweep(small: bool = False) -> list[dict]:
             (128, 128, 64, 8, 3, {}, True),  # vLLM's default tile above 512 tokens
         ],
     )
+    cfgs += [{**cfgs[4], "GROUP_M": g} for g in (8, 16)]  # the large tile, row tiles in groups (_tile_ids)
     # Qwen3-30B-A3B's experts (128 of 768 columns, top-8), then DeepSeek-V2-Lite's (64 of 1408, top-6)
     shapes = [(n, {}) for n in [1, 16, 512, 2048, 8192]]
     shapes += [(n, dict(inter=1408, num_experts=64, top_k=6)) for n in [256, 1024, 4096]]
@@ -124,6 +125,9 @@ def moe_fp8_sweep() -> list[dict]:
             (128, 64, 8, 3, {"BLOCK_N": 128}),
         ],
     )
+    # the row tiles in vLLM's groups (GROUP_SIZE_M 16 from 256 tokens in its H200 table): a group's
+    # activation rows stay in L2 across the column tiles
+    cfgs += [{**cfgs[6], "GROUP_M": g} for g in (8, 16)] + [{**cfgs[0], "GROUP_M": 16}]
     rows = []
     for n in [1, 16, 128, 512, 2048, 8192]:
         label = f"moe fp8 T={n}"

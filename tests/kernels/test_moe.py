@@ -114,14 +114,18 @@ def test_sort_by_expert_counts_in_the_sort_or_before(num_pairs, num_experts, blo
     assert torch.equal(*results)
 
 
-@pytest.mark.parametrize("b_desc", [False, True], ids=["pointers", "descriptor"])
+@pytest.mark.parametrize(
+    "b_desc, group_m", [(False, 0), (True, 0), (False, 3)], ids=["pointers", "descriptor", "grouped"]
+)
 @pytest.mark.parametrize("num_tokens, hidden, inter", [(40, 128, 96), (9, 64, 32)])
-def test_fused_moe_tile_configs(num_tokens, hidden, inter, b_desc, monkeypatch, assert_close):
-    # Weight tiles through tensor descriptors, a down GEMM with its own column tile, and an
-    # intermediate size that is not a multiple of the column tile (rows past it are read).
+def test_fused_moe_tile_configs(num_tokens, hidden, inter, b_desc, group_m, monkeypatch, assert_close):
+    # Weight tiles through tensor descriptors, a down GEMM with its own column tile, an intermediate
+    # size that is not a multiple of the column tile (rows past it are read), and row tiles in groups
+    # of three (the last one partial) taking the column tiles in turn.
     from atom.ops.triton import moe
 
-    config = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=2, b_desc=b_desc, down=dict(BLOCK_N=32))
+    config = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=2, b_desc=b_desc, GROUP_M=group_m,
+                  down=dict(BLOCK_N=32))  # fmt: skip
     monkeypatch.setattr(moe, "_gemm_config", lambda *_: config)
     dtype = torch.bfloat16
     x = torch.randn(num_tokens, hidden, dtype=dtype)

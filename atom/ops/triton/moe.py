@@ -261,17 +261,32 @@ def _sort_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
 
 
 @triton.jit
+def _tile_ids(num_m, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's (row tile, column tile) in the MoE GEMM kernels' 1D grid. ``GROUP_M`` row tiles take
+    every column tile before the next ``GROUP_M`` start (Triton's grouped order: a group's gathered rows
+    of ``a`` stay in L2 across the column tiles, as vLLM's ``GROUP_SIZE_M``); 0: all ``num_m`` row tiles
+    of one column tile, then the next."""
+    pid = tl.program_id(0)
+    if GROUP_M == 0:
+        return pid % num_m, pid // num_m
+    in_group = GROUP_M * tl.cdiv(N, BLOCK_N)
+    first_m = (pid // in_group) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (pid % in_group) % size_m, (pid % in_group) // size_m
+
+
+@triton.jit
 def _row_tile(
-    a_ptr, b_ptr, sorted_ids_ptr, expert_ids_ptr, num_pairs, N, stride_am, stride_be, stride_bn,
+    a_ptr, b_ptr, sorted_ids_ptr, expert_ids_ptr, num_pairs, N, stride_am, stride_be, stride_bn, pid_m, pid_n,
     A_ROW_DIV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """Where program (m, n) of the MoE GEMM kernels (``moe`` and ``moe_fp8``) starts: its pairs, which
+    """Where tile (pid_m, pid_n) of the MoE GEMM kernels (``moe`` and ``moe_fp8``) starts: its pairs, which
     of them are real (not padding), their rows of ``a``, the tile's expert, its columns and which are
     inside ``N``, the K offsets, and the pointers of the first K tiles of ``a`` and ``b``."""
-    pairs = tl.load(sorted_ids_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))
+    pairs = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     a_rows = (pairs // A_ROW_DIV).to(tl.int64)
-    expert = tl.load(expert_ids_ptr + tl.program_id(0)).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
     # b[expert] is [N_total, K] row-major; load it as [BLOCK_K, BLOCK_N] tiles.
@@ -299,7 +314,7 @@ def _store_tile(c_ptr, stride_cm, weights_ptr, acc, acc_up, pairs, row_ok, offs_
 
 # ``num_pairs`` (tokens x top-k) changes every batch: specialised on divisibility by 16 it would
 # compile a second variant of each kernel for odd token counts, in the middle of a step.
-@triton.jit(do_not_specialize=["num_pairs"])
+@triton.jit(do_not_specialize=["num_pairs", "num_m"])
 def _moe_gemm_kernel(
     a_ptr,
     b_ptr,
@@ -311,6 +326,7 @@ def _moe_gemm_kernel(
     N,
     K,
     num_pairs,
+    num_m,
     stride_am,
     stride_be,
     stride_bn,
@@ -324,21 +340,23 @@ def _moe_gemm_kernel(
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     B_DESC: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     """``c[pair] = a[pair // A_ROW_DIV] @ b[expert].T`` for the pairs of one row tile.
     GATED: ``b`` holds gate rows then up rows (N each) and c gets ``silu(gate) * up``.
     MUL_WEIGHT: c is scaled by the pair's routing weight. B_DESC: ``b`` tiles come through
     ``b_desc`` (a tensor descriptor over b as [experts * rows, K]: bulk tensor copies);
-    rows past N are read but their columns are never stored."""
-    if tl.program_id(0) * BLOCK_M >= tl.load(num_padded_ptr):
+    rows past N are read but their columns are never stored. ``num_m``: row tiles (``_tile_ids``)."""
+    pid_m, pid_n = _tile_ids(num_m, N, BLOCK_N, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
     pairs, row_ok, a_rows, expert, offs_n, n_ok, offs_k, a_ptrs, b_ptrs = _row_tile(
-        a_ptr, b_ptr, sorted_ids_ptr, expert_ids_ptr, num_pairs, N, stride_am, stride_be, stride_bn,
+        a_ptr, b_ptr, sorted_ids_ptr, expert_ids_ptr, num_pairs, N, stride_am, stride_be, stride_bn, pid_m, pid_n,
         A_ROW_DIV, BLOCK_M, BLOCK_N, BLOCK_K,
     )  # fmt: skip
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    desc_row = (expert * (2 * N if GATED else N)).to(tl.int32) + tl.program_id(1) * BLOCK_N
+    desc_row = (expert * (2 * N if GATED else N)).to(tl.int32) + pid_n * BLOCK_N
     for k0 in range(0, K, BLOCK_K):
         k_ok = offs_k < K - k0
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
@@ -386,7 +404,7 @@ def _gemm_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> dict:
 
 
 def _moe_gemm(a, b, c, weights, sorted_ids, expert_ids, num_padded, n, a_row_div, gated, config):
-    grid = (expert_ids.shape[0], triton.cdiv(n, config["BLOCK_N"]))
+    grid = (expert_ids.shape[0] * triton.cdiv(n, config["BLOCK_N"]),)
     b_desc = None
     # The bulk copy engine needs 16-byte aligned rows and base.
     if config.get("b_desc") and (b.shape[2] * b.element_size()) % 16 == 0 and b.data_ptr() % 16 == 0:
@@ -403,6 +421,7 @@ def _moe_gemm(a, b, c, weights, sorted_ids, expert_ids, num_padded, n, a_row_div
         n,
         b.shape[2],
         c.shape[0],
+        expert_ids.shape[0],
         a.stride(0),
         b.stride(0),
         b.stride(1),
@@ -413,7 +432,8 @@ def _moe_gemm(a, b, c, weights, sorted_ids, expert_ids, num_padded, n, a_row_div
         MUL_WEIGHT=not gated,
         DOT_PRECISION="tf32x3" if a.dtype == torch.float32 else "tf32",
         B_DESC=b_desc is not None,
-        **{k: v for k, v in config.items() if k not in ("down", "b_desc")},
+        GROUP_M=config.get("GROUP_M", 0),
+        **{k: v for k, v in config.items() if k not in ("down", "b_desc", "GROUP_M")},
     )
 
 

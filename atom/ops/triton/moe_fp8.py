@@ -12,26 +12,28 @@ import triton.language as tl
 
 from atom.ops.triton.fp8_configs import moe_config
 from atom.ops.triton.fp8_gemm import per_token_group_quant_fp8
-from atom.ops.triton.moe import _row_tile, _sort_by_expert, _store_tile, moe_sum
+from atom.ops.triton.moe import _row_tile, _sort_by_expert, _store_tile, _tile_ids, moe_sum
 
 
 # vary by batch (as in moe.py): the pairs, and the column-major activation scales' group
 # stride (= tokens; a variant compiled for odd counts was a warm-up gap of Qwen3-30B-A3B-FP8)
-@triton.jit(do_not_specialize=["num_pairs", "stride_ask"])
+@triton.jit(do_not_specialize=["num_pairs", "stride_ask", "num_m"])
 def _moe_fp8_gemm_kernel(
     a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
-    N, K, num_pairs, stride_am, stride_asm, stride_ask, stride_be, stride_bn, stride_bse, stride_bsn, stride_bsk,
-    stride_cm,
+    N, K, num_pairs, num_m, stride_am, stride_asm, stride_ask, stride_be, stride_bn, stride_bse, stride_bsn,
+    stride_bsk, stride_cm,
     A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, PER_GROUP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """``c[pair] = dequant(a[pair // A_ROW_DIV]) @ dequant(b[expert]).T`` for one row tile;
     GATED: gate rows then up rows (N each), c = silu(gate) * up; MUL_WEIGHT: times the pair's
-    routing weight. Block scales are read one key step ahead, as in ``fp8_gemm``."""
-    if tl.program_id(0) * BLOCK_M >= tl.load(num_padded_ptr):
+    routing weight. Block scales are read one key step ahead, as in ``fp8_gemm``. ``num_m``,
+    ``GROUP_M``: the tiles' order (``moe._tile_ids``)."""
+    pid_m, pid_n = _tile_ids(num_m, N, BLOCK_N, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
     pairs, row_ok, a_rows, expert, offs_n, n_ok, offs_k, a_ptrs, b_ptrs = _row_tile(
-        a_ptr, b_ptr, sorted_ids_ptr, expert_ids_ptr, num_pairs, N, stride_am, stride_be, stride_bn,
+        a_ptr, b_ptr, sorted_ids_ptr, expert_ids_ptr, num_pairs, N, stride_am, stride_be, stride_bn, pid_m, pid_n,
         A_ROW_DIV, BLOCK_M, BLOCK_N, BLOCK_K,
     )  # fmt: skip
     as_ptrs = as_ptr + a_rows * stride_asm
@@ -80,14 +82,14 @@ def _moe_fp8_gemm_kernel(
 
 def _gemm(a, a_scale, b, b_scale, c, weights, sorted_ids, expert_ids, num_padded, n, a_row_div, gated, group_k,
           cfg):  # fmt: skip
-    grid = (expert_ids.shape[0], triton.cdiv(n, cfg["BLOCK_N"]))
+    grid = (expert_ids.shape[0] * triton.cdiv(n, cfg["BLOCK_N"]),)
     _moe_fp8_gemm_kernel[grid](
         a, a_scale, b, b_scale, c, weights, sorted_ids, expert_ids, num_padded, n, b.shape[2], c.shape[0],
-        a.stride(0), a_scale.stride(0), a_scale.stride(1), b.stride(0), b.stride(1),
+        expert_ids.shape[0], a.stride(0), a_scale.stride(0), a_scale.stride(1), b.stride(0), b.stride(1),
         b_scale.stride(0), b_scale.stride(1), b_scale.stride(2), c.stride(0),
         A_ROW_DIV=a_row_div, GATED=gated, MUL_WEIGHT=not gated, PER_GROUP=group_k > 0,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=group_k or cfg.get("BLOCK_K", 128),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        GROUP_M=cfg.get("GROUP_M", 0), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
 
 
