@@ -449,16 +449,21 @@ def prepare(builder: Callable) -> tuple[list[Callable], dict[str, list[Callable]
     return [fn] + [f for f, _ in more], {name: [r[name] for r in named] for name in named[0]}, nbytes, flops
 
 
-def graph_ms(fns: list[Callable], rep: int = 100) -> float:
-    """Device time per call: all ``fns`` captured in one CUDA graph, replays timed."""
-    for fn in fns:  # compile and allocate outside the capture
+def captured(fns: list[Callable]) -> torch.cuda.CUDAGraph:
+    """All ``fns`` in one CUDA graph, each run once before (compiled and allocated outside the capture)."""
+    for fn in fns:
         fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for fn in fns:
             fn()
-    return bench_ms(graph.replay, rep) / len(fns)
+    return graph
+
+
+def graph_ms(fns: list[Callable], rep: int = 100) -> float:
+    """Device time per call: all ``fns`` captured in one CUDA graph, replays timed."""
+    return bench_ms(captured(fns).replay, rep) / len(fns)
 
 
 def row(ms: float, nbytes: int, flops: int) -> dict:

@@ -20,7 +20,7 @@ import functools
 import torch
 
 # tests/gpu/kernel_bench.py: python puts this script's directory on sys.path
-from kernel_bench import moe_case, moe_fp8_case, prepare
+from kernel_bench import captured, moe_case, moe_fp8_case, prepare
 
 from atom.ops.triton import moe
 
@@ -39,13 +39,7 @@ SHAPES += [(1, dict(hidden=7168, inter=2048, num_experts=256, top_k=8))]
 
 def kernel_times(fns, reps: int = 50) -> dict[str, float]:
     """Mean device time of each kernel a call, in us."""
-    for fn in fns:
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in fns:
-            fn()
+    graph = captured(fns)
     for _ in range(5):
         graph.replay()
     torch.cuda.synchronize()
