@@ -282,6 +282,23 @@ def test_fused_moe_qwen3(num_tokens):
     assert_close(out, ref, dtype)
 
 
+@pytest.mark.parametrize("group_m", [8, 16])
+def test_fused_moe_grouped_tile_order(group_m, monkeypatch):
+    """Row tiles in groups across the column tiles (``GROUP_M``, the sweep's candidate) at Qwen3-30B-A3B's
+    experts and 2,048 tokens: every tile once, the same output as the default order."""
+    from atom.ops.triton import moe
+
+    h, i, e, k = QWEN3_MOE.values()
+    x = torch.randn(2048, h, dtype=torch.bfloat16, device=DEV)
+    w13 = (torch.randn(e, 2 * i, h, device=DEV) / h**0.5).to(torch.bfloat16)
+    w2 = (torch.randn(e, h, i, device=DEV) / i**0.5).to(torch.bfloat16)
+    weights, ids = tk.moe_topk(torch.randn(2048, e, device=DEV), k, True)
+    expected = tk.fused_moe(x, w13, w2, weights, ids)
+    config = moe._gemm_config(ids.numel(), e, torch.bfloat16)
+    monkeypatch.setattr(moe, "_gemm_config", lambda *_: {**config, "GROUP_M": group_m})
+    assert torch.equal(tk.fused_moe(x, w13, w2, weights, ids), expected)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_fused_moe_dtypes(dtype):
     x = torch.randn(300, 1024, dtype=dtype, device=DEV)
