@@ -109,25 +109,26 @@ def moe_fp8_sweep() -> list[dict]:
     """The FP8 MoE's tiles at Qwen3-30B-A3B-FP8's experts (block-128 weights; ``down``: the down GEMM's
     overrides), each passed as ``fused_moe_fp8(config=...)``, beside the table's pick (``default``) and
     vLLM's FP8 ``fused_experts`` on the same weights (``vllm``)."""
+    # paired: gate and up in one dot; the first and the seventh: the tiles before session 30
+    down = {"BLOCK_N": 128}
     cfgs = _cfgs(
-        "BLOCK_M BLOCK_N num_warps num_stages down",
+        "BLOCK_M BLOCK_N num_warps num_stages GROUP_M paired down",
         [
-            (16, 64, 4, 3, {}),
-            (16, 128, 4, 3, {}),
-            (16, 64, 4, 5, {}),
-            (32, 64, 4, 4, {}),
-            (64, 64, 4, 4, {}),
-            (64, 128, 4, 4, {}),
-            (64, 64, 4, 4, {"BLOCK_N": 128}),
-            (64, 128, 4, 3, {}),
-            (128, 64, 8, 4, {}),
-            (128, 128, 8, 3, {}),
-            (128, 64, 8, 3, {"BLOCK_N": 128}),
+            (16, 64, 4, 3, 0, False, {}),
+            (16, 64, 4, 3, 0, True, {}),
+            (16, 32, 4, 3, 0, True, {}),
+            (16, 64, 4, 5, 0, True, {}),
+            (16, 128, 4, 3, 0, True, {}),
+            (32, 64, 4, 4, 0, True, {}),
+            (64, 64, 4, 4, 0, False, down),
+            (64, 64, 4, 4, 8, False, down),
+            (64, 64, 4, 4, 8, True, down),
+            (64, 64, 4, 3, 8, True, down),
+            (64, 64, 4, 4, 0, True, down),
+            (64, 32, 4, 4, 8, True, down),
+            (64, 128, 8, 4, 8, True, down),
         ],
     )
-    # the row tiles in vLLM's groups (GROUP_SIZE_M 16 from 256 tokens in its H200 table): a group's
-    # activation rows stay in L2 across the column tiles
-    cfgs += [{**cfgs[6], "GROUP_M": g} for g in (8, 16)] + [{**cfgs[0], "GROUP_M": 16}]
     rows = []
     for n in [1, 16, 128, 512, 2048, 8192]:
         label = f"moe fp8 T={n}"

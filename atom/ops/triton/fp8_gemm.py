@@ -37,20 +37,23 @@ logger = logging.getLogger(__name__)
 
 
 # the column-major scales' group stride is the row count: not specialised (1, multiples of 16)
-@triton.jit(do_not_specialize=["stride_sg"])
-def _group_quant_kernel(x_ptr, q_ptr, s_ptr, k, stride_x, stride_q, stride_sm, stride_sg, group_k,
-                        BLOCK: tl.constexpr):  # fmt: skip
-    row = tl.program_id(0).to(tl.int64)
+@triton.jit(do_not_specialize=["m", "stride_sg"])
+def _group_quant_kernel(x_ptr, q_ptr, s_ptr, m, k, stride_x, stride_q, stride_sm, stride_sg, group_k,
+                        ROWS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """One group of ``ROWS`` rows a program: a (row, group) a program left most threads idle at
+    128-wide groups (2.2x slower than vLLM's kernel on the fused MoE's intermediate)."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     group = tl.program_id(1)
-    offs = group * group_k + tl.arange(0, BLOCK)
-    mask = (offs < k) & (tl.arange(0, BLOCK) < group_k)
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    cols = group * group_k + tl.arange(0, BLOCK)
+    row_ok = rows < m
+    mask = row_ok[:, None] & ((cols < k) & (tl.arange(0, BLOCK) < group_k))[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     # the reference's arithmetic exactly (times the float32 reciprocal of 448, then an
     # IEEE-rounded division: Triton's `/` is approximate), so the fp8 codes match bit for bit
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0) * (1.0 / 448.0), 1e-12)
-    q = tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0)
-    tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + row * stride_sm + group * stride_sg, scale)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1) * (1.0 / 448.0), 1e-12)
+    q = tl.clamp(tl.math.div_rn(x, scale[:, None]), -448.0, 448.0)
+    tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + rows * stride_sm + group * stride_sg, scale, mask=row_ok)
 
 
 def per_token_group_quant_fp8(
@@ -68,8 +71,13 @@ def per_token_group_quant_fp8(
         s = torch.empty((m, groups), dtype=torch.float32, device=x.device)
     if m:
         x = x if x.stride(-1) == 1 else x.contiguous()
-        _group_quant_kernel[(m, groups)](x, q, s, k, x.stride(0), q.stride(0), s.stride(0), s.stride(1), group,
-                                         BLOCK=triton.next_power_of_2(group), num_warps=4)  # fmt: skip
+        block = triton.next_power_of_2(group)
+        # ~4k elements a program (32 rows of 128-wide groups), at most the rows there are
+        rows = min(max(4096 // block, 1), triton.next_power_of_2(m))
+        _group_quant_kernel[(triton.cdiv(m, rows), groups)](
+            x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0), s.stride(1), group, ROWS=rows, BLOCK=block,
+            num_warps=4,
+        )  # fmt: skip
     return q, s
 
 

@@ -24,11 +24,14 @@ def _moe_fp8_gemm_kernel(
     stride_bsk, stride_cm,
     A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, PER_GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PAIRED: tl.constexpr,
 ):  # fmt: skip
     """``c[pair] = dequant(a[pair // A_ROW_DIV]) @ dequant(b[expert]).T`` for one row tile;
     GATED: gate rows then up rows (N each), c = silu(gate) * up; MUL_WEIGHT: times the pair's
     routing weight. Block scales are read one key step ahead, as in ``fp8_gemm``. ``num_m``,
-    ``GROUP_M``: the tiles' order (``moe._tile_ids``)."""
+    ``GROUP_M``: the tiles' order (``moe._tile_ids``). PAIRED (with GATED): one dot a key step over
+    the gate and up rows interleaved (2 x BLOCK_N columns), split apart at the end, instead of a dot
+    each: one wgmma twice as wide reads the ``a`` tile from shared memory once."""
     pid_m, pid_n = _tile_ids(num_m, N, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
@@ -39,44 +42,55 @@ def _moe_fp8_gemm_kernel(
     as_ptrs = as_ptr + a_rows * stride_asm
     bs_ptrs = bs_ptr + expert * stride_bse + offs_n * stride_bsn
     up_off = N * stride_bsn
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    TWO_DOTS: tl.constexpr = GATED and not PAIRED
+    b_ok = n_ok
+    if GATED and PAIRED:  # column 2j: gate row j of the tile, column 2j + 1: up row j
+        j = tl.arange(0, 2 * BLOCK_N)
+        b_rows = pid_n * BLOCK_N + j // 2
+        b_ok = b_rows < N
+        b_rows += (j % 2) * N
+        b_ptrs = b_ptr + expert * stride_be + b_rows[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
+        bs_ptrs = bs_ptr + expert * stride_bse + b_rows * stride_bsn
+    acc = tl.zeros([BLOCK_M, 2 * BLOCK_N if PAIRED and GATED else BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     steps = tl.cdiv(K, BLOCK_K)
     if PER_GROUP:
         a_s = tl.load(as_ptrs, mask=row_ok, other=0.0)[:, None]
-        b_s = tl.load(bs_ptrs, mask=n_ok, other=0.0)[None, :]
+        b_s = tl.load(bs_ptrs, mask=b_ok, other=0.0)[None, :]
         up_s = b_s
-        if GATED:
+        if TWO_DOTS:
             up_s = tl.load(bs_ptrs + up_off, mask=n_ok, other=0.0)[None, :]
     for kt in range(steps):
         k_ok = offs_k < K - kt * BLOCK_K
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if GATED:
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & b_ok[None, :], other=0.0)
+        if TWO_DOTS:
             b_up = tl.load(b_ptrs + N * stride_bn, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         if PER_GROUP:
             # the next step's scales, loaded while this step's MMAs run
             # (the index clamped into range: the value read after the last step is unused)
             nxt = tl.minimum(kt + 1, steps - 1)
             a_s_next = tl.load(as_ptrs + nxt * stride_ask, mask=row_ok, other=0.0)[:, None]
-            b_s_next = tl.load(bs_ptrs + nxt * stride_bsk, mask=n_ok, other=0.0)[None, :]
+            b_s_next = tl.load(bs_ptrs + nxt * stride_bsk, mask=b_ok, other=0.0)[None, :]
             acc += tl.dot(a, b) * a_s * b_s
-            if GATED:
+            if TWO_DOTS:
                 up_s_next = tl.load(bs_ptrs + up_off + nxt * stride_bsk, mask=n_ok, other=0.0)[None, :]
                 acc_up += tl.dot(a, b_up) * a_s * up_s
                 up_s = up_s_next
             a_s, b_s = a_s_next, b_s_next
         else:  # float32 promotion once per step, as in fp8_gemm
             acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
-            if GATED:
+            if TWO_DOTS:
                 acc_up = tl.dot(a, b_up, acc_up, max_num_imprecise_acc=BLOCK_K)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     if not PER_GROUP:
         a_s = tl.load(as_ptrs, mask=row_ok, other=0.0)[:, None]
-        acc = acc * a_s * tl.load(bs_ptrs, mask=n_ok, other=0.0)[None, :]
-        if GATED:
+        acc = acc * a_s * tl.load(bs_ptrs, mask=b_ok, other=0.0)[None, :]
+        if TWO_DOTS:
             acc_up = acc_up * a_s * tl.load(bs_ptrs + up_off, mask=n_ok, other=0.0)[None, :]
+    if GATED and PAIRED:
+        acc, acc_up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
     _store_tile(c_ptr, stride_cm, weights_ptr, acc, acc_up, pairs, row_ok, offs_n, n_ok, GATED, MUL_WEIGHT)
 
 
@@ -89,7 +103,8 @@ def _gemm(a, a_scale, b, b_scale, c, weights, sorted_ids, expert_ids, num_padded
         b_scale.stride(0), b_scale.stride(1), b_scale.stride(2), c.stride(0),
         A_ROW_DIV=a_row_div, GATED=gated, MUL_WEIGHT=not gated, PER_GROUP=group_k > 0,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=group_k or cfg.get("BLOCK_K", 128),
-        GROUP_M=cfg.get("GROUP_M", 0), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        GROUP_M=cfg.get("GROUP_M", 0), PAIRED=cfg.get("paired", False), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )  # fmt: skip
 
 
