@@ -31,12 +31,13 @@ GEMM_CHANNEL = [
 
 # by (token, expert) pairs per expert (Qwen3-30B-A3B: tokens / 16)
 # block-128 weights: from 512 tokens of Qwen3-30B-A3B-FP8 (32 rows per expert) the down GEMM's 128-column
-# tile is 12-16% faster (H200, session 29, `kernel_sweep.py moe_fp8`; 16-row tiles stay best to 128 tokens);
-# the row tiles in groups of 8 2-4% faster from 2,048 tokens (session 30); ``paired``: gate and up in one
-# dot (the gated GEMM's wgmma as wide as vLLM's, and no spills)
+# tile is 12-16% faster (H200, session 29, `kernel_sweep.py moe_fp8`; 16-row tiles stay best to 128 tokens).
+# Session 30 (same sweep): ``paired`` (gate and up in one dot: the gated GEMM's wgmma as wide as vLLM's and
+# no spills) 16% faster at 2,048 tokens, the row tiles in groups of 8 2-4% and 3 stages 1-3% more; neutral
+# on the 16-row tiles. Not for MOE_CHANNEL's 128x128 tile: paired, it spills in the key loop (sm_90 build).
 MOE_BLOCK = [
     (16, dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=3, paired=True)),
-    (_INF, dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=4, GROUP_M=8, paired=True, down=dict(BLOCK_N=128))),
+    (_INF, dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, GROUP_M=8, paired=True, down=dict(BLOCK_N=128))),
 ]
 MOE_CHANNEL = [
     (32, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=3)),
