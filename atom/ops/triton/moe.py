@@ -392,15 +392,16 @@ def _gemm_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> dict:
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
     if rows <= 16:
         return dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4)
-    if rows <= 32:  # 512 tokens, top-8 of 128 experts: 3% faster than 64-row tiles on an H100
-        return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
-    if rows < 128:  # at 128 rows per expert (2048 tokens, top-8 of 128) the large tile is 5% faster on an H100
-        return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)
+    if rows <= 32:  # 512 tokens, top-8 of 128 experts: 14% faster than the 32 x 64 x 128 tile (3% at 256 of
+        # V2-Lite's 64 experts, top-6), at vLLM's speed (H200, session 30, `kernel_sweep.py moe`)
+        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3, b_desc=True)
     # The gated GEMM's two 128-column tiles are one 256-column MMA tile; the down GEMM gets
     # 256 columns itself (8% faster at 2048-8192 tokens on an H100), and weight tiles come
-    # through tensor descriptors (another 2-9%).
+    # through tensor descriptors (another 2-9%). H200, session 30: from 96 rows per expert (1,024 tokens of
+    # V2-Lite's experts) 24% faster than the 64 x 128 tile; the row tiles in groups of 16 5% faster at 2,048
+    # tokens of 128 experts, the same at 4,096-8,192.
     down = dict(BLOCK_N=256, num_warps=8, num_stages=4)
-    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, down=down, b_desc=True)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, GROUP_M=16, down=down, b_desc=True)
 
 
 def _moe_gemm(a, b, c, weights, sorted_ids, expert_ids, num_padded, n, a_row_div, gated, config):
