@@ -2,13 +2,14 @@
 replays of ``atom.ops.triton.fused_moe`` on ``kernel_bench.moe_case`` inputs), the gated and the down GEMM
 told apart by launch order, for the default tiles and a few alternatives. GPU only:
 
-    python tests/gpu/moe_profile.py [--fp8 [--tokens 1,512,2048,8192]]
+    python tests/gpu/moe_profile.py [--fp8 [--tokens 1,512,2048,8192] [--sort-blocks 1024,4096]]
 
 One line per (shape, tiles): the sum a call and each kernel's share, in us (a kernel launched twice a call,
 as the two GEMMs, numbered by launch order). Shapes: 1, 2 and 4 tokens of Qwen3-30B-A3B's experts, one
 token of DeepSeek-V2-Lite's and of DeepSeek-V3's. ``--fp8``: Qwen3-30B-A3B-FP8's experts (block-128
 weights), atom's ``fused_moe_fp8`` and vLLM's FP8 ``fused_experts`` (``kernel_bench.moe_fp8_case``)
-kernel by kernel, where vLLM is importable.
+kernel by kernel, where vLLM is importable; ``--sort-blocks``: atom again with each ``moe.SORT_BLOCK`` (the
+pairs a step of the sort's loops).
 """
 
 from __future__ import annotations
@@ -73,15 +74,23 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--fp8", action="store_true", help="the FP8 MoE (block-128 weights) and vLLM's, by tokens")
     parser.add_argument("--tokens", default="1,512,2048,8192", help="with --fp8: token counts")
+    parser.add_argument("--sort-blocks", default="", help="with --fp8: atom with these moe.SORT_BLOCK values too")
     args = parser.parse_args()
     if args.fp8:
+        default_block = moe.SORT_BLOCK
+        blocks = [int(b) for b in args.sort_blocks.split(",") if b]
         for tokens in map(int, args.tokens.split(",")):
             fns, refs, nbytes, _ = prepare(functools.partial(moe_fp8_case, tokens))
-            for engine, calls in [("atom", fns), ("vllm", refs.get(""))]:
+            runs = [("atom", fns, default_block)] + [(f"sb={b}", fns, b) for b in blocks]
+            for engine, calls, block in runs + [("vllm", refs.get(""), default_block)]:
                 if calls:
-                    times = kernel_times(calls)
+                    moe.SORT_BLOCK = block  # read at capture
+                    try:
+                        times = kernel_times(calls)
+                    finally:
+                        moe.SORT_BLOCK = default_block
                     parts = " | ".join(f"{k} {v:7.2f}" for k, v in times.items())
-                    print(f"fp8 T={tokens:<5} {engine:<5} {sum(times.values()):8.2f} us | {parts}")
+                    print(f"fp8 T={tokens:<5} {engine:<7} {sum(times.values()):8.2f} us | {parts}")
             del fns, refs
             torch.cuda.empty_cache()
         return

@@ -87,11 +87,15 @@ def test_fused_moe(num_tokens, hidden, inter, num_experts, top_k, dtype, assert_
 
 
 @pytest.mark.parametrize("num_pairs, num_experts, block_m", [(8, 64, 16), (96, 128, 16), (300, 8, 64), (1500, 64, 16)])
-def test_sort_by_expert_counts_in_the_sort_or_before(num_pairs, num_experts, block_m, monkeypatch):
+@pytest.mark.parametrize("sort_block", [1024, 4096])
+def test_sort_by_expert_counts_in_the_sort_or_before(num_pairs, num_experts, block_m, sort_block, monkeypatch):
     """The sort counting the pairs itself (decode-sized batches) and after the counting kernel:
     the same layout, and the layout fused_moe expects (each expert's pairs in order, padded to
-    its row tiles with the sentinel, the tiles' experts, the padded length)."""
+    its row tiles with the sentinel, the tiles' experts, the padded length). ``sort_block``: 1,500
+    pairs in two steps of 1,024 on 4 warps, or in one of 2,048 on 8."""
     from atom.ops.triton import moe
+
+    monkeypatch.setattr(moe, "SORT_BLOCK", sort_block)
 
     ids = torch.randint(0, num_experts, (num_pairs,))
     ids[: num_pairs // 3] = 5  # one busy expert, most others idle
