@@ -33,6 +33,7 @@ KINDS = [  # first match wins
     ("all-reduce", r"nccl|all_reduce|allreduce|one_shot|symm|cross_device"),
     # atom's Gluon kernels too (_prefill_gluon_kernel, _mla_decode_gluon_kernel), and the MLA prompt attention
     ("attention", r"attn|attention|flash|paged|decode_kernel|merge|_gluon_kernel|mla_prefill"),
+    ("fp8 quant", r"quant"),  # the GEMM inputs' e4m3 quantisation (atom's _group_quant_kernel, vLLM's)
     ("moe", r"moe|expert|fused_experts|align|topk"),
     ("gemm", r"gemm|gemv|sm90_xmma|cutlass|cublas|nvjet|matmul|_mm_|wgmma"),
     ("norm/rope/act", r"norm|rope|rotary|silu|gelu|act_and_mul|reshape_and_cache|triton_"),
