@@ -28,12 +28,12 @@ def _moe_fp8_gemm_kernel(
 ):  # fmt: skip
     """``c[pair] = dequant(a[pair // A_ROW_DIV]) @ dequant(b[expert]).T`` for one row tile;
     GATED: gate rows then up rows (N each), c = silu(gate) * up; MUL_WEIGHT: times the pair's
-    routing weight. Block scales are read one key step ahead, as in ``fp8_gemm``. ``num_m``,
-    ``GROUP_M``: the tiles' order (``moe._tile_ids``). PAIRED (with GATED): one dot a key step over
-    the gate and up rows interleaved (2 x BLOCK_N columns), split apart at the end, instead of a dot
-    each: one wgmma twice as wide reads the ``a`` tile from shared memory once. SCALES_AHEAD: block scales
-    read a step ahead (carried across the loop) rather than in their step, as vLLM's kernel does (in the step:
-    110 registers instead of 140 at 16 x 64 paired, sm_90 build; 4 programs an SM instead of 3)."""
+    routing weight. ``num_m``, ``GROUP_M``: the tiles' order (``moe._tile_ids``). PAIRED (with GATED):
+    one dot a key step over the gate and up rows interleaved (2 x BLOCK_N columns), split apart at the
+    end, instead of a dot each: one wgmma twice as wide reads the ``a`` tile from shared memory once.
+    SCALES_AHEAD: block scales read one key step ahead (carried across the loop), as in ``fp8_gemm``;
+    off, in their own step as vLLM's kernel reads them (110 instead of 140 registers at the paired
+    16 x 64 tile, sm_90 build: 4 programs an SM instead of 3)."""
     pid_m, pid_n = _tile_ids(num_m, N, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
