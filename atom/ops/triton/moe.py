@@ -299,6 +299,20 @@ def _row_tile(
 
 
 @triton.jit
+def _paired_rows(b_ptr, expert, stride_be, stride_bn, offs_k, pid_n, N, BLOCK_N: tl.constexpr):
+    """The gated GEMM's weight rows for one dot over gate and up (``PAIRED`` in the MoE GEMM kernels):
+    column 2j of the [BLOCK_K, 2 x BLOCK_N] tile is gate row j of column tile ``pid_n``, column 2j + 1 up
+    row j, so each thread's accumulator holds a gate and its up side by side and ``tl.split`` of the
+    [BLOCK_M, BLOCK_N, 2] reshape parts them in registers. Returns the rows, which are inside N, and the
+    pointers of the first K tile."""
+    j = tl.arange(0, 2 * BLOCK_N)
+    rows = pid_n * BLOCK_N + j // 2
+    ok = rows < N
+    rows += (j % 2) * N
+    return rows, ok, b_ptr + expert * stride_be + rows[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
+
+
+@triton.jit
 def _store_tile(c_ptr, stride_cm, weights_ptr, acc, acc_up, pairs, row_ok, offs_n, n_ok, GATED: tl.constexpr,
                 MUL_WEIGHT: tl.constexpr):  # fmt: skip
     """Store the tile of the MoE GEMM kernels: ``silu(acc) * acc_up`` when GATED, times the pairs' routing
@@ -345,12 +359,14 @@ def _moe_gemm_kernel(
     DOT_PRECISION: tl.constexpr,
     B_DESC: tl.constexpr,
     GROUP_M: tl.constexpr,
+    PAIRED: tl.constexpr,
 ):
     """``c[pair] = a[pair // A_ROW_DIV] @ b[expert].T`` for the pairs of one row tile.
     GATED: ``b`` holds gate rows then up rows (N each) and c gets ``silu(gate) * up``.
     MUL_WEIGHT: c is scaled by the pair's routing weight. B_DESC: ``b`` tiles come through
     ``b_desc`` (a tensor descriptor over b as [experts * rows, K]: bulk tensor copies);
-    rows past N are read but their columns are never stored. ``num_m``: row tiles (``_tile_ids``)."""
+    rows past N are read but their columns are never stored. ``num_m``: row tiles (``_tile_ids``).
+    PAIRED (GATED, pointer loads): one dot a key step over gate and up (``_paired_rows``)."""
     pid_m, pid_n = _tile_ids(num_m, N, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
@@ -358,7 +374,10 @@ def _moe_gemm_kernel(
         a_ptr, b_ptr, sorted_ids_ptr, expert_ids_ptr, num_pairs, N, stride_am, stride_be, stride_bn, pid_m, pid_n,
         A_ROW_DIV, BLOCK_M, BLOCK_N, BLOCK_K,
     )  # fmt: skip
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    b_ok = n_ok
+    if GATED and PAIRED:
+        _, b_ok, b_ptrs = _paired_rows(b_ptr, expert, stride_be, stride_bn, offs_k, pid_n, N, BLOCK_N)
+    acc = tl.zeros([BLOCK_M, 2 * BLOCK_N if GATED and PAIRED else BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     desc_row = (expert * (2 * N if GATED else N)).to(tl.int32) + pid_n * BLOCK_N
     for k0 in range(0, K, BLOCK_K):
@@ -367,9 +386,9 @@ def _moe_gemm_kernel(
         if B_DESC:
             b = b_desc.load([desc_row, k0]).T
         else:
-            b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & b_ok[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-        if GATED:
+        if GATED and not PAIRED:
             if B_DESC:
                 b_up = b_desc.load([desc_row + N, k0]).T
             else:
@@ -377,6 +396,8 @@ def _moe_gemm_kernel(
             acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
+    if GATED and PAIRED:
+        acc, acc_up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
     _store_tile(c_ptr, stride_cm, weights_ptr, acc, acc_up, pairs, row_ok, offs_n, n_ok, GATED, MUL_WEIGHT)
 
 
@@ -411,8 +432,9 @@ def _gemm_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> dict:
 def _moe_gemm(a, b, c, weights, sorted_ids, expert_ids, num_padded, n, a_row_div, gated, config):
     grid = (expert_ids.shape[0] * triton.cdiv(n, config["BLOCK_N"]),)
     b_desc = None
-    # The bulk copy engine needs 16-byte aligned rows and base.
-    if config.get("b_desc") and (b.shape[2] * b.element_size()) % 16 == 0 and b.data_ptr() % 16 == 0:
+    paired = gated and config.get("paired", False)
+    # The bulk copy engine needs 16-byte aligned rows and base; a paired tile's rows are not contiguous.
+    if config.get("b_desc") and not paired and (b.shape[2] * b.element_size()) % 16 == 0 and b.data_ptr() % 16 == 0:
         rows, k = b.shape[0] * b.shape[1], b.shape[2]
         b_desc = TensorDescriptor(b, [rows, k], [k, 1], [config["BLOCK_N"], config["BLOCK_K"]])
     _moe_gemm_kernel[grid](
@@ -438,7 +460,8 @@ def _moe_gemm(a, b, c, weights, sorted_ids, expert_ids, num_padded, n, a_row_div
         DOT_PRECISION="tf32x3" if a.dtype == torch.float32 else "tf32",
         B_DESC=b_desc is not None,
         GROUP_M=config.get("GROUP_M", 0),
-        **{k: v for k, v in config.items() if k not in ("down", "b_desc", "GROUP_M")},
+        PAIRED=paired,
+        **{k: v for k, v in config.items() if k not in ("down", "b_desc", "GROUP_M", "paired")},
     )
 
 

@@ -12,7 +12,7 @@ import triton.language as tl
 
 from atom.ops.triton.fp8_configs import moe_config
 from atom.ops.triton.fp8_gemm import per_token_group_quant_fp8
-from atom.ops.triton.moe import _row_tile, _sort_by_expert, _store_tile, _tile_ids, moe_sum
+from atom.ops.triton.moe import _paired_rows, _row_tile, _sort_by_expert, _store_tile, _tile_ids, moe_sum
 
 
 # vary by batch (as in moe.py): the pairs, and the column-major activation scales' group
@@ -46,12 +46,8 @@ def _moe_fp8_gemm_kernel(
     up_off = N * stride_bsn
     TWO_DOTS: tl.constexpr = GATED and not PAIRED
     b_ok = n_ok
-    if GATED and PAIRED:  # column 2j: gate row j of the tile, column 2j + 1: up row j
-        j = tl.arange(0, 2 * BLOCK_N)
-        b_rows = pid_n * BLOCK_N + j // 2
-        b_ok = b_rows < N
-        b_rows += (j % 2) * N
-        b_ptrs = b_ptr + expert * stride_be + b_rows[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
+    if GATED and PAIRED:
+        b_rows, b_ok, b_ptrs = _paired_rows(b_ptr, expert, stride_be, stride_bn, offs_k, pid_n, N, BLOCK_N)
         bs_ptrs = bs_ptr + expert * stride_bse + b_rows * stride_bsn
     acc = tl.zeros([BLOCK_M, 2 * BLOCK_N if PAIRED and GATED else BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
