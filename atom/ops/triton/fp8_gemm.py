@@ -72,8 +72,9 @@ def per_token_group_quant_fp8(
     if m:
         x = x if x.stride(-1) == 1 else x.contiguous()
         block = triton.next_power_of_2(group)
-        # ~4k elements a program (32 rows of 128-wide groups), at most the rows there are
-        rows = min(max(4096 // block, 1), triton.next_power_of_2(m))
+        # ~4k elements a program (32 rows of 128-wide groups), whatever the row count: one compiled
+        # variant for every batch (a variant first met inside a step compiles there)
+        rows = max(4096 // block, 1)
         _group_quant_kernel[(triton.cdiv(m, rows), groups)](
             x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0), s.stride(1), group, ROWS=rows, BLOCK=block,
             num_warps=4,
