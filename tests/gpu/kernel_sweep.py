@@ -134,6 +134,8 @@ def moe_fp8_sweep() -> list[dict]:
     )
     # block scales read in their key step (vLLM's order; 110 instead of 140 registers at 16 x 64 paired)
     cfgs += [{**cfgs[i], "scales_ahead": False} for i in (1, 2, 4, 9)]
+    # the 16-row tile's row tiles in groups, as vLLM's table at 4-96 tokens (GROUP_SIZE_M 16-32)
+    cfgs += [{**cfgs[1], "GROUP_M": 16}, {**cfgs[1], "GROUP_M": 16, "scales_ahead": False}]
     rows = []
     for n in [1, 16, 128, 512, 2048, 8192]:
         label = f"moe fp8 T={n}"
