@@ -86,7 +86,14 @@ def sweep_candidates(n: int, k: int) -> list[GemvConfig]:
             out.append(replace(base, mode=mode, block_n=block_n, split_k=split))
     out += [replace(base, split_k=1, num_stages=8), replace(base, mode="dot", block_n=32, split_k=1, num_stages=8)]
     out += [replace(base, num_stages=s) for s in (3, 6)] + [replace(base, num_warps=8)]
-    return out
+    # splits (any count, not only powers of two) making the grid about one or two programs an SM (132 on
+    # an H100 / H200): 48 x 4 = 192 programs (Qwen3-8B's qkv now) leave 60 SMs two and 72 one
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 132
+    for block_n in (64, 128):
+        programs = -(-n // block_n)
+        for split in sorted({max(1, round(waves * sms / programs)) for waves in (1, 2)}):
+            out.append(replace(base, mode="dot_t", block_n=block_n, split_k=split))
+    return list(dict.fromkeys(out))
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
