@@ -206,3 +206,25 @@ def test_fused_moe_fp8(num_tokens, group_k):
     out = fused_moe_fp8(x, w13, s13, w2, s2, weights, ids, group_k)
     ref = reference_fp8.fused_moe_fp8(x, w13, s13, w2, s2, weights, ids, group_k)
     assert_close(out, ref, tol=0.02)
+
+
+@pytest.mark.parametrize("num_tokens", [16, 256, 2048])
+@pytest.mark.parametrize("override", [{"scales_ahead": False}, {"GROUP_M": 16}, {"scales_ahead": False, "GROUP_M": 16}])
+def test_fused_moe_fp8_candidates(num_tokens, override):
+    """The sweep's FP8 MoE candidates on the table's tiles (block scales read in their step; row tiles
+    in groups of 16) at Qwen3-30B-A3B's experts, against the reference."""
+    from atom.ops.triton.fp8_configs import moe_config
+
+    hidden, inter, experts, top_k = 2048, 768, 128, 8
+    x = torch.randn(num_tokens, hidden, device=DEV, dtype=torch.bfloat16)
+    q13 = [reference_fp8.quantize_weight(torch.randn(2 * inter, hidden, device=DEV) * 0.02, 128, 128)
+           for _ in range(experts)]
+    q2 = [reference_fp8.quantize_weight(torch.randn(hidden, inter, device=DEV) * 0.02, 128, 128)
+          for _ in range(experts)]
+    w13, s13 = torch.stack([q for q, _ in q13]), torch.stack([s for _, s in q13])
+    w2, s2 = torch.stack([q for q, _ in q2]), torch.stack([s for _, s in q2])
+    weights, ids = reference.moe_topk(torch.randn(num_tokens, experts, device=DEV), top_k, True)
+    config = {**moe_config(num_tokens * top_k / experts, True), **override}
+    out = fused_moe_fp8(x, w13, s13, w2, s2, weights, ids, 128, config=config)
+    ref = reference_fp8.fused_moe_fp8(x, w13, s13, w2, s2, weights, ids, 128)
+    assert_close(out, ref, tol=0.02)
