@@ -80,7 +80,7 @@ def main():
         default_block = moe.SORT_BLOCK
         blocks = [int(b) for b in args.sort_blocks.split(",") if b]
         for tokens in map(int, args.tokens.split(",")):
-            fns, refs, nbytes, _ = prepare(functools.partial(moe_fp8_case, tokens))
+            fns, refs, _, _ = prepare(functools.partial(moe_fp8_case, tokens))
             runs = [("atom", fns, default_block)] + [(f"sb={b}", fns, b) for b in blocks]
             for engine, calls, block in runs + [("vllm", refs.get(""), default_block)]:
                 if calls:

@@ -64,25 +64,22 @@ def _moe_fp8_gemm_kernel(
         b = tl.load(b_ptrs, mask=k_ok[:, None] & b_ok[None, :], other=0.0)
         if TWO_DOTS:
             b_up = tl.load(b_ptrs + N * stride_bn, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if PER_GROUP and not SCALES_AHEAD:
-            a_s = tl.load(as_ptrs + kt * stride_ask, mask=row_ok, other=0.0)[:, None]
-            b_s = tl.load(bs_ptrs + kt * stride_bsk, mask=b_ok, other=0.0)[None, :]
+        if PER_GROUP:
+            # SCALES_AHEAD: the next step's scales, loaded while this step's MMAs run (the index clamped
+            # into range: the value read after the last step is unused); else this step's
+            sk = tl.minimum(kt + 1, steps - 1) if SCALES_AHEAD else kt
+            a_s_k = tl.load(as_ptrs + sk * stride_ask, mask=row_ok, other=0.0)[:, None]
+            b_s_k = tl.load(bs_ptrs + sk * stride_bsk, mask=b_ok, other=0.0)[None, :]
+            up_s_k = b_s_k
+            if TWO_DOTS:
+                up_s_k = tl.load(bs_ptrs + up_off + sk * stride_bsk, mask=n_ok, other=0.0)[None, :]
+            if not SCALES_AHEAD:
+                a_s, b_s, up_s = a_s_k, b_s_k, up_s_k
             acc += tl.dot(a, b) * a_s * b_s
             if TWO_DOTS:
-                up_s = tl.load(bs_ptrs + up_off + kt * stride_bsk, mask=n_ok, other=0.0)[None, :]
                 acc_up += tl.dot(a, b_up) * a_s * up_s
-        elif PER_GROUP:
-            # the next step's scales, loaded while this step's MMAs run
-            # (the index clamped into range: the value read after the last step is unused)
-            nxt = tl.minimum(kt + 1, steps - 1)
-            a_s_next = tl.load(as_ptrs + nxt * stride_ask, mask=row_ok, other=0.0)[:, None]
-            b_s_next = tl.load(bs_ptrs + nxt * stride_bsk, mask=b_ok, other=0.0)[None, :]
-            acc += tl.dot(a, b) * a_s * b_s
-            if TWO_DOTS:
-                up_s_next = tl.load(bs_ptrs + up_off + nxt * stride_bsk, mask=n_ok, other=0.0)[None, :]
-                acc_up += tl.dot(a, b_up) * a_s * up_s
-                up_s = up_s_next
-            a_s, b_s = a_s_next, b_s_next
+            if SCALES_AHEAD:
+                a_s, b_s, up_s = a_s_k, b_s_k, up_s_k
         else:  # float32 promotion once per step, as in fp8_gemm
             acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
             if TWO_DOTS:
