@@ -81,14 +81,11 @@ def moe_sweep(small: bool = False) -> list[dict]:
         ],
     )
     cfgs += [{**cfgs[4], "GROUP_M": g} for g in (8, 16)]  # the large tile, row tiles in groups (_tile_ids)
-    # gate and up in one dot (the gated GEMM through pointers, the down GEMM's weights still through descriptors)
-    cfgs += [{**cfgs[8], "paired": True}, {**cfgs[4], "GROUP_M": 16, "paired": True}]
     # Qwen3-30B-A3B's experts (128 of 768 columns, top-8), then DeepSeek-V2-Lite's (64 of 1408, top-6)
     shapes = [(n, {}) for n in [1, 16, 512, 2048, 8192]]
     shapes += [(n, dict(inter=1408, num_experts=64, top_k=6)) for n in [256, 1024, 4096]]
     if small:  # decode tiles, the routed experts of Qwen3-30B-A3B, DeepSeek-V2-Lite and V3
         cfgs = cfgs[:2] + _cfgs(sorted_keys, [(16, 32, 128, 4, 4, {}, True), (16, 64, 64, 4, 5, {}, True)])
-        cfgs += [{**c, "paired": True} for c in cfgs[:2]]
         shapes = [(n, {}) for n in [1, 2, 4, 8, 16]]
         shapes += [(n, dict(inter=1408, num_experts=64, top_k=6)) for n in [1, 2, 4]]
         shapes += [(n, dict(hidden=7168, inter=2048, num_experts=256, top_k=8)) for n in [1, 8]]
@@ -132,10 +129,8 @@ def moe_fp8_sweep() -> list[dict]:
             (64, 128, 8, 4, 8, True, down),
         ],
     )
-    # block scales read in their key step (vLLM's order; 110 instead of 140 registers at 16 x 64 paired)
-    cfgs += [{**cfgs[i], "scales_ahead": False} for i in (1, 2, 4, 9)]
-    # the 16-row tile's row tiles in groups, as vLLM's table at 4-96 tokens (GROUP_SIZE_M 16-32)
-    cfgs += [{**cfgs[1], "GROUP_M": 16}, {**cfgs[1], "GROUP_M": 16, "scales_ahead": False}]
+    # the 16-row tile's row tiles in groups, as vLLM's table at 4-96 tokens (GROUP_SIZE_M 16-32; 16 the default)
+    cfgs += [{**cfgs[1], "GROUP_M": 32}]
     rows = []
     for n in [1, 16, 128, 512, 2048, 8192]:
         label = f"moe fp8 T={n}"

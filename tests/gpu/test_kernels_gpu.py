@@ -300,25 +300,6 @@ def test_fused_moe_grouped_tile_order(num_tokens, override, monkeypatch):
     assert torch.equal(tk.fused_moe(x, w13, w2, weights, ids), expected)
 
 
-@pytest.mark.parametrize("num_tokens", [4, 16, 512, 2048])
-def test_fused_moe_paired_candidate(num_tokens, monkeypatch):
-    """The sweep's ``paired`` candidate (gate and up in one dot) on the table's tiles at Qwen3-30B-A3B's
-    experts, against the float32 reference."""
-    from atom.ops.triton import moe
-
-    dtype = torch.bfloat16
-    h, i, e, k = QWEN3_MOE.values()
-    x = torch.randn(num_tokens, h, dtype=dtype, device=DEV)
-    w13 = (torch.randn(e, 2 * i, h, device=DEV) / h**0.5).to(dtype)
-    w2 = (torch.randn(e, h, i, device=DEV) / i**0.5).to(dtype)
-    weights, ids = tk.moe_topk(torch.randn(num_tokens, e, device=DEV), k, True)
-    config = moe._gemm_config(ids.numel(), e, dtype)
-    monkeypatch.setattr(moe, "_gemm_config", lambda *_: {**config, "paired": True})
-    out = tk.fused_moe(x, w13, w2, weights, ids)
-    ref = reference.fused_moe(x.float(), w13.float(), w2.float(), weights.to(dtype).float(), ids)
-    assert_close(out, ref, dtype)
-
-
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_fused_moe_dtypes(dtype):
     x = torch.randn(300, 1024, dtype=dtype, device=DEV)

@@ -119,20 +119,17 @@ def test_sort_by_expert_counts_in_the_sort_or_before(num_pairs, num_experts, blo
 
 
 @pytest.mark.parametrize(
-    "b_desc, group_m, paired",
-    [(False, 0, False), (True, 0, False), (False, 3, False), (False, 0, True), (True, 0, True)],
-    ids=["pointers", "descriptor", "grouped", "paired", "paired-descriptor"],
+    "b_desc, group_m", [(False, 0), (True, 0), (False, 3)], ids=["pointers", "descriptor", "grouped"]
 )
 @pytest.mark.parametrize("num_tokens, hidden, inter", [(40, 128, 96), (9, 64, 32)])
-def test_fused_moe_tile_configs(num_tokens, hidden, inter, b_desc, group_m, paired, monkeypatch, assert_close):
+def test_fused_moe_tile_configs(num_tokens, hidden, inter, b_desc, group_m, monkeypatch, assert_close):
     # Weight tiles through tensor descriptors, a down GEMM with its own column tile, an intermediate
     # size that is not a multiple of the column tile (rows past it are read), row tiles in groups
-    # of three (the last one partial) taking the column tiles in turn, and gate and up in one dot
-    # (paired: pointer loads for the gated GEMM even where descriptors are asked for).
+    # of three (the last one partial) taking the column tiles in turn.
     from atom.ops.triton import moe
 
     config = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=2, b_desc=b_desc, GROUP_M=group_m,
-                  paired=paired, down=dict(BLOCK_N=32))  # fmt: skip
+                  down=dict(BLOCK_N=32))  # fmt: skip
     monkeypatch.setattr(moe, "_gemm_config", lambda *_: config)
     dtype = torch.bfloat16
     x = torch.randn(num_tokens, hidden, dtype=dtype)

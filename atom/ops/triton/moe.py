@@ -225,8 +225,9 @@ def _sort_by_expert_kernel(
 # 16 x 8 routes over 128 experts (Qwen3-30B-A3B at batch 16), 64 over 256
 SORT_COUNT_ELEMENTS = 16384
 # the most pairs a step of the count and sort programs' loops takes (4 warps a 1,024): each expert's program
-# walks all pairs step by step, 28 us at 2,048 tokens of Qwen3-30B-A3B against vLLM's 14 (H200, session 30)
-SORT_BLOCK = 1024
+# walks all pairs step by step. 4,096 (16 warps): sort + count 28 -> 17 us at 2,048 tokens of Qwen3-30B-A3B,
+# 104 -> 58 at 8,192 (vLLM's 14 / 42; H200, session 31, `moe_profile.py --fp8 --sort-blocks`)
+SORT_BLOCK = 4096
 
 
 def _sort_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
@@ -300,7 +301,7 @@ def _row_tile(
 
 @triton.jit
 def _paired_rows(b_ptr, expert, stride_be, stride_bn, offs_k, pid_n, N, BLOCK_N: tl.constexpr):
-    """The gated GEMM's weight rows for one dot over gate and up (``PAIRED`` in the MoE GEMM kernels):
+    """The gated GEMM's weight rows for one dot over gate and up (``PAIRED`` in the FP8 MoE GEMM kernel):
     column 2j of the [BLOCK_K, 2 x BLOCK_N] tile is gate row j of column tile ``pid_n``, column 2j + 1 up
     row j, so each thread's accumulator holds a gate and its up side by side and ``tl.split`` of the
     [BLOCK_M, BLOCK_N, 2] reshape parts them in registers. Returns the rows, which are inside N, and the
@@ -359,14 +360,14 @@ def _moe_gemm_kernel(
     DOT_PRECISION: tl.constexpr,
     B_DESC: tl.constexpr,
     GROUP_M: tl.constexpr,
-    PAIRED: tl.constexpr,
 ):
     """``c[pair] = a[pair // A_ROW_DIV] @ b[expert].T`` for the pairs of one row tile.
     GATED: ``b`` holds gate rows then up rows (N each) and c gets ``silu(gate) * up``.
     MUL_WEIGHT: c is scaled by the pair's routing weight. B_DESC: ``b`` tiles come through
     ``b_desc`` (a tensor descriptor over b as [experts * rows, K]: bulk tensor copies);
     rows past N are read but their columns are never stored. ``num_m``: row tiles (``_tile_ids``).
-    PAIRED (GATED, pointer loads): one dot a key step over gate and up (``_paired_rows``)."""
+    Gate and up in one dot (``_paired_rows``, as the FP8 kernel) lost 1-11% at every size (H200,
+    session 31, `kernel_sweep.py moe moe_small`)."""
     pid_m, pid_n = _tile_ids(num_m, N, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
@@ -374,10 +375,7 @@ def _moe_gemm_kernel(
         a_ptr, b_ptr, sorted_ids_ptr, expert_ids_ptr, num_pairs, N, stride_am, stride_be, stride_bn, pid_m, pid_n,
         A_ROW_DIV, BLOCK_M, BLOCK_N, BLOCK_K,
     )  # fmt: skip
-    b_ok = n_ok
-    if GATED and PAIRED:
-        _, b_ok, b_ptrs = _paired_rows(b_ptr, expert, stride_be, stride_bn, offs_k, pid_n, N, BLOCK_N)
-    acc = tl.zeros([BLOCK_M, 2 * BLOCK_N if GATED and PAIRED else BLOCK_N], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     desc_row = (expert * (2 * N if GATED else N)).to(tl.int32) + pid_n * BLOCK_N
     for k0 in range(0, K, BLOCK_K):
@@ -386,9 +384,9 @@ def _moe_gemm_kernel(
         if B_DESC:
             b = b_desc.load([desc_row, k0]).T
         else:
-            b = tl.load(b_ptrs, mask=k_ok[:, None] & b_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-        if GATED and not PAIRED:
+        if GATED:
             if B_DESC:
                 b_up = b_desc.load([desc_row + N, k0]).T
             else:
@@ -396,8 +394,6 @@ def _moe_gemm_kernel(
             acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    if GATED and PAIRED:
-        acc, acc_up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
     _store_tile(c_ptr, stride_cm, weights_ptr, acc, acc_up, pairs, row_ok, offs_n, n_ok, GATED, MUL_WEIGHT)
 
 
@@ -432,9 +428,8 @@ def _gemm_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> dict:
 def _moe_gemm(a, b, c, weights, sorted_ids, expert_ids, num_padded, n, a_row_div, gated, config):
     grid = (expert_ids.shape[0] * triton.cdiv(n, config["BLOCK_N"]),)
     b_desc = None
-    paired = gated and config.get("paired", False)
-    # The bulk copy engine needs 16-byte aligned rows and base; a paired tile's rows are not contiguous.
-    if config.get("b_desc") and not paired and (b.shape[2] * b.element_size()) % 16 == 0 and b.data_ptr() % 16 == 0:
+    # The bulk copy engine needs 16-byte aligned rows and base.
+    if config.get("b_desc") and (b.shape[2] * b.element_size()) % 16 == 0 and b.data_ptr() % 16 == 0:
         rows, k = b.shape[0] * b.shape[1], b.shape[2]
         b_desc = TensorDescriptor(b, [rows, k], [k, 1], [config["BLOCK_N"], config["BLOCK_K"]])
     _moe_gemm_kernel[grid](
@@ -460,8 +455,7 @@ def _moe_gemm(a, b, c, weights, sorted_ids, expert_ids, num_padded, n, a_row_div
         DOT_PRECISION="tf32x3" if a.dtype == torch.float32 else "tf32",
         B_DESC=b_desc is not None,
         GROUP_M=config.get("GROUP_M", 0),
-        PAIRED=paired,
-        **{k: v for k, v in config.items() if k not in ("down", "b_desc", "GROUP_M", "paired")},
+        **{k: v for k, v in config.items() if k not in ("down", "b_desc", "GROUP_M")},
     )
 
 
