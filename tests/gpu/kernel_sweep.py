@@ -3,7 +3,7 @@ decode attention's split-K factor, timed as ``tests/gpu/kernel_bench.py`` times 
 ``atom.ops.triton`` were picked). GPU only:
 
     python tests/gpu/kernel_sweep.py [moe] [moe_small] [moe_fp8] [prefill] [mla] [mla_prefill] [decode] \
-        [--output-json sweep.json]
+        [decode_varlen] [--output-json sweep.json]
 
 Prints the best two configs per case and the default; ``--output-json`` writes every row
 (case, config, ms, GB/s, TFLOP/s; prefill rows also the compiler's resource report and the max abs
@@ -303,10 +303,59 @@ def decode_sweep() -> list[dict]:
     return [r for r in rows if r]
 
 
+def decode_varlen_sweep() -> list[dict]:
+    """Decode batches of uneven contexts, as the throughput workload's steps (128-256 sequences, 100-2,000
+    keys each): atom's default split, even splits (``num_splits``), balance splits (``BALANCE_SPLITS`` of at
+    least ``SPLIT_MIN_KEYS`` keys, patched in), and vLLM's FlashAttention 3 (config ``vllm``) on the same
+    cache; max_seqlen_k 4,096 as the decode graphs' (max_model_len). Qwen3-30B-A3B's heads (32 / 4) and
+    Qwen3-8B's (32 / 8)."""
+    from kernel_bench import vllm_kernels
+
+    from atom.ops.triton import attention
+
+    fa3 = vllm_kernels()[0]
+    variants = [("default", None, None), ("splits=2", 2, None), ("splits=4", 4, None)]
+    variants += [
+        (f"balance={b} min={k}", None, (b, k))
+        for b, k in [(2, 512), (4, 512), (8, 512), (4, 256), (8, 256), (16, 256), (8, 128), (16, 128)]
+    ]
+    rows = []
+    for (heads, kv_heads), b in itertools.product([(32, 4), (32, 8)], [128, 256]):
+        gen = torch.Generator().manual_seed(b + kv_heads)
+        ctx = torch.randint(100, 2000, (b,), generator=gen).tolist()
+        case = f"decode varlen b={b} kv={kv_heads}"
+
+        def builder(splits=None, ctx=ctx, heads=heads, kv_heads=kv_heads, b=b):
+            q, k_cache, v_cache, cu, lens, tables = inputs = attention_inputs([1] * b, ctx, heads, kv_heads)
+            fn = functools.partial(tk.paged_attention, *inputs, 128**-0.5, 1, 4096, num_decode_tokens=b,
+                                   num_splits=splits)  # fmt: skip
+            ref = None
+            if fa3 is not None:  # vLLM's cache layout [blocks, block_size, kv_heads, head_dim]
+                k_fa, v_fa = (c.permute(0, 2, 1, 3).contiguous() for c in (k_cache, v_cache))
+                ref = functools.partial(fa3, q, k_fa, v_fa, max_seqlen_q=1, cu_seqlens_q=cu, max_seqlen_k=4096,
+                                        seqused_k=lens, softmax_scale=128**-0.5, causal=True, block_table=tables,
+                                        out=torch.empty_like(q), fa_version=3)  # fmt: skip
+            return fn, ref, *attention_cost(q, k_cache, [1] * b, ctx)
+
+        prepared = prepare(builder)
+        if refs := prepared[1].get(""):
+            rows.append(_timed(case, "vllm", lambda p=prepared, r=refs: (r, {}, *p[2:])))
+        for label, splits, balance in variants:
+            saved = attention.BALANCE_SPLITS, attention.SPLIT_MIN_KEYS
+            try:
+                if balance:
+                    attention.BALANCE_SPLITS, attention.SPLIT_MIN_KEYS = balance
+                rows.append(_timed(case, label, functools.partial(prepare, functools.partial(builder, splits))))
+            finally:
+                attention.BALANCE_SPLITS, attention.SPLIT_MIN_KEYS = saved
+        del prepared
+    return [r for r in rows if r]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # no argparse choices: Python 3.10 rejects an empty list against them
-    kernels = "moe, moe_small, moe_fp8, prefill, mla, mla_prefill and/or decode (default: moe and prefill)"
+    kernels = "moe, moe_small, moe_fp8, prefill, mla, mla_prefill, decode and/or decode_varlen (default: moe, prefill)"
     parser.add_argument("kernels", nargs="*", default=["moe", "prefill"], help=kernels)
     parser.add_argument("--output-json", help="write every row here")
     args = parser.parse_args()
@@ -318,6 +367,7 @@ def main():
         mla=mla_sweep,
         mla_prefill=mla_prefill_sweep,
         decode=decode_sweep,
+        decode_varlen=decode_varlen_sweep,
     )
     if unknown := set(args.kernels) - set(sweeps):
         parser.error(f"unknown kernels {sorted(unknown)}: choose from {', '.join(sweeps)}")

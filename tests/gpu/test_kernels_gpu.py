@@ -210,6 +210,21 @@ def test_paged_attention_forced_splits(num_splits):
     assert_close(out, reference_attention(*args, 128**-0.5), torch.bfloat16)
 
 
+@pytest.mark.parametrize("balance, min_keys", [(4, 512), (16, 128)])
+@pytest.mark.parametrize("kv_heads", [4, 8])
+def test_paged_attention_balance_splits(balance, min_keys, kv_heads, monkeypatch):
+    """Large decode batches of uneven contexts split into segments of at least ``min_keys`` keys (the
+    sweep's candidates; the decode graphs' max_seqlen_k 4,096), against the reference."""
+    from atom.ops.triton import attention
+
+    monkeypatch.setattr(attention, "BALANCE_SPLITS", balance)
+    monkeypatch.setattr(attention, "SPLIT_MIN_KEYS", min_keys)
+    args = make_batch([1] * 256, torch.randint(1, 4000, (256,)).tolist(), 32, kv_heads, 128, 16, torch.bfloat16)
+    assert attention._num_splits(args[0], 256, kv_heads, 1, 4096) == (balance, min_keys)
+    out = tk.paged_attention(*args, 128**-0.5, 1, 4096, num_decode_tokens=256)
+    assert_close(out, reference_attention(*args, 128**-0.5), torch.bfloat16)
+
+
 # --- norms, activation, rope + cache ------------------------------------------------------
 
 

@@ -64,6 +64,39 @@ def test_paged_attention_split_k(case, num_splits, assert_close):
     assert_close(out, ref, dtype)
 
 
+def test_paged_attention_balance_splits(monkeypatch, assert_close):
+    # Splits of at least 64 keys over uneven decode contexts: the 300-key sequence takes 4 of the 8
+    # splits (its 5 tiles of 64, 2 a split, the last split's tile alone), the 70-key one 2 (the second
+    # a part tile), the 20-key one 1; the rest are empty and must not reach the merge.
+    from atom.ops.triton import attention
+
+    monkeypatch.setattr(attention, "_num_splits", lambda *_: (8, 64))
+    dtype = torch.bfloat16
+    q, k_cache, v_cache, cu, seq_lens, tables = make_batch([1, 1, 1], [299, 69, 19], 8, 2, 128, 16, dtype)
+    out = paged_attention(q, k_cache, v_cache, cu, seq_lens, tables, 128**-0.5, 1, 300)
+    ref = reference.paged_attention(q.float(), k_cache.float(), v_cache.float(), cu, seq_lens, tables, 128**-0.5)
+    assert_close(out, ref, dtype)
+
+
+def test_num_splits_policy(monkeypatch):
+    # filling the GPU first (splits of >= 32 keys), then balance splits for large batches when enabled
+    from atom.ops.triton import attention
+
+    monkeypatch.setattr(attention, "_num_sms", lambda _: 132)
+    q = torch.empty(0, device="meta")
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    assert attention._num_splits(q, 1, 8, 1, 4096) == (64, 0)
+    assert attention._num_splits(q, 32, 8, 1, 4096) == (2, 0)
+    assert attention._num_splits(q, 256, 4, 1, 4096) == (1, 0)
+    assert attention._num_splits(q, 256, 4, 2, 4096) == (1, 0)  # prefill rows: never split here
+    monkeypatch.setattr(attention, "BALANCE_SPLITS", 8)
+    monkeypatch.setattr(attention, "SPLIT_MIN_KEYS", 512)
+    assert attention._num_splits(q, 256, 4, 1, 4096) == (8, 512)
+    assert attention._num_splits(q, 256, 4, 1, 3000) == (4, 512)  # 5 splits of 512 fit: a power of two
+    assert attention._num_splits(q, 256, 4, 1, 600) == (1, 0)
+    assert attention._num_splits(q, 32, 8, 1, 4096) == (2, 0)  # the GPU-filling split first
+
+
 def test_merge_reads_no_output_row_of_an_empty_split():
     # A split that saw no key stores only its -inf max and zero sum; its output rows stay as
     # they were (NaN here) and must not reach the result.

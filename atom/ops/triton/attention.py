@@ -16,7 +16,9 @@ Launches whose chunks fill 128-row tiles go to the prefill kernel of
 
 Split-K (flash decoding): with few sequences there are too few programs to fill the GPU,
 so the key range of each tile is cut into ``num_splits`` segments handled by separate
-programs that write unnormalised partial results; a second kernel merges them.
+programs that write unnormalised partial results; a second kernel merges them. Large decode
+batches of uneven contexts may split too, into segments of a minimum length, so that a long
+sequence's keys spread over several programs while short ones stay whole (``_num_splits``).
 
 An fp8 cache (``float8_e4m3fn``) is read as is and multiplied by its per-layer scales:
 the K scale folds into the softmax scale and the V scale into the output.
@@ -53,7 +55,7 @@ def _gluon_prefill(device: torch.device) -> bool:
 # per-step values (sequence count, block-table width, metadata slice offsets) are not
 # specialized on: each new combination would compile a variant in the middle of serving
 @triton.jit(
-    do_not_specialize=["num_seqs", "num_splits", "stride_bt"],
+    do_not_specialize=["num_seqs", "num_splits", "min_split_tiles", "stride_bt"],
     do_not_specialize_on_alignment=["cu_seqlens_q_ptr", "seq_lens_ptr", "block_tables_ptr"],
 )
 def _paged_attention_kernel(
@@ -72,6 +74,7 @@ def _paged_attention_kernel(
     qk_scale,
     num_seqs,
     num_splits,
+    min_split_tiles,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -129,7 +132,8 @@ def _paged_attention_kernel(
     q_pos = context_len + q_idx
     kv_end = tl.minimum(seq_len, context_len + first_q + BLOCK_Q)
     num_tiles = tl.cdiv(kv_end, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    # at least ``min_split_tiles`` a split: a short sequence leaves its last splits empty
+    tiles_per_split = tl.maximum(tl.cdiv(num_tiles, num_splits), min_split_tiles)
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
 
@@ -177,17 +181,30 @@ def _paged_attention_kernel(
         )
 
 
-def _num_splits(q: torch.Tensor, num_seqs: int, num_kv_heads: int, max_seqlen_q: int, max_seqlen_k: int) -> int:
-    """Key-range splits for a decode-only batch whose (sequence, KV head) programs would not
-    fill the GPU: the largest power of two that keeps the programs within four per SM,
-    each split at least 32 keys. Measured on an H100 at Qwen3-8B heads (docs/performance.md,
-    kernel section): batch 1 wants 64 splits even at 2k context, batch 8 wants 8, batch 32
-    wants 2 (3 was 15% slower), batch 64 none."""
+# Decode batches that fill the GPU unsplit still wait on their longest sequences (one program a sequence
+# and KV head; the throughput workload's contexts run 100-2,000 keys): up to BALANCE_SPLITS splits of at
+# least SPLIT_MIN_KEYS keys each, so a long sequence's keys spread over several programs and a short one's
+# stay whole. 1: off.
+BALANCE_SPLITS = 1
+SPLIT_MIN_KEYS = 512
+
+
+def _num_splits(
+    q: torch.Tensor, num_seqs: int, num_kv_heads: int, max_seqlen_q: int, max_seqlen_k: int
+) -> tuple[int, int]:
+    """Key-range splits for a decode-only batch, and the fewest keys a split takes. Batches whose
+    (sequence, KV head) programs would not fill the GPU: the largest power of two that keeps the
+    programs within four per SM, each split at least 32 keys (measured on an H100 at Qwen3-8B heads,
+    docs/performance.md, kernel section: batch 1 wants 64 splits even at 2k context, batch 8 wants 8,
+    batch 32 wants 2, 3 was 15% slower, batch 64 none). Larger ones: ``BALANCE_SPLITS``."""
     if max_seqlen_q > 1 or not q.is_cuda:
-        return 1
+        return 1, 0
     fill = 4 * _num_sms(q.device.index or 0) // (num_seqs * num_kv_heads)
     splits = min(fill, max_seqlen_k // 32, 64)
-    return 1 if splits < 2 else 1 << (splits.bit_length() - 1)
+    if splits >= 2:
+        return 1 << (splits.bit_length() - 1), 0
+    balance = min(BALANCE_SPLITS, max_seqlen_k // SPLIT_MIN_KEYS)
+    return (1 << (balance.bit_length() - 1), SPLIT_MIN_KEYS) if balance >= 2 else (1, 0)
 
 
 def _config(head_dim: int, group_pad: int, max_seqlen_q: int, elem_bytes: int) -> dict:
@@ -213,10 +230,11 @@ def _attend(
     num_tokens, num_q_heads, head_dim = q.shape
     _, num_kv_heads, page_size, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
+    min_keys = 0
     if num_splits is None:
         if max_seqlen_k is None and max_seqlen_q == 1:
             max_seqlen_k = int(seq_lens.max())
-        num_splits = _num_splits(q, num_seqs, num_kv_heads, max_seqlen_q, max_seqlen_k or 0)
+        num_splits, min_keys = _num_splits(q, num_seqs, num_kv_heads, max_seqlen_q, max_seqlen_k or 0)
 
     group = num_q_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
@@ -260,6 +278,7 @@ def _attend(
         scale * log2e,
         num_seqs,
         num_splits,
+        triton.cdiv(min_keys, cfg["block_n"]),
         q.stride(0),
         q.stride(1),
         out.stride(0),
