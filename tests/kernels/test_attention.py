@@ -87,8 +87,9 @@ def test_num_splits_policy(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     assert attention._num_splits(q, 1, 8, 1, 4096) == (64, 0)
     assert attention._num_splits(q, 32, 8, 1, 4096) == (2, 0)
-    assert attention._num_splits(q, 256, 4, 1, 4096) == (1, 0)
     assert attention._num_splits(q, 256, 4, 2, 4096) == (1, 0)  # prefill rows: never split here
+    monkeypatch.setattr(attention, "BALANCE_SPLITS", 1)
+    assert attention._num_splits(q, 256, 4, 1, 4096) == (1, 0)
     monkeypatch.setattr(attention, "BALANCE_SPLITS", 8)
     monkeypatch.setattr(attention, "SPLIT_MIN_KEYS", 512)
     assert attention._num_splits(q, 256, 4, 1, 4096) == (8, 512)

@@ -184,8 +184,9 @@ def _paged_attention_kernel(
 # Decode batches that fill the GPU unsplit still wait on their longest sequences (one program a sequence
 # and KV head; the throughput workload's contexts run 100-2,000 keys): up to BALANCE_SPLITS splits of at
 # least SPLIT_MIN_KEYS keys each, so a long sequence's keys spread over several programs and a short one's
-# stay whole. 1: off.
-BALANCE_SPLITS = 1
+# stay whole. H200, session 31 (`kernel_sweep.py decode_varlen`, 128-256 sequences of 100-2,000 keys, 4 or
+# 8 KV heads): 2 of >= 512 keys 1.5-7% faster than unsplit; 4-16 splits, or shorter ones, slower.
+BALANCE_SPLITS = 2
 SPLIT_MIN_KEYS = 512
 
 
@@ -235,6 +236,8 @@ def _attend(
         if max_seqlen_k is None and max_seqlen_q == 1:
             max_seqlen_k = int(seq_lens.max())
         num_splits, min_keys = _num_splits(q, num_seqs, num_kv_heads, max_seqlen_q, max_seqlen_k or 0)
+        if min_keys and k_cache.element_size() == 1:  # an fp8 cache's unsplit 128-key steps (below) instead
+            num_splits, min_keys = 1, 0
 
     group = num_q_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
