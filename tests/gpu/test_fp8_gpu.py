@@ -228,3 +228,48 @@ def test_fused_moe_fp8_candidates(num_tokens, override):
     out = fused_moe_fp8(x, w13, s13, w2, s2, weights, ids, 128, config=config)
     ref = reference_fp8.fused_moe_fp8(x, w13, s13, w2, s2, weights, ids, 128)
     assert_close(out, ref, tol=0.02)
+
+
+# --- programmatic dependent launch (ATOM_PDL) ---------------------------------------------
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_pdl_decode_chain(fp8, monkeypatch):
+    """Batch-1 decode's order of kernels, each reading what the one before wrote, four times over in one
+    CUDA graph: RMS norm (signals), the gate_up-shaped skinny GEMM (PDL: prefetches its weights, then
+    waits) and its split-K sum (PDL), the down-shaped GEMM. With PDL the same bits as without: a GEMM
+    that read its input before the kernel before it had finished would differ."""
+    from atom.ops.triton import pdl
+
+    hidden, wide = 4096, 12288
+    norm_w = torch.rand(hidden, device=DEV, dtype=torch.bfloat16) + 0.5
+    linears = []
+    for n, k in [(wide, hidden), (hidden, wide)] * 4:
+        w = torch.randn(n, k, device=DEV) / k**0.5
+        if fp8:
+            q, s = reference_fp8.quantize_weight(w, 128, 128)
+            linears.append(lambda x, q=q, s=s: fp8_linear(x, q, s, 128))
+        else:
+            w16 = w.to(torch.bfloat16)
+            linears.append(lambda x, w16=w16: gemv.linear(x, w16))
+
+    def chain(x):
+        for up, down in zip(linears[::2], linears[1::2]):
+            x = down(up(ops.rms_norm(x, norm_w, 1e-6)))
+        return x
+
+    x = torch.randn(1, hidden, device=DEV, dtype=torch.bfloat16)
+    outs = {}
+    for on in (False, True):
+        monkeypatch.setattr(pdl, "ENABLED", on)
+        assert pdl.enabled(x) == on
+        chain(x)  # compiled outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain(x)
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+        outs[on] = out.clone()
+    assert not outs[False].isnan().any() and outs[False].abs().max() > 0
+    assert torch.equal(outs[True], outs[False])
