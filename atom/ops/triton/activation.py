@@ -6,12 +6,9 @@ import torch
 import triton
 import triton.language as tl
 
-from atom.ops.triton import pdl
-
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, d, stride_x, stride_out, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    pdl.signal(PDL)  # the down GEMM (launched with PDL) may start fetching its weights
+def _silu_and_mul_kernel(x_ptr, out_ptr, d, stride_x, stride_out, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
@@ -33,7 +30,5 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out2 = out.view(-1, d)
     block = min(triton.next_power_of_2(d), 1024)
     grid = (x2.shape[0], triton.cdiv(d, block))
-    _silu_and_mul_kernel[grid](
-        x2, out2, d, x2.stride(0), out2.stride(0), BLOCK=block, PDL=pdl.enabled(x2), num_warps=4
-    )  # fmt: skip
+    _silu_and_mul_kernel[grid](x2, out2, d, x2.stride(0), out2.stride(0), BLOCK=block, num_warps=4)  # fmt: skip
     return out

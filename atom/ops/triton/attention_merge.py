@@ -8,8 +8,6 @@ import torch
 import triton
 import triton.language as tl
 
-from atom.ops.triton import pdl
-
 
 @triton.jit
 def with_columns(mask, offs_d, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
@@ -36,9 +34,7 @@ def _merge_splits_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_S: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    pdl.signal(PDL)  # the output projection (launched with PDL) may start fetching its weights
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -75,5 +71,5 @@ def merge_splits(out: torch.Tensor, part_out: torch.Tensor, part_max: torch.Tens
     _merge_splits_kernel[(num_tokens, num_heads)](
         out, part_out, part_max, part_sum, num_heads, num_splits, out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_S=triton.next_power_of_2(num_splits),
-        PDL=pdl.enabled(out), num_warps=4,
+        num_warps=4,
     )  # fmt: skip

@@ -30,7 +30,6 @@ import triton
 import triton.language as tl
 
 from atom.ops import reference_fp8
-from atom.ops.triton import pdl
 from atom.ops.triton.fp8_configs import SKINNY_MAX_N, SKINNY_MAX_ROWS, gemm_config, skinny_config
 from atom.ops.triton.gemv import skinny_gemm
 
@@ -40,10 +39,9 @@ logger = logging.getLogger(__name__)
 # the column-major scales' group stride is the row count: not specialised (1, multiples of 16)
 @triton.jit(do_not_specialize=["m", "stride_sg"])
 def _group_quant_kernel(x_ptr, q_ptr, s_ptr, m, k, stride_x, stride_q, stride_sm, stride_sg, group_k,
-                        ROWS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                        ROWS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     """One group of ``ROWS`` rows a program: a (row, group) a program left most threads idle at
     128-wide groups (2.2x slower than vLLM's kernel on the fused MoE's intermediate)."""
-    pdl.signal(PDL)  # a skinny GEMM next (launched with PDL) may start fetching its weights
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     group = tl.program_id(1)
     cols = group * group_k + tl.arange(0, BLOCK)
@@ -79,7 +77,7 @@ def per_token_group_quant_fp8(
         rows = max(4096 // block, 1)
         _group_quant_kernel[(triton.cdiv(m, rows), groups)](
             x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0), s.stride(1), group, ROWS=rows, BLOCK=block,
-            PDL=pdl.enabled(x), num_warps=4,
+            num_warps=4,
         )  # fmt: skip
     return q, s
 

@@ -32,8 +32,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from atom.ops.triton import pdl
-
 _MODES = {"sum": 0, "defer": 1, "dot": 2, "dot_t": 3}
 # Where the skinny kernel beats cuBLAS (H100 sweep, tests/gpu/gemv_bench.py, CUDA-graph replay
 # over weight copies that do not fit L2): at one row on every Qwen3 projection (8B: 80-97% of
@@ -61,19 +59,16 @@ class GemvConfig:
 @triton.jit(do_not_specialize=["M", "stride_os", "stride_xsk"])
 def _skinny_gemm_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, xs_ptr, ws_ptr,
-    M, N, K, k_per_split, prefetch_bytes,
+    M, N, K, k_per_split,
     stride_xm, stride_wn, stride_om, stride_os, stride_xsm, stride_xsk, stride_wsn, stride_wsk,
     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr, MODE: tl.constexpr,
     SCALES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    QUANT_X: tl.constexpr, PDL: tl.constexpr,
+    QUANT_X: tl.constexpr,
 ):  # fmt: skip
     # SCALES: 0 none; 1 one scale per input row (xs[m, 0]) and weight row (ws[n, 0]), applied
     # once; 2 one per row and BLOCK_K-wide key group (xs[m, g], ws[n, g]), applied every step.
     # QUANT_X (with SCALES 2): x is 16-bit and each step quantises its group to e4m3 here, as
-    # fp8_gemm's _group_quant_kernel does (the same codes and scales; xs_ptr is unused).
-    # PDL (``atom.ops.triton.pdl``): launched early, the program asks L2 for the start of its weight
-    # rows, then waits for the kernel before (which wrote x) before it reads or writes anything else
-    pdl.signal(PDL)
+    # fp8_gemm's _group_quant_kernel does (the same codes and scales; xs_ptr is unused)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
@@ -87,13 +82,6 @@ def _skinny_gemm_kernel(
     xs_rows = xs_ptr + rm_load * stride_xsm
     ws_rows = ws_ptr + rn_load * stride_wsn
     k_start = pid_k * k_per_split
-    if PDL:
-        elem: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-        nbytes = (tl.minimum(tl.minimum(k_per_split, K - k_start) * elem, prefetch_bytes) // 16) * 16
-        if nbytes > 0:
-            rows = w_ptr + rn_load.to(tl.int64) * stride_wn + k_start
-            pdl.prefetch_rows(rows, tl.full([BLOCK_N], nbytes, tl.int32), PDL)
-    pdl.wait(PDL)
     if SCALES == 2:
         # block scales are read one key step ahead, so their latency hides behind the step's
         # loads and MMA (as in fp8_gemm's tile kernel); past the last group, the last is reread
@@ -169,10 +157,8 @@ def _skinny_gemm_kernel(
 @triton.jit
 def _split_k_reduce_kernel(
     part_ptr, b_ptr, out_ptr, N, stride_pm, stride_ps, stride_om,
-    SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    pdl.signal(PDL)
-    pdl.wait(PDL)  # PDL: launched while the GEMM's last programs run
     m = tl.program_id(0).to(tl.int64)
     rn = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = rn < N
@@ -220,24 +206,20 @@ def skinny_gemm(
     target = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if partial else out
     b = bias if bias is not None else out
     grid = (triton.cdiv(n, cfg.block_n), split_k)
-    # the bulk prefetch reads 16-byte aligned runs of each weight row
-    row_bytes = weight.stride(0) * weight.element_size()
-    use_pdl = pdl.enabled(x) and row_bytes % 16 == 0 and weight.data_ptr() % 16 == 0
     _skinny_gemm_kernel[grid](
-        x, weight, b, target, x_scale, w_scale, m, n, k, k_per_split, pdl.PREFETCH_BYTES,
+        x, weight, b, target, x_scale, w_scale, m, n, k, k_per_split,
         x.stride(0), weight.stride(0), target.stride(-2), target.stride(0) if partial else 0,
         x_scale.stride(0), x_scale.stride(1), w_scale.stride(0), w_scale.stride(1),
         HAS_BIAS=bias is not None, PARTIAL=partial, EVEN_K=even_k, MODE=mode,
         SCALES=0 if scales is None else 2 if group_k else 1,
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, QUANT_X=quant_x, PDL=use_pdl,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch(use_pdl),
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, QUANT_X=quant_x,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if partial:
         block = min(triton.next_power_of_2(n), 1024)
         _split_k_reduce_kernel[(m, triton.cdiv(n, block))](
             target, b, out, n, target.stride(1), target.stride(0), out.stride(0),
-            SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=block, PDL=use_pdl, num_warps=4,
-            **pdl.launch(use_pdl),
+            SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
         )  # fmt: skip
     return out
 

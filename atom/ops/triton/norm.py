@@ -6,8 +6,6 @@ import torch
 import triton
 import triton.language as tl
 
-from atom.ops.triton import pdl
-
 
 @triton.jit
 def _rms_norm_kernel(
@@ -24,9 +22,7 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    pdl.signal(PDL)  # the next GEMM (launched with PDL) may start fetching its weights
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -90,7 +86,6 @@ def rms_norm(
         eps,
         HAS_RESIDUAL=residual is not None,
         BLOCK=block,
-        PDL=pdl.enabled(x2),
         num_warps=num_warps,
     )
     return out if residual is None else (out, res_out)
