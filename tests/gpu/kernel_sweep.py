@@ -132,7 +132,7 @@ def moe_fp8_sweep() -> list[dict]:
     # the 16-row tile's row tiles in groups, as vLLM's table at 4-96 tokens (GROUP_SIZE_M 16-32; 16 the default)
     cfgs += [{**cfgs[1], "GROUP_M": 32}]
     rows = []
-    for n in [1, 16, 128, 512, 2048, 8192]:
+    for n in [1, 16, 128, 256, 512, 2048, 8192]:  # 256: vLLM switches to 64-row tiles there
         label = f"moe fp8 T={n}"
         fns, refs, nbytes, flops = prepare(functools.partial(moe_fp8_case, n))
         for cfg in [None, *cfgs]:
@@ -306,7 +306,8 @@ def decode_sweep() -> list[dict]:
 def decode_varlen_sweep() -> list[dict]:
     """Decode batches of uneven contexts, as the throughput workload's steps (128-256 sequences, 100-2,000
     keys each): atom's default split, even splits (``num_splits``), balance splits (``BALANCE_SPLITS`` of at
-    least ``SPLIT_MIN_KEYS`` keys, patched in), and vLLM's FlashAttention 3 (config ``vllm``) on the same
+    least ``SPLIT_MIN_KEYS`` keys, patched in), decode tiles (``attention._config`` patched: keys a step,
+    warps, stages), and vLLM's FlashAttention 3 (config ``vllm``) on the same
     cache; max_seqlen_k 4,096 as the decode graphs' (max_model_len). Qwen3-30B-A3B's heads (32 / 4) and
     Qwen3-8B's (32 / 8)."""
     from kernel_bench import vllm_kernels
@@ -314,12 +315,13 @@ def decode_varlen_sweep() -> list[dict]:
     from atom.ops.triton import attention
 
     fa3 = vllm_kernels()[0]
-    variants = [("default", None, None), ("splits=2", 2, None), ("splits=4", 4, None)]
-    variants += [
-        (f"balance={b} min={k}", None, (b, k))
-        for b, k in [(2, 512), (4, 512), (8, 512), (4, 256), (8, 256), (16, 256), (8, 128), (16, 128)]
-    ]
-    rows = []
+    variants = [("default", None, None, None), ("splits=1", 1, None, None), ("splits=4", 4, None, None)]
+    variants += [(f"balance={b} min={k}", None, (b, k), None) for b, k in [(4, 512), (4, 256), (8, 256)]]
+    # the decode tile (default 64 keys a step, 4 warps, 2 stages), with the default split
+    tiles = [(32, 4, 3), (64, 4, 3), (64, 4, 4), (64, 2, 2), (64, 8, 2), (128, 4, 2), (128, 8, 2), (128, 8, 3)]
+    variants += [(f"block_n={n} w{w} s{st}", None, None, dict(block_n=n, num_warps=w, num_stages=st))
+                 for n, w, st in tiles]  # fmt: skip
+    rows, default_config = [], attention._config
     for (heads, kv_heads), b in itertools.product([(32, 4), (32, 8)], [128, 256]):
         gen = torch.Generator().manual_seed(b + kv_heads)
         ctx = torch.randint(100, 2000, (b,), generator=gen).tolist()
@@ -340,14 +342,17 @@ def decode_varlen_sweep() -> list[dict]:
         prepared = prepare(builder)
         if refs := prepared[1].get(""):
             rows.append(_timed(case, "vllm", lambda p=prepared, r=refs: (r, {}, *p[2:])))
-        for label, splits, balance in variants:
+        for label, splits, balance, tile in variants:
             saved = attention.BALANCE_SPLITS, attention.SPLIT_MIN_KEYS
             try:
                 if balance:
                     attention.BALANCE_SPLITS, attention.SPLIT_MIN_KEYS = balance
+                if tile:
+                    attention._config = lambda *a, t=tile, d=default_config: {**d(*a), **t}
                 rows.append(_timed(case, label, functools.partial(prepare, functools.partial(builder, splits))))
             finally:
                 attention.BALANCE_SPLITS, attention.SPLIT_MIN_KEYS = saved
+                attention._config = default_config
         del prepared
     return [r for r in rows if r]
 
