@@ -5,10 +5,12 @@ Qwen3-8B's layer minus attention, one row, bf16 and FP8 (block-128) weights: RMS
 first 4,096 of qkv's columns) -> RMS norm -> gate_up -> SiLU-mul -> down, over 8 layers of their own weights
 (past L2), captured in one CUDA graph and replayed: us a layer and the weight bytes / time as a share of
 the copy bandwidth measured in the same call. ``fp8_gemm_probe.py`` times the same GEMMs one by one.
+``--trace``: a torch-profiler trace of three replays each, and per kernel its launches a layer, mean time
+and mean idle gap before it (where the time between the GEMMs goes).
 
-    python tests/gpu/decode_chain.py [--layers 8]
+    python tests/gpu/decode_chain.py [--layers 8] [--trace]
 
-Writes $OUT/decode_chain.json (or ./gpu-results).
+Writes $OUT/decode_chain.json (and the traces) (or ./gpu-results).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections import defaultdict
 
 import torch
 from kernel_bench import bench_ms  # tests/gpu/, next to this script
@@ -54,33 +57,61 @@ def chain(x, layers, norm_w):
     return x
 
 
-def timed(layers, norm_w, x) -> float:
+def captured(layers, norm_w, x) -> torch.cuda.CUDAGraph:
     chain(x, layers, norm_w)  # compiled outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         chain(x, layers, norm_w)
-    return bench_ms(graph.replay, 50) / len(layers)
+    return graph
+
+
+def kernel_table(graph: torch.cuda.CUDAGraph, path: str, layers: int, replays: int = 3) -> list[dict]:
+    """Per kernel name: launches a layer, mean us, mean idle gap before it (us), from a trace of ``replays``."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(path)
+    events = json.load(open(path))["traceEvents"]
+    kernels = sorted((e for e in events if e.get("cat") == "kernel" and "dur" in e), key=lambda e: e["ts"])
+    stats = defaultdict(lambda: [0, 0.0, 0.0])
+    for prev, e in zip(kernels, kernels[1:]):  # the first kernel of the window has no gap before it
+        row = stats[e["name"][:60]]
+        row[0] += 1
+        row[1] += e["dur"]
+        row[2] += max(0.0, e["ts"] - prev["ts"] - prev["dur"])
+    per_layer = replays * layers
+    return [dict(kernel=k, per_layer=n / per_layer, us=t / n, gap_us=g / n) for k, (n, t, g) in stats.items()]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--trace", action="store_true", help="also each kernel's time and the gap before it")
     args = parser.parse_args()
+    out_dir = os.environ.get("OUT", "gpu-results")
+    os.makedirs(out_dir, exist_ok=True)
     bw = copy_bandwidth()
     norm_w = torch.rand(HIDDEN, device=DEV, dtype=torch.bfloat16) + 0.5
     x = torch.randn(1, HIDDEN, device=DEV, dtype=torch.bfloat16)
-    rows = []
+    rows, kernels = [], {}
     for fp8 in (False, True):
+        name = "fp8" if fp8 else "bf16"
         built = [layer_weights(fp8) for _ in range(args.layers)]
-        ms = timed([c for c, _ in built], norm_w, x)
-        rows.append(dict(weights="fp8" if fp8 else "bf16", us=ms * 1e3, floor_pct=100 * built[0][1] / (ms * 1e-3) / bw))
+        graph = captured([c for c, _ in built], norm_w, x)
+        ms = bench_ms(graph.replay, 50) / args.layers
+        rows.append(dict(weights=name, us=ms * 1e3, floor_pct=100 * built[0][1] / (ms * 1e-3) / bw))
         print(rows[-1], flush=True)
-        del built
+        if args.trace:
+            kernels[name] = kernel_table(graph, f"{out_dir}/decode_chain_{name}.json", args.layers)
+        del built, graph
         torch.cuda.empty_cache()
-    out_dir = os.environ.get("OUT", "gpu-results")
-    os.makedirs(out_dir, exist_ok=True)
-    json.dump(dict(device=torch.cuda.get_device_name(), copy_tbps=bw / 1e12, rows=rows),
+    json.dump(dict(device=torch.cuda.get_device_name(), copy_tbps=bw / 1e12, rows=rows, kernels=kernels),
               open(f"{out_dir}/decode_chain.json", "w"), indent=1)  # fmt: skip
+    for name, table in kernels.items():
+        print(f"\n{name}: kernel | launches a layer | us | idle gap before it, us")
+        for k in sorted(table, key=lambda k: -k["per_layer"] * (k["us"] + k["gap_us"])):
+            print(f"  {k['kernel']:<60} {k['per_layer']:4.1f} {k['us']:7.2f} {k['gap_us']:6.2f}")
     print(f"\n{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s; Qwen3-8B layer minus attention, 1 row\n")
     print("| weights | us / layer | % of the copy floor |")
     print("|---|---|---|")
