@@ -366,7 +366,7 @@ def _moe_gemm_kernel(
     MUL_WEIGHT: c is scaled by the pair's routing weight. B_DESC: ``b`` tiles come through
     ``b_desc`` (a tensor descriptor over b as [experts * rows, K]: bulk tensor copies);
     rows past N are read but their columns are never stored. ``num_m``: row tiles (``_tile_ids``).
-    Gate and up in one dot (``_paired_rows``, as the FP8 kernel) lost 1-11% at every size (H200,
+    Gate and up in one dot (``_paired_rows``, as the FP8 kernel) lost 0.5-12% at every size (H200,
     session 31, `kernel_sweep.py moe moe_small`)."""
     pid_m, pid_n = _tile_ids(num_m, N, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):

@@ -32,8 +32,8 @@ def _moe_fp8_gemm_kernel(
     one dot a key step over the gate and up rows interleaved (2 x BLOCK_N columns), split apart at the
     end, instead of a dot each: one wgmma twice as wide reads the ``a`` tile from shared memory once.
     Block scales are read one key step ahead (carried across the loop), as in ``fp8_gemm``: read in
-    their own step (vLLM's order, 110 instead of 140 registers at the paired 16 x 64 tile) was within
-    1% at 16-row tiles and 17% slower at 64-row ones (H200, session 31)."""
+    their own step (vLLM's order, 110 instead of 140 registers at the paired 16 x 64 tile) was 0.6-1.2%
+    faster at 16-row tiles (equal with their row groups of 16) and 17% slower at 64-row ones (H200, session 31)."""
     pid_m, pid_n = _tile_ids(num_m, N, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
