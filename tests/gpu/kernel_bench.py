@@ -113,10 +113,14 @@ def attention_cost(q, k_cache, q_lens, context_lens) -> tuple[int, int]:
     return kv_bytes + 2 * q.nbytes, 4 * num_q_heads * head_dim * visible
 
 
-def attention_case(q_lens, context_lens, packed=False, num_decode_tokens=0):
-    """``packed``: also pass the new tokens' K/V packed (prefill reads them through descriptors)."""
-    q, k_cache, v_cache, cu, lens, tables = attention_inputs(q_lens, context_lens)
-    scale, max_q, max_k = q.shape[2] ** -0.5, max(q_lens), max(c + n for c, n in zip(context_lens, q_lens))
+def attention_case(q_lens, context_lens, packed=False, num_decode_tokens=0, num_kv_heads=8, max_seqlen_k=None,
+                   num_splits=None):  # fmt: skip
+    """``packed``: also pass the new tokens' K/V packed (prefill reads them through descriptors).
+    ``max_seqlen_k``: as a decode graph passes it (its max_model_len; default the batch's longest), to
+    both kernels; ``num_splits``: atom's split override."""
+    q, k_cache, v_cache, cu, lens, tables = attention_inputs(q_lens, context_lens, num_kv_heads=num_kv_heads)
+    scale, max_q = q.shape[2] ** -0.5, max(q_lens)
+    max_k = max_seqlen_k or max(c + n for c, n in zip(context_lens, q_lens))
     kv = new_kv(k_cache, v_cache, tables, q_lens, context_lens) if packed else {}
     args = (q, k_cache, v_cache, cu, lens, tables, scale, max_q, max_k)
     ref, fa3 = None, vllm_kernels()[0]
@@ -125,7 +129,7 @@ def attention_case(q_lens, context_lens, packed=False, num_decode_tokens=0):
         fa_args = dict(max_seqlen_q=max_q, cu_seqlens_q=cu, max_seqlen_k=max_k, seqused_k=lens, softmax_scale=scale)
         fa_args.update(causal=True, block_table=tables, out=torch.empty_like(q), fa_version=3)
         ref = functools.partial(fa3, q, k_fa, v_fa, **fa_args)
-    fn = functools.partial(tk.paged_attention, *args, num_decode_tokens=num_decode_tokens, **kv)
+    fn = functools.partial(tk.paged_attention, *args, num_decode_tokens=num_decode_tokens, num_splits=num_splits, **kv)
     return fn, ref, *attention_cost(q, k_cache, q_lens, context_lens)
 
 

@@ -23,6 +23,7 @@ import torch
 # tests/gpu/kernel_bench.py: python puts this script's directory on sys.path
 from kernel_bench import (
     EXACT,
+    attention_case,
     attention_cost,
     attention_inputs,
     graph_ms,
@@ -310,11 +311,8 @@ def decode_varlen_sweep() -> list[dict]:
     warps, stages), and vLLM's FlashAttention 3 (config ``vllm``) on the same
     cache; max_seqlen_k 4,096 as the decode graphs' (max_model_len). Qwen3-30B-A3B's heads (32 / 4) and
     Qwen3-8B's (32 / 8)."""
-    from kernel_bench import vllm_kernels
-
     from atom.ops.triton import attention
 
-    fa3 = vllm_kernels()[0]
     variants = [("default", None, None, None), ("splits=1", 1, None, None), ("splits=4", 4, None, None)]
     variants += [(f"balance={b} min={k}", None, (b, k), None) for b, k in [(4, 512), (4, 256), (8, 256)]]
     # the decode tile (default 64 keys a step, 4 warps, 2 stages), with the default split
@@ -322,23 +320,12 @@ def decode_varlen_sweep() -> list[dict]:
     variants += [(f"block_n={n} w{w} s{st}", None, None, dict(block_n=n, num_warps=w, num_stages=st))
                  for n, w, st in tiles]  # fmt: skip
     rows, default_config = [], attention._config
-    for (heads, kv_heads), b in itertools.product([(32, 4), (32, 8)], [128, 256]):
+    for kv_heads, b in itertools.product([4, 8], [128, 256]):
         gen = torch.Generator().manual_seed(b + kv_heads)
-        ctx = torch.randint(100, 2000, (b,), generator=gen).tolist()
+        ctx = torch.randint(100, 2000, (b,), generator=gen).tolist()  # cached keys before each decode row
         case = f"decode varlen b={b} kv={kv_heads}"
-
-        def builder(splits=None, ctx=ctx, heads=heads, kv_heads=kv_heads, b=b):
-            q, k_cache, v_cache, cu, lens, tables = inputs = attention_inputs([1] * b, ctx, heads, kv_heads)
-            fn = functools.partial(tk.paged_attention, *inputs, 128**-0.5, 1, 4096, num_decode_tokens=b,
-                                   num_splits=splits)  # fmt: skip
-            ref = None
-            if fa3 is not None:  # vLLM's cache layout [blocks, block_size, kv_heads, head_dim]
-                k_fa, v_fa = (c.permute(0, 2, 1, 3).contiguous() for c in (k_cache, v_cache))
-                ref = functools.partial(fa3, q, k_fa, v_fa, max_seqlen_q=1, cu_seqlens_q=cu, max_seqlen_k=4096,
-                                        seqused_k=lens, softmax_scale=128**-0.5, causal=True, block_table=tables,
-                                        out=torch.empty_like(q), fa_version=3)  # fmt: skip
-            return fn, ref, *attention_cost(q, k_cache, [1] * b, ctx)
-
+        builder = functools.partial(attention_case, [1] * b, ctx, num_decode_tokens=b, num_kv_heads=kv_heads,
+                                    max_seqlen_k=4096)  # fmt: skip
         prepared = prepare(builder)
         if refs := prepared[1].get(""):
             rows.append(_timed(case, "vllm", lambda p=prepared, r=refs: (r, {}, *p[2:])))
@@ -349,7 +336,8 @@ def decode_varlen_sweep() -> list[dict]:
                     attention.BALANCE_SPLITS, attention.SPLIT_MIN_KEYS = balance
                 if tile:
                     attention._config = lambda *a, t=tile, d=default_config: {**d(*a), **t}
-                rows.append(_timed(case, label, functools.partial(prepare, functools.partial(builder, splits))))
+                split_builder = functools.partial(builder, num_splits=splits)
+                rows.append(_timed(case, label, functools.partial(prepare, split_builder)))
             finally:
                 attention.BALANCE_SPLITS, attention.SPLIT_MIN_KEYS = saved
                 attention._config = default_config

@@ -297,21 +297,21 @@ def test_fused_moe_qwen3(num_tokens):
     assert_close(out, ref, dtype)
 
 
-@pytest.mark.parametrize("num_tokens, override", [(2048, {"GROUP_M": 8}), (2048, {"GROUP_M": 16})])
-def test_fused_moe_grouped_tile_order(num_tokens, override, monkeypatch):
-    """Row tiles in groups across the column tiles (``GROUP_M``) at Qwen3-30B-A3B's experts: every tile
-    once, the same output as the plain order (the same tiles, another order)."""
+@pytest.mark.parametrize("group_m", [8, 16])
+def test_fused_moe_grouped_tile_order(group_m, monkeypatch):
+    """Row tiles in groups across the column tiles (``GROUP_M``) at Qwen3-30B-A3B's experts and 2,048
+    tokens: every tile once, the same output as the plain order (the same tiles, another order)."""
     from atom.ops.triton import moe
 
     h, i, e, k = QWEN3_MOE.values()
-    x = torch.randn(num_tokens, h, dtype=torch.bfloat16, device=DEV)
+    x = torch.randn(2048, h, dtype=torch.bfloat16, device=DEV)
     w13 = (torch.randn(e, 2 * i, h, device=DEV) / h**0.5).to(torch.bfloat16)
     w2 = (torch.randn(e, h, i, device=DEV) / i**0.5).to(torch.bfloat16)
-    weights, ids = tk.moe_topk(torch.randn(num_tokens, e, device=DEV), k, True)
+    weights, ids = tk.moe_topk(torch.randn(2048, e, device=DEV), k, True)
     config = moe._gemm_config(ids.numel(), e, torch.bfloat16)
     monkeypatch.setattr(moe, "_gemm_config", lambda *_: {**config, "GROUP_M": 0})
     expected = tk.fused_moe(x, w13, w2, weights, ids)
-    monkeypatch.setattr(moe, "_gemm_config", lambda *_: {**config, **override})
+    monkeypatch.setattr(moe, "_gemm_config", lambda *_: {**config, "GROUP_M": group_m})
     assert torch.equal(tk.fused_moe(x, w13, w2, weights, ids), expected)
 
 

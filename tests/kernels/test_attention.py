@@ -65,12 +65,13 @@ def test_paged_attention_split_k(case, num_splits, assert_close):
 
 
 def test_paged_attention_balance_splits(monkeypatch, assert_close):
-    # Splits of at least 64 keys over uneven decode contexts: the 300-key sequence takes 4 of the 8
-    # splits (its 5 tiles of 64, 2 a split, the last split's tile alone), the 70-key one 2 (the second
-    # a part tile), the 20-key one 1; the rest are empty and must not reach the merge.
+    # Up to 8 splits of at least 128 keys (two of the decode kernel's 64-key tiles) over uneven contexts:
+    # the 300-key sequence takes 3 (tiles 2 + 2 + 1, where 8 even splits would give it 5 of one tile),
+    # the 70-key one 1 (a tile and a part tile), the 20-key one 1; the rest are empty and must not
+    # reach the merge.
     from atom.ops.triton import attention
 
-    monkeypatch.setattr(attention, "_num_splits", lambda *_: (8, 64))
+    monkeypatch.setattr(attention, "_num_splits", lambda *_: (8, 128))
     dtype = torch.bfloat16
     q, k_cache, v_cache, cu, seq_lens, tables = make_batch([1, 1, 1], [299, 69, 19], 8, 2, 128, 16, dtype)
     out = paged_attention(q, k_cache, v_cache, cu, seq_lens, tables, 128**-0.5, 1, 300)
@@ -80,11 +81,12 @@ def test_paged_attention_balance_splits(monkeypatch, assert_close):
 
 def test_num_splits_policy(monkeypatch):
     # filling the GPU first (splits of >= 32 keys), then balance splits for large batches when enabled
+    from types import SimpleNamespace
+
     from atom.ops.triton import attention
 
     monkeypatch.setattr(attention, "_num_sms", lambda _: 132)
-    q = torch.empty(0, device="meta")
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    q = SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))  # all the policy reads of the queries
     assert attention._num_splits(q, 1, 8, 1, 4096) == (64, 0)
     assert attention._num_splits(q, 32, 8, 1, 4096) == (2, 0)
     assert attention._num_splits(q, 256, 4, 2, 4096) == (1, 0)  # prefill rows: never split here
