@@ -286,21 +286,32 @@ def mla_prefill_sweep() -> list[dict]:
 
 
 def decode_sweep() -> list[dict]:
-    """Split-K factors of the decode attention (kernel + merge), Qwen3-8B heads. The decode CUDA graphs
-    are captured with max_seqlen_k = max_model_len, so at batch 1 the heuristic's 64 splits run at every
-    context; short contexts are where another factor could win."""
-    rows = []
-    for b, ctx in itertools.product([1, 8], [128, 384, 1024, 4096, 16384]):
-        case = f"decode b={b} ctx={ctx}"
-        for splits in [None, 1, 2, 4, 8, 16, 32, 64]:  # None: the heuristic at max_seqlen_k 32768
+    """Split-K factors of the decode attention (kernel + merge) at Qwen3-8B's heads (32 / 8), and the decode
+    tile's keys a step (``attention._config`` patched) at those and Qwen3-30B-A3B's (32 / 4). The decode CUDA
+    graphs are captured with max_seqlen_k = max_model_len, so at batch 1 the heuristic's 64 splits run at
+    every context; short contexts are where another factor could win."""
+    from atom.ops.triton import attention
 
-            def builder(splits=splits, b=b, ctx=ctx):
-                q, k_cache, *_ = inputs = attention_inputs([1] * b, [ctx - 1] * b)
+    rows, default_config = [], attention._config
+    for kv_heads, b, ctx in itertools.product([8, 4], [1, 8], [128, 384, 1024, 4096, 16384]):
+        case = f"decode b={b} ctx={ctx}" + ("" if kv_heads == 8 else f" kv={kv_heads}")
+        variants = [(s, None) for s in ([None, 1, 2, 4, 8, 16, 32, 64] if kv_heads == 8 else [None])]
+        variants += [(None, n) for n in (64, 128)]
+        for splits, block_n in variants:  # splits None: the heuristic at max_seqlen_k 32768
+
+            def builder(splits=splits, b=b, ctx=ctx, kv_heads=kv_heads):
+                q, k_cache, *_ = inputs = attention_inputs([1] * b, [ctx - 1] * b, num_kv_heads=kv_heads)
                 attend = functools.partial(tk.paged_attention, *inputs, 128**-0.5, 1, 32768, num_decode_tokens=b)
                 fn = functools.partial(attend, num_splits=splits)
                 return fn, None, *attention_cost(q, k_cache, [1] * b, [ctx - 1] * b)
 
-            rows.append(_timed(case, f"splits={splits}" if splits else "default", functools.partial(prepare, builder)))
+            label = f"block_n={block_n}" if block_n else f"splits={splits}" if splits else "default"
+            try:
+                if block_n:
+                    attention._config = lambda *a, n=block_n, d=default_config: {**d(*a), "block_n": n}
+                rows.append(_timed(case, label, functools.partial(prepare, builder)))
+            finally:
+                attention._config = default_config
     return [r for r in rows if r]
 
 
@@ -315,8 +326,10 @@ def decode_varlen_sweep() -> list[dict]:
 
     variants = [("default", None, None, None), ("splits=1", 1, None, None), ("splits=4", 4, None, None)]
     variants += [(f"balance={b} min={k}", None, (b, k), None) for b, k in [(4, 512), (4, 256), (8, 256)]]
-    # the decode tile (default 64 keys a step, 4 warps, 2 stages), with the default split
-    tiles = [(32, 4, 3), (64, 4, 3), (64, 4, 4), (64, 2, 2), (64, 8, 2), (128, 4, 2), (128, 8, 2), (128, 8, 3)]
+    # the decode tile (default 4 warps, 2 stages, 128 keys a step at 8+ query heads a KV head, else 64), with the
+    # default split
+    tiles = [(32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 2, 2), (64, 8, 2), (128, 4, 2), (128, 8, 2)]
+    tiles += [(128, 8, 3)]
     variants += [(f"block_n={n} w{w} s{st}", None, None, dict(block_n=n, num_warps=w, num_stages=st))
                  for n, w, st in tiles]  # fmt: skip
     rows, default_config = [], attention._config

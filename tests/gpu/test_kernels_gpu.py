@@ -46,6 +46,7 @@ MODELS = {
     # name: (num_q_heads, num_kv_heads, head_dim)
     "qwen3_8b": (32, 8, 128),
     "qwen3_0.6b": (16, 8, 128),
+    "qwen3_30b_a3b": (32, 4, 128),  # 8 query heads a KV head: the 128-key decode tile
     "d64_mha": (16, 16, 64),
     "d256_gqa2": (8, 4, 256),
     # head_dims that are not powers of two: tiles padded to the next one, padding masked

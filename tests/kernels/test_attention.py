@@ -26,6 +26,8 @@ CASES = {
     "decode_b1": ([1], [37], 4, 4, 64, 16),
     "decode_gqa4": ([1, 1, 1, 1], [0, 15, 16, 100], 8, 2, 128, 16),
     "decode_gqa2_bs32": ([1, 1, 1], [31, 32, 77], 4, 2, 64, 32),
+    # 8 query heads a KV head: 128 keys a step (one partial, one past a step's end)
+    "decode_gqa8": ([1, 1, 1], [0, 127, 300], 8, 1, 128, 16),
     "prefill_b1": ([45], [0], 4, 2, 64, 16),
     "prefill_gqa4": ([20, 33], [0, 0], 8, 2, 64, 32),
     "prefill_prefix_cached": ([17, 40], [48, 13], 4, 1, 128, 16),
@@ -49,7 +51,7 @@ def test_paged_attention(case, dtype, assert_close):
 
 
 @pytest.mark.parametrize("num_splits", [2, 3, 8])
-@pytest.mark.parametrize("case", ["decode_gqa4", "decode_gqa2_bs32", "mixed"])
+@pytest.mark.parametrize("case", ["decode_gqa4", "decode_gqa2_bs32", "decode_gqa8", "mixed"])
 def test_paged_attention_split_k(case, num_splits, assert_close):
     # Split-K is picked automatically only on a GPU; force it here. Short contexts with
     # many splits leave some splits without keys, which the merge must ignore.
