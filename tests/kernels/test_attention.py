@@ -66,17 +66,20 @@ def test_paged_attention_split_k(case, num_splits, assert_close):
     assert_close(out, ref, dtype)
 
 
-def test_paged_attention_balance_splits(monkeypatch, assert_close):
-    # Up to 8 splits of at least 128 keys (two of the decode kernel's 64-key tiles) over uneven contexts:
-    # the 300-key sequence takes 3 (tiles 2 + 2 + 1, where 8 even splits would give it 5 of one tile),
-    # the 70-key one 1 (a tile and a part tile), the 20-key one 1; the rest are empty and must not
-    # reach the merge.
+@pytest.mark.parametrize("kv_heads, tile", [(2, 64), (1, 128)], ids=["gqa4", "gqa8"])
+def test_paged_attention_balance_splits(kv_heads, tile, monkeypatch, assert_close):
+    # Up to 8 splits of at least two of the decode kernel's tiles (64 keys at 4 query heads a KV head,
+    # 128 at 8) over uneven contexts: the 5-tile sequence takes 3 splits (tiles 2 + 2 + 1, where 8 even
+    # splits would give it 5 of one tile), the one of a tile and a part tile 1, the short one 1; the rest
+    # are empty and must not reach the merge.
     from atom.ops.triton import attention
 
-    monkeypatch.setattr(attention, "_num_splits", lambda *_: (8, 128))
+    monkeypatch.setattr(attention, "_num_splits", lambda *_: (8, 2 * tile))
     dtype = torch.bfloat16
-    q, k_cache, v_cache, cu, seq_lens, tables = make_batch([1, 1, 1], [299, 69, 19], 8, 2, 128, 16, dtype)
-    out = paged_attention(q, k_cache, v_cache, cu, seq_lens, tables, 128**-0.5, 1, 300)
+    contexts = [5 * tile - 21, tile + 5, 19]
+    q, k_cache, v_cache, cu, seq_lens, tables = make_batch([1, 1, 1], contexts, 8, kv_heads, 128, 16, dtype)
+    assert attention._config(128, 8 // kv_heads, 1, 2)["block_n"] == tile
+    out = paged_attention(q, k_cache, v_cache, cu, seq_lens, tables, 128**-0.5, 1, 5 * tile)
     ref = reference.paged_attention(q.float(), k_cache.float(), v_cache.float(), cu, seq_lens, tables, 128**-0.5)
     assert_close(out, ref, dtype)
 
