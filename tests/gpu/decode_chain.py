@@ -6,9 +6,11 @@ first 4,096 of qkv's columns) -> RMS norm -> gate_up -> SiLU-mul -> down, over 8
 (past L2), captured in one CUDA graph and replayed: us a layer and the weight bytes / time as a share of
 the copy bandwidth measured in the same call. ``fp8_gemm_probe.py`` times the same GEMMs one by one.
 ``--trace``: a torch-profiler trace of three replays each, and per kernel its launches a layer, mean time
-and mean idle gap before it (where the time between the GEMMs goes).
+and mean idle gap before it (where the time between the GEMMs goes). ``--variants``: the FP8 chain again
+with the skinny launch changed from ``fp8_configs.skinny_config``'s table (fewer key splits, more stages,
+64-row programs, 8 warps) for all four GEMMs: a launch that loses alone can win between other kernels.
 
-    python tests/gpu/decode_chain.py [--layers 8] [--trace]
+    python tests/gpu/decode_chain.py [--layers 8] [--trace] [--variants]
 
 Writes $OUT/decode_chain.json (and the traces) (or ./gpu-results).
 """
@@ -16,6 +18,7 @@ Writes $OUT/decode_chain.json (and the traces) (or ./gpu-results).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 from collections import defaultdict
@@ -26,7 +29,8 @@ from kernel_bench import bench_ms  # tests/gpu/, next to this script
 from atom import ops
 from atom.benchmarks.model_configs import copy_bandwidth
 from atom.ops import reference_fp8
-from atom.ops.triton import gemv
+from atom.ops.triton import fp8_gemm, gemv
+from atom.ops.triton.fp8_configs import skinny_config
 from atom.ops.triton.fp8_gemm import fp8_linear
 
 DEV = "cuda"
@@ -65,6 +69,35 @@ def captured(layers, norm_w, x) -> torch.cuda.CUDAGraph:
     return graph
 
 
+# the FP8 skinny launch's variants: each a change to the table's GemvConfig
+VARIANTS = {
+    "no split": lambda c: dataclasses.replace(c, split_k=1),
+    "half the splits": lambda c: dataclasses.replace(c, split_k=max(1, c.split_k // 2)),
+    "twice the splits": lambda c: dataclasses.replace(c, split_k=c.split_k * 2),
+    "6 stages": lambda c: dataclasses.replace(c, num_stages=6),
+    "3 stages": lambda c: dataclasses.replace(c, num_stages=3),
+    "64 rows": lambda c: dataclasses.replace(c, block_n=64, split_k=max(1, c.split_k // 2)),
+    "8 warps": lambda c: dataclasses.replace(c, num_warps=8),
+    "8 warps, no split": lambda c: dataclasses.replace(c, num_warps=8, split_k=1),
+}
+
+
+def variant_rows(built, norm_w, x, bw: float, layers: int) -> list[dict]:
+    """The FP8 chain's us a layer under each skinny launch variant (``fp8_gemm.skinny_config`` patched)."""
+    rows = []
+    for name, change in VARIANTS.items():
+        fp8_gemm.skinny_config = lambda n, k, g, change=change: change(skinny_config(n, k, g))
+        try:
+            graph = captured([c for c, _ in built], norm_w, x)
+            ms = bench_ms(graph.replay, 50) / layers
+            rows.append(dict(weights=f"fp8 {name}", us=ms * 1e3, floor_pct=100 * built[0][1] / (ms * 1e-3) / bw))
+            print(rows[-1], flush=True)
+            del graph
+        finally:
+            fp8_gemm.skinny_config = skinny_config
+    return rows
+
+
 def kernel_table(graph: torch.cuda.CUDAGraph, path: str, layers: int, replays: int = 3) -> list[dict]:
     """Per kernel name: launches a layer, mean us, mean idle gap before it (us), from a trace of ``replays``."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -88,6 +121,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--trace", action="store_true", help="also each kernel's time and the gap before it")
+    parser.add_argument("--variants", action="store_true", help="also the FP8 chain under other skinny launches")
     args = parser.parse_args()
     out_dir = os.environ.get("OUT", "gpu-results")
     os.makedirs(out_dir, exist_ok=True)
@@ -104,7 +138,10 @@ def main() -> None:
         print(rows[-1], flush=True)
         if args.trace:
             kernels[name] = kernel_table(graph, f"{out_dir}/decode_chain_{name}.json", args.layers)
-        del built, graph
+        del graph
+        if fp8 and args.variants:
+            rows += variant_rows(built, norm_w, x, bw, args.layers)
+        del built
         torch.cuda.empty_cache()
     json.dump(dict(device=torch.cuda.get_device_name(), copy_tbps=bw / 1e12, rows=rows, kernels=kernels),
               open(f"{out_dir}/decode_chain.json", "w"), indent=1)  # fmt: skip
