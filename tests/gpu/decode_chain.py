@@ -7,8 +7,8 @@ first 4,096 of qkv's columns) -> RMS norm -> gate_up -> SiLU-mul -> down, over 8
 the copy bandwidth measured in the same call. ``fp8_gemm_probe.py`` times the same GEMMs one by one.
 ``--trace``: a torch-profiler trace of three replays each, and per kernel its launches a layer, mean time
 and mean idle gap before it (where the time between the GEMMs goes). ``--variants``: the FP8 chain again
-with the skinny launch changed from ``fp8_configs.skinny_config``'s table (fewer key splits, more stages,
-64-row programs, 8 warps) for all four GEMMs: a launch that loses alone can win between other kernels.
+with the skinny launch changed from ``fp8_configs.skinny_config``'s table (key splits, stages, warps, 64-row
+programs) for all four GEMMs: a launch that loses alone can win between other kernels.
 
     python tests/gpu/decode_chain.py [--layers 8] [--trace] [--variants]
 
@@ -71,14 +71,15 @@ def captured(layers, norm_w, x) -> torch.cuda.CUDAGraph:
 
 # the FP8 skinny launch's variants: each a change to the table's GemvConfig
 VARIANTS = {
+    "4 warps, 4 stages (before session 32)": lambda c: dataclasses.replace(c, num_warps=4, num_stages=4),
     "no split": lambda c: dataclasses.replace(c, split_k=1),
     "half the splits": lambda c: dataclasses.replace(c, split_k=max(1, c.split_k // 2)),
     "twice the splits": lambda c: dataclasses.replace(c, split_k=c.split_k * 2),
+    "2 stages": lambda c: dataclasses.replace(c, num_stages=2),
+    "4 stages": lambda c: dataclasses.replace(c, num_stages=4),
     "6 stages": lambda c: dataclasses.replace(c, num_stages=6),
-    "3 stages": lambda c: dataclasses.replace(c, num_stages=3),
+    "4 warps": lambda c: dataclasses.replace(c, num_warps=4),
     "64 rows": lambda c: dataclasses.replace(c, block_n=64, split_k=max(1, c.split_k // 2)),
-    "8 warps": lambda c: dataclasses.replace(c, num_warps=8),
-    "8 warps, no split": lambda c: dataclasses.replace(c, num_warps=8, split_k=1),
 }
 
 

@@ -86,7 +86,10 @@ def skinny_config(n: int, k: int, group_k: int) -> GemvConfig:
     128 rows where N and K are 4,096 or more, as swept, else 64), one 128-column scale group
     per key step, and the key range split in two until the grid fills the GPU or a split
     would get fewer than 8 key steps (4 with 64 rows). Unrolling several scale groups per
-    loop iteration (tried in the same sweep) did not pay."""
+    loop iteration (tried in the same sweep) did not pay. The 128-row programs run 8 warps and
+    3 stages: between the norms and the other GEMMs of a decode step (tests/gpu/decode_chain.py
+    --variants, H200, session 32: Qwen3-8B-FP8's layer minus attention at one row 89.5 us against
+    107.0 with 4 warps and 4 stages; 2, 4 or 6 stages, or fewer splits, slower)."""
     block_n = 128 if n >= 4096 and k >= 4096 else 64
     block_k = group_k or 128
     programs, steps = -(-n // block_n), -(-k // block_k)
@@ -94,7 +97,9 @@ def skinny_config(n: int, k: int, group_k: int) -> GemvConfig:
     split = 1
     while split < 8 and programs * split * 2 <= _FULL_GRID and steps >= split * 2 * min_steps:
         split *= 2
-    return GemvConfig(block_n=block_n, block_k=block_k, split_k=split, mode="dot_t", num_warps=4, num_stages=4)
+    wide = block_n == 128
+    return GemvConfig(block_n=block_n, block_k=block_k, split_k=split, mode="dot_t", num_warps=8 if wide else 4,
+                      num_stages=3 if wide else 4)  # fmt: skip
 
 
 def moe_config(pairs_per_expert: float, per_group: bool) -> dict:
