@@ -32,6 +32,8 @@ CASES = {
     "prefill_gqa4": ([20, 33], [0, 0], 8, 2, 64, 32),
     "prefill_prefix_cached": ([17, 40], [48, 13], 4, 1, 128, 16),
     "mixed": ([1, 23, 1, 5], [60, 10, 3, 0], 8, 4, 64, 16),
+    # short query rows at 8 query heads a KV head: two tokens a tile, 128 keys a step
+    "mixed_gqa8": ([1, 5, 1, 3], [130, 20, 0, 250], 8, 1, 128, 16),
     "mixed_gqa4_bs32": ([30, 1, 1], [33, 90, 0], 8, 2, 128, 32),
     "empty_query_row": ([3, 0, 1], [5, 9, 20], 4, 2, 64, 16),
 }
