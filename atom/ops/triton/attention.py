@@ -208,14 +208,16 @@ def _num_splits(
     return (1 << (balance.bit_length() - 1), SPLIT_MIN_KEYS) if balance >= 2 else (1, 0)
 
 
-def _config(head_dim: int, group_pad: int, max_seqlen_q: int, elem_bytes: int, long_range: bool = True) -> dict:
+def _config(
+    head_dim: int, group_pad: int, max_seqlen_q: int, elem_bytes: int, long_range: bool = True, fp8_cache: bool = False
+) -> dict:
     """Tile shapes. ``block_m`` query rows (query tokens x padded GQA group) per program:
     decode packs only the group (at least 16 rows, tl.dot's minimum); batches with long
     enough prefill chunks use large tiles. Wide rows (head_dim 256, or float32) get fewer
     keys per step and float32 no multi-stage pipelining, to fit registers and shared memory.
     ``long_range``: each decode program walks a whole sequence or a balance split (not the
-    short ranges of a small batch split to fill the GPU). Picked by tests/gpu/kernel_sweep.py
-    on an H200."""
+    short ranges of a small batch split to fill the GPU); ``fp8_cache``: one-byte keys and
+    values. Picked by tests/gpu/kernel_sweep.py on an H200."""
     row_bytes = head_dim * elem_bytes
     stages = 1 if elem_bytes == 4 else 2
     if max_seqlen_q * group_pad >= 128:
@@ -224,10 +226,12 @@ def _config(head_dim: int, group_pad: int, max_seqlen_q: int, elem_bytes: int, l
         return dict(block_m=max(128, group_pad), block_n=128, num_warps=8, num_stages=stages)
     if row_bytes > 256:
         return dict(block_m=max(16, group_pad), block_n=32, num_warps=4, num_stages=stages)
-    # decode: 8+ query heads a KV head make more MMA rows per key read, and 128 keys a step paid over
-    # long ranges (H200, session 32, `kernel_sweep.py decode decode_varlen`: 4-5% faster over 128-256
-    # uneven sequences at 32 / 4 heads, 7-8% slower at 32 / 8; 4-12% slower in batch 1-8's fill splits)
-    wide = group_pad >= 8 and long_range
+    # decode: 128 keys a step over long ranges where a key read feeds enough work: 8+ query heads a KV
+    # head (H200, session 32, `kernel_sweep.py decode decode_varlen`: 4-5% faster over 128-256 uneven
+    # sequences at 32 / 4 heads, 7-8% slower at 32 / 8; 4-12% slower in batch 1-8's fill splits), or an
+    # fp8 cache unsplit (half the bytes of 64 bf16 keys: 21% faster at batch 64 x 2k context on an H100,
+    # docs/fp8.md; its fill splits 2-9% slower; balance splits are off for it)
+    wide = long_range and (group_pad >= 8 or fp8_cache)
     return dict(block_m=max(16, group_pad), block_n=128 if wide else 64, num_warps=4, num_stages=stages)
 
 
@@ -244,7 +248,7 @@ def _attend(
         if max_seqlen_k is None and max_seqlen_q == 1:
             max_seqlen_k = int(seq_lens.max())
         num_splits, min_keys = _num_splits(q, num_seqs, num_kv_heads, max_seqlen_q, max_seqlen_k or 0)
-        if min_keys and k_cache.element_size() == 1:  # an fp8 cache's unsplit 128-key steps (below) instead
+        if min_keys and k_cache.element_size() == 1:  # an fp8 cache's unsplit 128-key steps (_config) instead
             num_splits, min_keys = 1, 0
 
     group = num_q_heads // num_kv_heads
@@ -261,12 +265,8 @@ def _attend(
                           kv_scales=kv_scales, max_seqlen_k=max_seqlen_k)  # fmt: skip
         return
     long_range = num_splits == 1 or min_keys > 0
-    cfg = _config(triton.next_power_of_2(head_dim), group_pad, max_seqlen_q, q.element_size(), long_range)
-    if k_cache.element_size() == 1 and num_splits == 1 and cfg["block_n"] == 64:
-        # fp8 cache, no split-K: 128 keys per step (half the bytes of 64 bf16 ones) was 21%
-        # faster at batch 64 x 2k context on an H100 (docs/fp8.md); split-K batches are not
-        # helped (2-9% slower), so they keep 64
-        cfg = {**cfg, "block_n": 128}
+    cfg = _config(triton.next_power_of_2(head_dim), group_pad, max_seqlen_q, q.element_size(), long_range,
+                  k_cache.element_size() == 1)  # fmt: skip
     block_q = cfg["block_m"] // group_pad
     num_tiles = num_tokens // block_q + num_seqs
     split = num_splits > 1
