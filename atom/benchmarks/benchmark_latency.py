@@ -1,6 +1,7 @@
 """Batch-1 decode latency (time per output token) against the memory-bandwidth floor: the time to read
 every weight once per token at the measured device-copy bandwidth (``weight bytes / copy bandwidth``;
-with ``-tp N`` each GPU reads 1/N of the weights, so the floor is divided by N).
+with ``-tp N`` each GPU reads 1/N of the weights, so the floor is divided by N). FP8 models (a
+checkpoint's ``quantization_config`` or ``--quantization fp8``) read one byte a weight in their layers.
 
     python -m atom.benchmarks.benchmark_latency --model qwen3-8b [--engine vllm] [--output-json r.json]
 """
@@ -35,7 +36,8 @@ def tpot(args) -> float:
 def main(argv=None) -> dict:
     rows = [("--input-len", 128, None), ("--output-len", 256, None), ("--repeats", 3, None)]
     args = parse_offline_args(__doc__, argv, "qwen3-8b", rows)
-    t, bw, weights = tpot(args), copy_bandwidth(), weight_bytes(hf_config(args.model))
+    fp8 = True if args.quantization == "fp8" else None  # quantised on load, or the checkpoint's own scheme
+    t, bw, weights = tpot(args), copy_bandwidth(), weight_bytes(hf_config(args.model), fp8)
     floor = weights / bw / args.tensor_parallel_size
     result = dict(engine=args.engine, model=args.model, tp=args.tensor_parallel_size, tpot_ms=round(t * 1e3, 3))
     result |= dict(floor_ms=round(floor * 1e3, 3))

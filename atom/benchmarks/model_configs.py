@@ -94,10 +94,15 @@ def scaled_down(name: str, **fields) -> dict:
     return c | fields
 
 
-def weight_bytes(c: dict, dtype_bytes: int = 2) -> int:
+def weight_bytes(c: dict, fp8: bool | None = None) -> int:
     """Bytes of weights a batch-1 decode step reads, from a config.json's fields ``c``: every layer's
     attention and MLP, of a mixture of experts only the router, the token's top-k experts and the
-    shared experts, and the LM head (the embedding lookup reads one row only; norms are left out)."""
+    shared experts, and the LM head (the embedding lookup reads one row only; norms are left out).
+    FP8 (``fp8``, or by default a ``quantization_config`` in ``c``): one byte a weight for the layers'
+    linears, two for the router and the LM head, which stay bf16 (block scales, 1/4,096 of the
+    bytes, left out)."""
+    if fp8 is None:
+        fp8 = (c.get("quantization_config") or {}).get("quant_method") in ("fp8", "compressed-tensors")
     h, heads = c["hidden_size"], c["num_attention_heads"]
     if "kv_lora_rank" in c:  # DeepSeek's multi-head latent attention (atom.models.deepseek_v2)
         rank, nope, rope, v = c["kv_lora_rank"], c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
@@ -109,9 +114,11 @@ def weight_bytes(c: dict, dtype_bytes: int = 2) -> int:
         attn = h * head_dim * (heads + c["num_key_value_heads"]) * 2  # q, k, v, o
     experts = c.get("num_experts") or c.get("n_routed_experts") or 0
     active = c.get("num_experts_per_tok", 0) + c.get("n_shared_experts", 0)
-    moe = experts * h + 3 * h * c.get("moe_intermediate_size", 0) * active  # router, routed and shared experts
-    mlps = sum(moe if _is_moe_layer(c, i) else 3 * h * c["intermediate_size"] for i in range(c["num_hidden_layers"]))
-    return (c["num_hidden_layers"] * attn + mlps + c["vocab_size"] * h) * dtype_bytes
+    moe_layers = sum(_is_moe_layer(c, i) for i in range(c["num_hidden_layers"]))
+    mlps = moe_layers * 3 * h * c.get("moe_intermediate_size", 0) * active  # routed and shared experts
+    mlps += (c["num_hidden_layers"] - moe_layers) * 3 * h * c["intermediate_size"]
+    linears, bf16 = c["num_hidden_layers"] * attn + mlps, moe_layers * experts * h + c["vocab_size"] * h  # router, head
+    return linears * (1 if fp8 else 2) + bf16 * 2
 
 
 def _is_moe_layer(c: dict, i: int) -> bool:

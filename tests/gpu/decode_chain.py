@@ -69,17 +69,24 @@ def captured(layers, norm_w, x) -> torch.cuda.CUDAGraph:
     return graph
 
 
-# the FP8 skinny launch's variants: each a change to the table's GemvConfig
+# the FP8 skinny launch's variants: each a change to the table's GemvConfig for a GEMM of n weight rows
+def _grid(c, n: int) -> int:
+    return -(-n // c.block_n) * c.split_k
+
+
 VARIANTS = {
-    "4 warps, 4 stages (before session 32)": lambda c: dataclasses.replace(c, num_warps=4, num_stages=4),
-    "no split": lambda c: dataclasses.replace(c, split_k=1),
-    "half the splits": lambda c: dataclasses.replace(c, split_k=max(1, c.split_k // 2)),
-    "twice the splits": lambda c: dataclasses.replace(c, split_k=c.split_k * 2),
-    "2 stages": lambda c: dataclasses.replace(c, num_stages=2),
-    "4 stages": lambda c: dataclasses.replace(c, num_stages=4),
-    "6 stages": lambda c: dataclasses.replace(c, num_stages=6),
-    "4 warps": lambda c: dataclasses.replace(c, num_warps=4),
-    "64 rows": lambda c: dataclasses.replace(c, block_n=64, split_k=max(1, c.split_k // 2)),
+    "4 warps, 4 stages (before session 32)": lambda c, n: dataclasses.replace(c, num_warps=4, num_stages=4),
+    "no split": lambda c, n: dataclasses.replace(c, split_k=1),
+    "half the splits": lambda c, n: dataclasses.replace(c, split_k=max(1, c.split_k // 2)),
+    "twice the splits": lambda c, n: dataclasses.replace(c, split_k=c.split_k * 2),
+    "2 stages": lambda c, n: dataclasses.replace(c, num_stages=2),
+    "4 stages": lambda c, n: dataclasses.replace(c, num_stages=4),
+    "5 stages": lambda c, n: dataclasses.replace(c, num_stages=5),
+    "4 stages where the grid fits 2 programs an SM": lambda c, n: dataclasses.replace(
+        c, num_stages=4 if _grid(c, n) <= 2 * 132 else c.num_stages
+    ),
+    "4 warps": lambda c, n: dataclasses.replace(c, num_warps=4),
+    "64 rows": lambda c, n: dataclasses.replace(c, block_n=64, split_k=max(1, c.split_k // 2)),
 }
 
 
@@ -87,7 +94,7 @@ def variant_rows(built, norm_w, x, bw: float, layers: int) -> list[dict]:
     """The FP8 chain's us a layer under each skinny launch variant (``fp8_gemm.skinny_config`` patched)."""
     rows = []
     for name, change in VARIANTS.items():
-        fp8_gemm.skinny_config = lambda n, k, g, change=change: change(skinny_config(n, k, g))
+        fp8_gemm.skinny_config = lambda n, k, g, change=change: change(skinny_config(n, k, g), n)
         try:
             graph = captured([c for c, _ in built], norm_w, x)
             ms = bench_ms(graph.replay, 50) / layers

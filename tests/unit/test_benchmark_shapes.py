@@ -2,7 +2,7 @@
 (on the meta device: no memory), and ``weight_bytes``, the batch-1 bandwidth floor of
 benchmark_latency, equals the bytes of the parameters a one-token decode step reads, counted
 on that model: all but the embedding table and the norms, and of each MoE layer's experts
-only the token's top-k."""
+only the token's top-k; FP8 models' linears at one byte a weight, the router and LM head at two."""
 
 import json
 
@@ -22,15 +22,18 @@ def test_weight_bytes_is_what_a_batch_1_step_reads(name, tmp_path):
     with torch.device("meta"):
         model = get_model_class(config.architectures[0])(config)
     top_k, read = getattr(config, "num_experts_per_tok", 0), 0
+    fp8 = "quantization_config" in CONFIGS[name]
     for pname, p in model.named_parameters():  # a tied LM head is listed once, as the embedding
         if p.dim() == 1 or pname == "model.embed_tokens.weight" and not config.tie_word_embeddings:
             continue
         if pname.endswith(("w13_weight", "w2_weight")):  # the token's experts: top-k and any fused shared ones
             experts = model.get_submodule(pname.rpartition(".")[0])
-            read += p.numel() * (top_k + experts.num_shared) // p.shape[0]
+            read += p.numel() * (top_k + experts.num_shared) // p.shape[0] * (1 if fp8 else 2)
+        elif pname.endswith(("lm_head.weight", "embed_tokens.weight", "mlp.gate.weight")):  # stay bf16
+            read += p.numel() * 2
         else:
-            read += p.numel()
-    assert weight_bytes(CONFIGS[name]) == read * 2
+            read += p.numel() * (1 if fp8 else 2)
+    assert weight_bytes(CONFIGS[name]) == read
 
 
 def test_vllm_dummy_weights_tie_the_router_and_the_redraw_spreads_it():
