@@ -18,6 +18,7 @@ Writes $OUT/decode_chain.json (and the traces) (or ./gpu-results).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -29,18 +30,20 @@ from kernel_bench import bench_ms  # tests/gpu/, next to this script
 from atom import ops
 from atom.benchmarks.model_configs import copy_bandwidth
 from atom.ops import reference_fp8
-from atom.ops.triton import fp8_gemm, gemv
+from atom.ops.triton import fp8_configs, fp8_gemm, gemv
 from atom.ops.triton.fp8_configs import skinny_config
 from atom.ops.triton.fp8_gemm import fp8_linear
+from atom.ops.triton.fp8_gemv import Fp8GemvConfig, fp8_gemv
 
 DEV = "cuda"
 HIDDEN, QKV, INTER = 4096, 6144, 12288
+NAMES, SHAPES = ("qkv", "o", "gate_up", "down"), [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)]
 
 
 def layer_weights(fp8: bool) -> tuple[list, int]:
     """One layer's four linears as callables, and their weight bytes."""
     calls, nbytes = [], 0
-    for n, k in [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)]:
+    for n, k in SHAPES:
         w = torch.randn(n, k, device=DEV) / k**0.5
         if fp8:
             q, s = reference_fp8.quantize_weight(w, 128, 128)
@@ -69,40 +72,93 @@ def captured(layers, norm_w, x) -> torch.cuda.CUDAGraph:
     return graph
 
 
-# the FP8 skinny launch's variants: each a change to the table's GemvConfig for a GEMM of n weight rows
+# the FP8 launch's variants at one row: the skinny kernel at every row count (fp8_configs.gemv_config
+# giving none) with its launch changed, or the CUDA-core GEMV with another launch; each a set of
+# (module, name, replacement) patches for all four GEMMs
+def _skinny(change) -> list:
+    return [(fp8_configs, "gemv_config", lambda n, k, g: None),
+            (fp8_gemm, "skinny_config", lambda n, k, g: change(skinny_config(n, k, g), n))]  # fmt: skip
+
+
+def _gemv(block_n: int, block_k: int, num_warps: int, num_stages: int = 2) -> list:
+    cfg = Fp8GemvConfig(block_n, block_k, num_warps, num_stages)
+    return [(fp8_configs, "gemv_config", lambda n, k, g: cfg)]
+
+
 def _grid(c, n: int) -> int:
     return -(-n // c.block_n) * c.split_k
 
 
+GEMV_LAUNCHES = [(2, 1024, 2), (2, 2048, 2), (4, 512, 2), (4, 1024, 2), (4, 2048, 2), (4, 1024, 4), (4, 2048, 4),
+                 (8, 512, 2), (8, 1024, 4), (8, 2048, 4), (8, 1024, 8), (16, 1024, 4), (16, 1024, 8), (16, 2048, 8),
+                 (32, 1024, 8)]  # fmt: skip
 VARIANTS = {
-    "4 warps, 4 stages (before session 32)": lambda c, n: dataclasses.replace(c, num_warps=4, num_stages=4),
-    "no split": lambda c, n: dataclasses.replace(c, split_k=1),
-    "half the splits": lambda c, n: dataclasses.replace(c, split_k=max(1, c.split_k // 2)),
-    "twice the splits": lambda c, n: dataclasses.replace(c, split_k=c.split_k * 2),
-    "2 stages": lambda c, n: dataclasses.replace(c, num_stages=2),
-    "4 stages": lambda c, n: dataclasses.replace(c, num_stages=4),
-    "5 stages": lambda c, n: dataclasses.replace(c, num_stages=5),
-    "4 stages where the grid fits 2 programs an SM": lambda c, n: dataclasses.replace(
-        c, num_stages=4 if _grid(c, n) <= 2 * 132 else c.num_stages
+    "skinny (session 32's launch)": _skinny(lambda c, n: c),
+    "skinny 4 stages where the grid fits 2 programs an SM": _skinny(
+        lambda c, n: dataclasses.replace(c, num_stages=4 if _grid(c, n) <= 2 * 132 else c.num_stages)
     ),
-    "4 warps": lambda c, n: dataclasses.replace(c, num_warps=4),
-    "64 rows": lambda c, n: dataclasses.replace(c, block_n=64, split_k=max(1, c.split_k // 2)),
+    "skinny twice the splits": _skinny(lambda c, n: dataclasses.replace(c, split_k=c.split_k * 2)),
+    **{f"gemv {n}x{k} w{w}": _gemv(n, k, w) for n, k, w in GEMV_LAUNCHES},
+    "gemv 8x1024 w4 s3": _gemv(8, 1024, 4, 3),
 }
 
 
+@contextlib.contextmanager
+def patched(patches: list):
+    saved = [(module, name, getattr(module, name)) for module, name, _ in patches]
+    for module, name, value in patches:
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
+
+
 def variant_rows(built, norm_w, x, bw: float, layers: int) -> list[dict]:
-    """The FP8 chain's us a layer under each skinny launch variant (``fp8_gemm.skinny_config`` patched)."""
+    """The FP8 chain's us a layer under each variant of the one-row launch."""
     rows = []
-    for name, change in VARIANTS.items():
-        fp8_gemm.skinny_config = lambda n, k, g, change=change: change(skinny_config(n, k, g), n)
-        try:
+    for name, patches in VARIANTS.items():
+        with patched(patches):
             graph = captured([c for c, _ in built], norm_w, x)
             ms = bench_ms(graph.replay, 50) / layers
-            rows.append(dict(weights=f"fp8 {name}", us=ms * 1e3, floor_pct=100 * built[0][1] / (ms * 1e-3) / bw))
-            print(rows[-1], flush=True)
+        rows.append(dict(weights=f"fp8 {name}", us=ms * 1e3, floor_pct=100 * built[0][1] / (ms * 1e-3) / bw))
+        print(rows[-1], flush=True)
+        del graph
+    return rows
+
+
+def launches(n: int, k: int, x: torch.Tensor) -> dict:
+    """The one-row launches of an [n, k] FP8 GEMM, each a callable of (weight, scales)."""
+    table = {"skinny": lambda q, s: gemv.skinny_gemm(x, q, None, skinny_config(n, k, 128), scales=(None, s, 128),
+                                                     out_dtype=torch.bfloat16)}  # fmt: skip
+    for bn, bk, w in GEMV_LAUNCHES:
+        cfg = Fp8GemvConfig(bn, bk, w)
+        table[f"gemv {bn}x{bk} w{w}"] = lambda q, s, cfg=cfg: fp8_gemv(x, q, s, 128, cfg)
+    return table
+
+
+def gemm_rows(bw: float, layers: int) -> list[dict]:
+    """Each FP8 GEMM alone at one row over ``layers`` copies of its weight (past L2), one graph
+    each: the skinny kernel and every GEMV launch, us a call and % of the copy bandwidth."""
+    rows = []
+    for name, (n, k) in zip(NAMES, SHAPES):
+        x = torch.randn(1, k, device=DEV, dtype=torch.bfloat16)
+        weights = [reference_fp8.quantize_weight(torch.randn(n, k, device=DEV) / k**0.5, 128, 128)
+                   for _ in range(layers)]  # fmt: skip
+        weights = [(q, s.t().contiguous().t()) for q, s in weights]
+        for launch, fn in launches(n, k, x).items():
+            for q, s in weights:
+                fn(q, s)  # compiled outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for q, s in weights:
+                    fn(q, s)
+            us = bench_ms(graph.replay, 50) / layers * 1e3
+            rows.append(dict(gemm=name, launch=launch, us=us, bw_pct=100 * n * k / (us * 1e-6) / bw))
             del graph
-        finally:
-            fp8_gemm.skinny_config = skinny_config
+        print(f"{name}: " + ", ".join(f"{r['launch']} {r['us']:.1f}" for r in rows if r["gemm"] == name), flush=True)
+        del weights
     return rows
 
 
@@ -129,7 +185,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--trace", action="store_true", help="also each kernel's time and the gap before it")
-    parser.add_argument("--variants", action="store_true", help="also the FP8 chain under other skinny launches")
+    parser.add_argument("--variants", action="store_true", help="also the FP8 chain under other one-row launches")
+    parser.add_argument("--gemms", action="store_true", help="also each FP8 GEMM alone under each launch")
     args = parser.parse_args()
     out_dir = os.environ.get("OUT", "gpu-results")
     os.makedirs(out_dir, exist_ok=True)
@@ -151,13 +208,22 @@ def main() -> None:
             rows += variant_rows(built, norm_w, x, bw, args.layers)
         del built
         torch.cuda.empty_cache()
-    json.dump(dict(device=torch.cuda.get_device_name(), copy_tbps=bw / 1e12, rows=rows, kernels=kernels),
+    gemms = gemm_rows(bw, args.layers) if args.gemms else []
+    json.dump(dict(device=torch.cuda.get_device_name(), copy_tbps=bw / 1e12, rows=rows, kernels=kernels, gemms=gemms),
               open(f"{out_dir}/decode_chain.json", "w"), indent=1)  # fmt: skip
     for name, table in kernels.items():
         print(f"\n{name}: kernel | launches a layer | us | idle gap before it, us")
         for k in sorted(table, key=lambda k: -k["per_layer"] * (k["us"] + k["gap_us"])):
             print(f"  {k['kernel']:<60} {k['per_layer']:4.1f} {k['us']:7.2f} {k['gap_us']:6.2f}")
     print(f"\n{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s; Qwen3-8B layer minus attention, 1 row\n")
+    if gemms:
+        names = list(dict.fromkeys(r["launch"] for r in gemms))
+        print("| launch | " + " | ".join(NAMES) + " |  (us, % of the copy bandwidth)")
+        print("|---|---|---|---|---|")
+        for launch in names:
+            cells = [f"{r['us']:.1f} ({r['bw_pct']:.0f}%)" for r in gemms if r["launch"] == launch]
+            print(f"| {launch} | " + " | ".join(cells) + " |")
+        print()
     print("| weights | us / layer | % of the copy floor |")
     print("|---|---|---|")
     for r in rows:

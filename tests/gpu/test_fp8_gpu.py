@@ -23,14 +23,15 @@ from atom.ops import reference, reference_fp8
 if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("needs CUDA and compiled (not interpreted) Triton", allow_module_level=True)
 
-from atom.ops.triton import gemv, paged_attention  # noqa: E402
-from atom.ops.triton.fp8_configs import SKINNY_MAX_ROWS  # noqa: E402
+from atom.ops.triton import fp8_configs, gemv, paged_attention  # noqa: E402
+from atom.ops.triton.fp8_configs import GEMV_MAX_ROWS, SKINNY_MAX_ROWS  # noqa: E402
 from atom.ops.triton.fp8_gemm import (  # noqa: E402
     fp8_linear,
     per_token_group_quant_fp8,
     scaled_mm_block_scales,
     w8a8_matmul,
 )
+from atom.ops.triton.fp8_gemv import Fp8GemvConfig, fp8_gemv  # noqa: E402
 from atom.ops.triton.gemv import GemvConfig, skinny_gemm  # noqa: E402
 from atom.ops.triton.moe_fp8 import fused_moe_fp8  # noqa: E402
 from atom.ops.triton.rope_cache import store_kv_cache  # noqa: E402
@@ -122,8 +123,9 @@ def test_w8a8_matmul(m, n, k, group_k):
 @pytest.mark.parametrize("m", [1, 4, 16, 17])
 @pytest.mark.parametrize("n, k", SHAPES)
 def test_fp8_linear(m, n, k):
-    # the block-scaled FP8 layer's op: at decode rows one skinny launch that quantises the
-    # activations itself, bit for bit the quantisation kernel then the skinny kernel
+    # the block-scaled FP8 layer's op: at decode rows one launch that quantises the activations
+    # itself: at one row the CUDA-core GEMV, else the skinny kernel, bit for bit the quantisation
+    # kernel then the skinny kernel
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
     w, w_s = reference_fp8.quantize_weight(torch.randn(n, k, device=DEV) * 0.02, 128, 128)
     block_scale = scaled_mm_block_scales(w, w_s, 128)
@@ -131,8 +133,42 @@ def test_fp8_linear(m, n, k):
     out = fp8_linear(x, w, w_s, 128, None, block_scale)
     a, a_s = per_token_group_quant_fp8(x, 128)
     assert_close(out, reference_fp8.w8a8_matmul(a, a_s, w, w_s, 128, torch.float32))
-    if m <= SKINNY_MAX_ROWS:
+    gemv_cfg = fp8_configs.gemv_config(n, k, 128)
+    if m <= GEMV_MAX_ROWS and gemv_cfg is not None:
+        assert torch.equal(out, fp8_gemv(x, w, w_s, 128, gemv_cfg))
+    elif m <= SKINNY_MAX_ROWS:
         assert torch.equal(out, w8a8_matmul(a, a_s, w, w_s, 128, torch.bfloat16))
+
+
+# the CUDA-core GEMV's launches (decode_chain.py's candidates), ragged K and N included
+@pytest.mark.parametrize("cfg", [
+    Fp8GemvConfig(block_n=4, block_k=1024, num_warps=2), Fp8GemvConfig(block_n=8, block_k=1024),
+    Fp8GemvConfig(block_n=16, block_k=2048, num_warps=8), Fp8GemvConfig(block_n=8, block_k=512, num_stages=3),
+], ids=lambda c: f"n{c.block_n}-k{c.block_k}-w{c.num_warps}-s{c.num_stages}")  # fmt: skip
+@pytest.mark.parametrize("n, k", [*SHAPES, (1000, 1000)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp8_gemv(cfg, n, k, dtype):
+    x = torch.randn(2, k, device=DEV, dtype=dtype) * 3
+    w, w_s = reference_fp8.quantize_weight(torch.randn(n, k, device=DEV) * 0.02, 128, 128)
+    w_s = w_s.t().contiguous().t()
+    bias = torch.randn(n, device=DEV, dtype=dtype)
+    out = fp8_gemv(x, w, w_s, 128, cfg, bias)
+    assert out.dtype == dtype
+    assert_close(out, reference_fp8.fp8_linear(x.float(), w, w_s, 128, bias.float()))
+
+
+def test_fp8_gemv_in_cuda_graph():
+    # one row, as a batch-1 decode step replays it: the graph's output is the eager bits
+    n, k = 6144, 4096
+    w, w_s = reference_fp8.quantize_weight(torch.randn(n, k, device=DEV) * 0.02, 128, 128)
+    x = torch.randn(1, k, device=DEV, dtype=torch.bfloat16)
+    fp8_linear(x, w, w_s, 128)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fp8_linear(x, w, w_s, 128)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.testing.assert_close(out, fp8_linear(x, w, w_s, 128), atol=0, rtol=0)
 
 
 def fp8_gemm_inputs(m, n, k, group_k):

@@ -8,9 +8,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from atom import ops
 from atom.ops import reference_fp8 as ref
-from atom.ops.triton import fp8_gemm
+from atom.ops.triton import fp8_configs, fp8_gemm
 from atom.ops.triton.fp8_configs import SKINNY_MAX_ROWS, gemm_config, skinny_config
 from atom.ops.triton.fp8_gemm import per_token_group_quant_fp8, w8a8_matmul
+from atom.ops.triton.fp8_gemv import Fp8GemvConfig, fp8_gemv
 from atom.ops.triton.gemv import GemvConfig, skinny_gemm
 
 
@@ -199,3 +200,45 @@ def test_fp8_linear(m, group_k, assert_close):
     out = fp8_gemm.fp8_linear(x, w_q, w_s, group_k, b)
     assert out.dtype == torch.bfloat16 and out.shape == (m, n)
     assert_close(out, ref.fp8_linear(x, w_q, w_s, group_k, b), torch.bfloat16)
+
+
+@pytest.mark.parametrize("n, k, group_k, cfg", [
+    (37, 200, 32, Fp8GemvConfig(block_n=4, block_k=128)),  # ragged K, a ragged last group, N not a multiple
+    (72, 256, 128, Fp8GemvConfig(block_n=8, block_k=256)),
+    (40, 384, 128, Fp8GemvConfig(block_n=16, block_k=1024, num_warps=2)),  # one masked step of 8 groups
+    (64, 512, 64, Fp8GemvConfig(block_n=8, block_k=256, num_warps=8)),
+])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp8_gemv_is_the_reference_layer(n, k, group_k, cfg, dtype, assert_close):
+    # the CUDA-core GEMV quantises the row group by group as per_token_group_quant_fp8 does:
+    # the reference layer's product (same codes and scales) up to float32 summation order
+    x = (torch.randn(2, k) * torch.exp(torch.randn(2, 1) * 2)).to(dtype)
+    x[0, :7] = 0  # a partly zero group
+    w_q, w_s = ref.quantize_weight(torch.randn(n, k) * 0.1, group_k, 32)
+    w_s = w_s.t().contiguous().t()
+    b = torch.randn(n).to(dtype)
+    out = fp8_gemv(x, w_q, w_s, group_k, cfg, b)
+    assert out.dtype == dtype
+    assert_close(out, ref.fp8_linear(x.float(), w_q, w_s, group_k, b.float()), dtype)
+    assert_close(fp8_gemv(x[:1], w_q, w_s, group_k, cfg), ref.fp8_linear(x[:1].float(), w_q, w_s, group_k), dtype)
+
+
+def test_fp8_gemv_rejects_groups_it_cannot_step():
+    w_q, w_s = ref.quantize_weight(torch.randn(8, 96), 48, 8)
+    with pytest.raises(ValueError, match="scale group"):
+        fp8_gemv(torch.randn(1, 96), w_q, w_s, 48, Fp8GemvConfig(block_n=8, block_k=96))
+
+
+def test_fp8_linear_takes_the_gemv_at_one_row(monkeypatch):
+    # at GEMV_MAX_ROWS rows a block-scaled layer runs the GEMV with gemv_config's launch (the same
+    # bits); where gemv_config gives none, the skinny kernel
+    n, k = 72, 1024
+    x = torch.randn(1, k).to(torch.bfloat16)
+    w_q, w_s = ref.quantize_weight(torch.randn(n, k) * 0.1, 128, 128)
+    cfg = fp8_configs.gemv_config(n, k, 128)
+    assert cfg is not None and fp8_configs.GEMV_MAX_ROWS >= 1
+    out = fp8_gemm.fp8_linear(x, w_q, w_s, 128)
+    assert torch.equal(out, fp8_gemv(x, w_q, w_s, 128, cfg))
+    monkeypatch.setattr(fp8_configs, "gemv_config", lambda n, k, g: None)
+    skinny = skinny_gemm(x, w_q, None, skinny_config(n, k, 128), scales=(None, w_s, 128), out_dtype=x.dtype)
+    assert torch.equal(fp8_gemm.fp8_linear(x, w_q, w_s, 128), skinny)

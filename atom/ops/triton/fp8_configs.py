@@ -10,6 +10,7 @@ overrides keys for the down GEMM."""
 
 from __future__ import annotations
 
+from atom.ops.triton.fp8_gemv import Fp8GemvConfig
 from atom.ops.triton.gemv import GemvConfig
 
 _INF = float("inf")
@@ -100,6 +101,20 @@ def skinny_config(n: int, k: int, group_k: int) -> GemvConfig:
     wide = block_n == 128
     return GemvConfig(block_n=block_n, block_k=block_k, split_k=split, mode="dot_t", num_warps=8 if wide else 4,
                       num_stages=3 if wide else 4)  # fmt: skip
+
+
+# Up to this many rows a block-scaled FP8 linear runs the CUDA-core GEMV (atom.ops.triton.fp8_gemv)
+# where ``gemv_config`` gives it a launch (0: never, the skinny kernel at every row count)
+GEMV_MAX_ROWS = 1
+
+
+def gemv_config(n: int, k: int, group_k: int) -> Fp8GemvConfig | None:
+    """The CUDA-core FP8 GEMV's launch for an [1, k] x [n, k]^T product with ``group_k``-column
+    scale groups, or None where the skinny kernel runs instead: 8 weight rows a program and
+    1,024 keys a step (8 groups of 128), 4 warps."""
+    if not group_k or 1024 % group_k:
+        return None
+    return Fp8GemvConfig(block_n=8, block_k=1024, num_warps=4, num_stages=2)
 
 
 def moe_config(pairs_per_expert: float, per_group: bool) -> dict:

@@ -1,0 +1,98 @@
+"""FP8 GEMV on CUDA cores: a block-scaled FP8 linear layer for one input row (batch-1 decode).
+
+At one row a linear layer only streams its weight. The skinny kernel (``gemv.skinny_gemm``,
+``dot_t``) runs it on the tensor cores with the row padded to 16 and one 128-column scale
+group a key step, and on an H200 streams Qwen3-8B-FP8's layer at ~55% of the copy bandwidth
+(``tests/gpu/decode_chain.py``), where the bf16 one-row kernel, on CUDA cores with 1,024-2,048
+keys a step, reaches ~86%. This kernel is that launch for e4m3 weights: each program owns
+``block_n`` weight rows and walks the whole key range (no split, no second kernel) in steps of
+``block_k`` keys, several scale groups at once: per group a float32 partial sum, times the
+group's weight and activation scales. The activation is quantised here, each program
+quantising the row as it reads it (the same codes and scales as
+``per_token_group_quant_fp8``), so the product is ``reference_fp8.fp8_linear``'s up to
+float32 summation order, with no quantisation launch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8GemvConfig:
+    block_n: int  # weight rows a program
+    block_k: int  # keys a step: a multiple of the scale group
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+@triton.jit
+def _fp8_gemv_kernel(
+    x_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, N, K,
+    stride_xm, stride_wn, stride_wsn, stride_wsk, stride_om,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_K: tl.constexpr,
+):  # fmt: skip
+    GROUPS: tl.constexpr = BLOCK_K // GROUP_K
+    pid_n = tl.program_id(0)
+    row = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn_load = tl.minimum(rn, N - 1)  # out-of-range rows read a valid row, never stored
+    rg = tl.arange(0, GROUPS)
+    rj = tl.arange(0, GROUP_K)
+    keys = rg[:, None] * GROUP_K + rj[None, :]  # [GROUPS, GROUP_K]: a step's keys, group by group
+    x_row = x_ptr + row.to(tl.int64) * stride_xm
+    w_rows = w_ptr + rn_load.to(tl.int64)[:, None, None] * stride_wn
+    ws_rows = ws_ptr + rn_load[:, None] * stride_wsn
+    num_groups = tl.cdiv(K, GROUP_K)
+    acc = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + keys
+        if EVEN_K:
+            x = tl.load(x_row + k).to(tl.float32)
+            w = tl.load(w_rows + k[None, :, :], eviction_policy="evict_first")
+        else:
+            x = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
+            w = tl.load(w_rows + k[None, :, :], mask=k[None, :, :] < K, other=0.0, eviction_policy="evict_first")
+        # the row's groups quantised as per_token_group_quant_fp8 does: amax / 448 times the float32
+        # reciprocal, an IEEE-rounded division, e4m3 codes; zeros past K leave amax unchanged
+        xs = tl.maximum(tl.max(tl.abs(x), axis=1) * (1.0 / 448.0), 1e-12)
+        xq = tl.clamp(tl.math.div_rn(x, xs[:, None]), -448.0, 448.0).to(w.dtype).to(tl.float32)
+        part = tl.sum(w.to(tl.float32) * xq[None, :, :], axis=2)  # [BLOCK_N, GROUPS]
+        g = k0 // GROUP_K + rg
+        ws = tl.load(ws_rows + g[None, :] * stride_wsk, mask=g[None, :] < num_groups, other=0.0)
+        acc += part * (ws * xs[None, :])
+    out = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        out += tl.load(b_ptr + rn_load).to(tl.float32)
+    tl.store(out_ptr + row.to(tl.int64) * stride_om + rn, out.to(out_ptr.dtype.element_ty), mask=rn < N)
+
+
+def fp8_gemv(
+    x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, group_k: int, cfg: Fp8GemvConfig,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """``reference_fp8.fp8_linear(x, w, w_scale, group_k, bias)`` for a few 16-bit rows ``x`` [M, K]
+    (one program row per input row: meant for M = 1), e4m3 ``w`` [N, K] with float32 scales
+    ``w_scale`` [N, cdiv(K, group_k)] (any strides), in ``x``'s dtype."""
+    m, k = x.shape
+    n = w.shape[0]
+    if group_k < 16 or group_k & (group_k - 1) or cfg.block_k % group_k:
+        raise ValueError(f"the FP8 GEMV needs a power-of-two scale group (>= 16) dividing block_k={cfg.block_k}, "
+                         f"got {group_k}")  # fmt: skip
+    if x.stride(-1) != 1 or w.stride(-1) != 1:
+        raise ValueError("the FP8 GEMV needs rows contiguous along K")
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    _fp8_gemv_kernel[(triton.cdiv(n, cfg.block_n), m)](
+        x, w, w_scale, bias if bias is not None else out, out, n, k,
+        x.stride(0), w.stride(0), w_scale.stride(0), w_scale.stride(1), out.stride(0),
+        HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        GROUP_K=group_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out
