@@ -80,8 +80,8 @@ def _skinny(change) -> list:
             (fp8_gemm, "skinny_config", lambda n, k, g: change(skinny_config(n, k, g), n))]  # fmt: skip
 
 
-def _gemv(block_n: int, block_k: int, num_warps: int, num_stages: int = 2) -> list:
-    cfg = Fp8GemvConfig(block_n, block_k, num_warps, num_stages)
+def _gemv(block_n: int, block_k: int, num_warps: int, half: bool = True) -> list:
+    cfg = Fp8GemvConfig(block_n, block_k, num_warps, half=half)
     return [(fp8_configs, "gemv_config", lambda n, k, g: cfg)]
 
 
@@ -89,17 +89,23 @@ def _grid(c, n: int) -> int:
     return -(-n // c.block_n) * c.split_k
 
 
-GEMV_LAUNCHES = [(2, 1024, 2), (2, 2048, 2), (4, 512, 2), (4, 1024, 2), (4, 2048, 2), (4, 1024, 4), (4, 2048, 4),
-                 (8, 512, 2), (8, 1024, 4), (8, 2048, 4), (8, 1024, 8), (16, 1024, 4), (16, 1024, 8), (16, 2048, 8),
-                 (32, 1024, 8)]  # fmt: skip
+# (rows a program, keys a step, warps, runs of 16 summed in f16): f32 products lost in session 11
+GEMV_LAUNCHES = [(2, 1024, 2, True), (4, 512, 2, True), (4, 1024, 2, True), (4, 2048, 2, True), (4, 1024, 4, True),
+                 (8, 512, 2, True), (8, 1024, 4, True), (8, 2048, 4, True), (8, 1024, 8, True), (16, 1024, 4, True),
+                 (16, 2048, 8, True), (32, 1024, 8, True), (8, 1024, 4, False)]  # fmt: skip
+
+
+def _name(bn: int, bk: int, w: int, half: bool) -> str:
+    return f"gemv {bn}x{bk} w{w}" + ("" if half else " f32")
+
+
 VARIANTS = {
     "skinny (session 32's launch)": _skinny(lambda c, n: c),
     "skinny 4 stages where the grid fits 2 programs an SM": _skinny(
         lambda c, n: dataclasses.replace(c, num_stages=4 if _grid(c, n) <= 2 * 132 else c.num_stages)
     ),
     "skinny twice the splits": _skinny(lambda c, n: dataclasses.replace(c, split_k=c.split_k * 2)),
-    **{f"gemv {n}x{k} w{w}": _gemv(n, k, w) for n, k, w in GEMV_LAUNCHES},
-    "gemv 8x1024 w4 s3": _gemv(8, 1024, 4, 3),
+    **{_name(*launch): _gemv(*launch) for launch in GEMV_LAUNCHES},
 }
 
 
@@ -132,9 +138,9 @@ def launches(n: int, k: int, x: torch.Tensor) -> dict:
     """The one-row launches of an [n, k] FP8 GEMM, each a callable of (weight, scales)."""
     table = {"skinny": lambda q, s: gemv.skinny_gemm(x, q, None, skinny_config(n, k, 128), scales=(None, s, 128),
                                                      out_dtype=torch.bfloat16)}  # fmt: skip
-    for bn, bk, w in GEMV_LAUNCHES:
-        cfg = Fp8GemvConfig(bn, bk, w)
-        table[f"gemv {bn}x{bk} w{w}"] = lambda q, s, cfg=cfg: fp8_gemv(x, q, s, 128, cfg)
+    for bn, bk, w, half in GEMV_LAUNCHES:
+        cfg = Fp8GemvConfig(bn, bk, w, half=half)
+        table[_name(bn, bk, w, half)] = lambda q, s, cfg=cfg: fp8_gemv(x, q, s, 128, cfg)
     return table
 
 

@@ -144,7 +144,8 @@ def test_fp8_linear(m, n, k):
 @pytest.mark.parametrize("cfg", [
     Fp8GemvConfig(block_n=4, block_k=1024, num_warps=2), Fp8GemvConfig(block_n=8, block_k=1024),
     Fp8GemvConfig(block_n=16, block_k=2048, num_warps=8), Fp8GemvConfig(block_n=8, block_k=512, num_stages=3),
-], ids=lambda c: f"n{c.block_n}-k{c.block_k}-w{c.num_warps}-s{c.num_stages}")  # fmt: skip
+    Fp8GemvConfig(block_n=8, block_k=1024, half=False),
+], ids=lambda c: f"n{c.block_n}-k{c.block_k}-w{c.num_warps}-s{c.num_stages}-{'f16' if c.half else 'f32'}")  # fmt: skip
 @pytest.mark.parametrize("n, k", [*SHAPES, (1000, 1000)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fp8_gemv(cfg, n, k, dtype):

@@ -207,6 +207,7 @@ def test_fp8_linear(m, group_k, assert_close):
     (72, 256, 128, Fp8GemvConfig(block_n=8, block_k=256)),
     (40, 384, 128, Fp8GemvConfig(block_n=16, block_k=1024, num_warps=2)),  # one masked step of 8 groups
     (64, 512, 64, Fp8GemvConfig(block_n=8, block_k=256, num_warps=8)),
+    (72, 256, 128, Fp8GemvConfig(block_n=8, block_k=256, half=False)),  # every product in float32
 ])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fp8_gemv_is_the_reference_layer(n, k, group_k, cfg, dtype, assert_close):

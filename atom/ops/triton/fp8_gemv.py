@@ -28,6 +28,7 @@ class Fp8GemvConfig:
     block_k: int  # keys a step: a multiple of the scale group
     num_warps: int = 4
     num_stages: int = 2
+    half: bool = True  # runs of 16 products summed in float16 (else every product in float32)
 
 
 @triton.jit
@@ -35,18 +36,22 @@ def _fp8_gemv_kernel(
     x_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, N, K,
     stride_xm, stride_wn, stride_wsn, stride_wsk, stride_om,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_K: tl.constexpr,
+    GROUP_K: tl.constexpr, HALF: tl.constexpr,
 ):  # fmt: skip
+    # a step's keys as [GROUPS, RUNS, 16]: scale groups of runs of 16 keys. HALF: each run's 16
+    # products summed in float16 (e4m3 -> f16 is one conversion per two weights, f16 -> f32 one per
+    # run; the activation codes times 2^-8 so that no product or run sum overflows f16), the runs in
+    # float32; else every product in float32
     GROUPS: tl.constexpr = BLOCK_K // GROUP_K
+    RUNS: tl.constexpr = GROUP_K // 16
     pid_n = tl.program_id(0)
     row = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rn_load = tl.minimum(rn, N - 1)  # out-of-range rows read a valid row, never stored
     rg = tl.arange(0, GROUPS)
-    rj = tl.arange(0, GROUP_K)
-    keys = rg[:, None] * GROUP_K + rj[None, :]  # [GROUPS, GROUP_K]: a step's keys, group by group
+    keys = rg[:, None, None] * GROUP_K + tl.arange(0, RUNS)[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
     x_row = x_ptr + row.to(tl.int64) * stride_xm
-    w_rows = w_ptr + rn_load.to(tl.int64)[:, None, None] * stride_wn
+    w_rows = w_ptr + rn_load.to(tl.int64)[:, None, None, None] * stride_wn
     ws_rows = ws_ptr + rn_load[:, None] * stride_wsn
     num_groups = tl.cdiv(K, GROUP_K)
     acc = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
@@ -54,15 +59,19 @@ def _fp8_gemv_kernel(
         k = k0 + keys
         if EVEN_K:
             x = tl.load(x_row + k).to(tl.float32)
-            w = tl.load(w_rows + k[None, :, :], eviction_policy="evict_first")
+            w = tl.load(w_rows + k[None], eviction_policy="evict_first")
         else:
             x = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
-            w = tl.load(w_rows + k[None, :, :], mask=k[None, :, :] < K, other=0.0, eviction_policy="evict_first")
+            w = tl.load(w_rows + k[None], mask=k[None] < K, other=0.0, eviction_policy="evict_first")
         # the row's groups quantised as per_token_group_quant_fp8 does: amax / 448 times the float32
         # reciprocal, an IEEE-rounded division, e4m3 codes; zeros past K leave amax unchanged
-        xs = tl.maximum(tl.max(tl.abs(x), axis=1) * (1.0 / 448.0), 1e-12)
-        xq = tl.clamp(tl.math.div_rn(x, xs[:, None]), -448.0, 448.0).to(w.dtype).to(tl.float32)
-        part = tl.sum(w.to(tl.float32) * xq[None, :, :], axis=2)  # [BLOCK_N, GROUPS]
+        xs = tl.maximum(tl.max(tl.max(tl.abs(x), axis=2), axis=1) * (1.0 / 448.0), 1e-12)
+        xq = tl.clamp(tl.math.div_rn(x, xs[:, None, None]), -448.0, 448.0).to(w.dtype)
+        if HALF:
+            prod = w.to(tl.float16) * (xq.to(tl.float16) * 0.00390625)[None]
+            part = tl.sum(tl.sum(prod, axis=3).to(tl.float32), axis=2) * 256.0
+        else:
+            part = tl.sum(tl.sum(w.to(tl.float32) * xq.to(tl.float32)[None], axis=3), axis=2)
         g = k0 // GROUP_K + rg
         ws = tl.load(ws_rows + g[None, :] * stride_wsk, mask=g[None, :] < num_groups, other=0.0)
         acc += part * (ws * xs[None, :])
@@ -93,6 +102,6 @@ def fp8_gemv(
         x, w, w_scale, bias if bias is not None else out, out, n, k,
         x.stride(0), w.stride(0), w_scale.stride(0), w_scale.stride(1), out.stride(0),
         HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        GROUP_K=group_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        GROUP_K=group_k, HALF=cfg.half, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
