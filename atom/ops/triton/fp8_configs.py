@@ -106,15 +106,19 @@ def skinny_config(n: int, k: int, group_k: int) -> GemvConfig:
 # Up to this many rows a block-scaled FP8 linear runs the CUDA-core GEMV (atom.ops.triton.fp8_gemv)
 # where ``gemv_config`` gives it a launch (0: never, the skinny kernel at every row count)
 GEMV_MAX_ROWS = 1
+GEMV_MAX_WEIGHTS = 1 << 25
 
 
 def gemv_config(n: int, k: int, group_k: int) -> Fp8GemvConfig | None:
     """The CUDA-core FP8 GEMV's launch for an [1, k] x [n, k]^T product with ``group_k``-column
-    scale groups, or None where the skinny kernel runs instead: 8 weight rows a program and
-    1,024 keys a step (8 groups of 128), 4 warps."""
-    if not group_k or 1024 % group_k:
+    scale groups, or None where the skinny kernel runs instead. H200, session 33 (`decode_chain.py
+    --gemms`, Qwen3-8B's four GEMMs at one row, us): the GEMV wins on layers of up to 32 M weights
+    (qkv 13.6 against the skinny kernel's 15.3, o 11.2 against 12.8: 16 rows a program, 1,024 keys a
+    step, 4 warps) and loses on larger ones (gate_up 38.6-59.3 against 35.6, down 22.8-38.9 against
+    21.9), where the skinny kernel's splits keep more loads in flight."""
+    if not group_k or 1024 % group_k or n * k > GEMV_MAX_WEIGHTS:
         return None
-    return Fp8GemvConfig(block_n=8, block_k=1024, num_warps=4, num_stages=2)
+    return Fp8GemvConfig(block_n=16, block_k=1024, num_warps=4, num_stages=2)
 
 
 def moe_config(pairs_per_expert: float, per_group: bool) -> dict:
