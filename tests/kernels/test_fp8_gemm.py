@@ -238,6 +238,10 @@ def test_fp8_linear_takes_the_gemv_at_one_row(monkeypatch):
     w_q, w_s = ref.quantize_weight(torch.randn(n, k) * 0.1, 128, 128)
     cfg = fp8_configs.gemv_config(n, k, 128)
     assert cfg is not None and fp8_configs.GEMV_MAX_ROWS >= 1
+    # layers past GEMV_MAX_WEIGHTS (Qwen3-8B's gate_up and down), per-channel weights and scale
+    # groups a step cannot hold keep the skinny kernel
+    assert fp8_configs.gemv_config(4096, 12288, 128) is None and fp8_configs.gemv_config(6144, 4096, 128) is not None
+    assert fp8_configs.gemv_config(n, k, 0) is None and fp8_configs.gemv_config(n, k, 2048) is None
     out = fp8_gemm.fp8_linear(x, w_q, w_s, 128)
     assert torch.equal(out, fp8_gemv(x, w_q, w_s, 128, cfg))
     monkeypatch.setattr(fp8_configs, "gemv_config", lambda n, k, g: None)
