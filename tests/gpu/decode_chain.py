@@ -72,12 +72,13 @@ def captured(layers, norm_w, x) -> torch.cuda.CUDAGraph:
     return graph
 
 
-# the FP8 launch's variants at one row: the skinny kernel at every row count (fp8_configs.gemv_config
-# giving none) with its launch changed, or the CUDA-core GEMV with another launch; each a set of
-# (module, name, replacement) patches for all four GEMMs
-def _skinny(change) -> list:
-    return [(fp8_configs, "gemv_config", lambda n, k, g: None),
-            (fp8_gemm, "skinny_config", lambda n, k, g: change(skinny_config(n, k, g), n))]  # fmt: skip
+# the FP8 launch's variants at one row, each a set of (module, name, replacement) patches: the skinny
+# kernel on every layer (fp8_configs.gemv_config giving none) or only where the GEMV does not run (the
+# default: gate_up, down), its launch changed for a layer of n weight rows and k keys; or the CUDA-core
+# GEMV on every layer with another launch
+def _skinny(change, everywhere: bool = True) -> list:
+    patches = [(fp8_gemm, "skinny_config", lambda n, k, g: change(skinny_config(n, k, g), n, k))]
+    return (patches + [(fp8_configs, "gemv_config", lambda n, k, g: None)]) if everywhere else patches
 
 
 def _gemv(block_n: int, block_k: int, num_warps: int, half: bool = True) -> list:
@@ -89,10 +90,23 @@ def _grid(c, n: int) -> int:
     return -(-n // c.block_n) * c.split_k
 
 
-# (rows a program, keys a step, warps, runs of 16 summed in f16): f32 products lost in session 11
-GEMV_LAUNCHES = [(2, 1024, 2, True), (4, 512, 2, True), (4, 1024, 2, True), (4, 2048, 2, True), (4, 1024, 4, True),
-                 (8, 512, 2, True), (8, 1024, 4, True), (8, 2048, 4, True), (8, 1024, 8, True), (16, 1024, 4, True),
-                 (16, 2048, 8, True), (32, 1024, 8, True), (8, 1024, 4, False)]  # fmt: skip
+def _where(test, **changes):
+    """A skinny launch change for the layers ``test(n, k)`` picks."""
+    return lambda c, n, k: dataclasses.replace(c, **changes) if test(n, k) else c
+
+
+def _down(n: int, k: int) -> bool:
+    return k > n
+
+
+def _gate_up(n: int, k: int) -> bool:
+    return n > 2 * k
+
+
+# (rows a program, keys a step, warps, runs of 16 summed in f16); session 33's chain: the first four
+# of the 13 swept were the fastest on every layer (89.8-99.6 us against 93.9-128.7)
+GEMV_LAUNCHES = [(8, 2048, 4, True), (16, 2048, 8, True), (16, 1024, 4, True), (4, 2048, 2, True),
+                 (8, 1024, 4, False)]  # fmt: skip
 
 
 def _name(bn: int, bk: int, w: int, half: bool) -> str:
@@ -100,11 +114,16 @@ def _name(bn: int, bk: int, w: int, half: bool) -> str:
 
 
 VARIANTS = {
-    "skinny (session 32's launch)": _skinny(lambda c, n: c),
-    "skinny 4 stages where the grid fits 2 programs an SM": _skinny(
-        lambda c, n: dataclasses.replace(c, num_stages=4 if _grid(c, n) <= 2 * 132 else c.num_stages)
+    "skinny everywhere (session 32's launch)": _skinny(lambda c, n, k: c),
+    "skinny everywhere, 4 stages where the grid fits 2 programs an SM": _skinny(
+        lambda c, n, k: dataclasses.replace(c, num_stages=4 if _grid(c, n) <= 2 * 132 else c.num_stages)
     ),
-    "skinny twice the splits": _skinny(lambda c, n: dataclasses.replace(c, split_k=c.split_k * 2)),
+    "down 4 stages": _skinny(_where(_down, num_stages=4), everywhere=False),
+    "down 16 splits (8 in the table)": _skinny(_where(_down, split_k=16), everywhere=False),
+    "down 4 warps, 4 stages": _skinny(_where(_down, num_warps=4, num_stages=4), everywhere=False),
+    "gate_up no split": _skinny(_where(_gate_up, split_k=1), everywhere=False),
+    "gate_up 4 splits": _skinny(_where(_gate_up, split_k=4), everywhere=False),
+    "gate_up 2 stages": _skinny(_where(_gate_up, num_stages=2), everywhere=False),
     **{_name(*launch): _gemv(*launch) for launch in GEMV_LAUNCHES},
 }
 
