@@ -30,7 +30,7 @@ from kernel_bench import bench_ms  # tests/gpu/, next to this script
 from atom import ops
 from atom.benchmarks.model_configs import copy_bandwidth
 from atom.ops import reference_fp8
-from atom.ops.triton import fp8_configs, fp8_gemm, gemv
+from atom.ops.triton import fp8_gemm, gemv
 from atom.ops.triton.fp8_configs import skinny_config
 from atom.ops.triton.fp8_gemm import fp8_linear
 from atom.ops.triton.fp8_gemv import Fp8GemvConfig, fp8_gemv
@@ -78,12 +78,12 @@ def captured(layers, norm_w, x) -> torch.cuda.CUDAGraph:
 # GEMV on every layer with another launch
 def _skinny(change, everywhere: bool = True) -> list:
     patches = [(fp8_gemm, "skinny_config", lambda n, k, g: change(skinny_config(n, k, g), n, k))]
-    return (patches + [(fp8_configs, "gemv_config", lambda n, k, g: None)]) if everywhere else patches
+    return (patches + [(fp8_gemm, "gemv_config", lambda n, k, g: None)]) if everywhere else patches
 
 
 def _gemv(block_n: int, block_k: int, num_warps: int, half: bool = True) -> list:
     cfg = Fp8GemvConfig(block_n, block_k, num_warps, half=half)
-    return [(fp8_configs, "gemv_config", lambda n, k, g: cfg)]
+    return [(fp8_gemm, "gemv_config", lambda n, k, g: cfg)]
 
 
 def _grid(c, n: int) -> int:

@@ -23,8 +23,8 @@ from atom.ops import reference, reference_fp8
 if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("needs CUDA and compiled (not interpreted) Triton", allow_module_level=True)
 
-from atom.ops.triton import fp8_configs, gemv, paged_attention  # noqa: E402
-from atom.ops.triton.fp8_configs import GEMV_MAX_ROWS, SKINNY_MAX_ROWS  # noqa: E402
+from atom.ops.triton import gemv, paged_attention  # noqa: E402
+from atom.ops.triton.fp8_configs import GEMV_MAX_ROWS, SKINNY_MAX_ROWS, gemv_config  # noqa: E402
 from atom.ops.triton.fp8_gemm import (  # noqa: E402
     fp8_linear,
     per_token_group_quant_fp8,
@@ -133,7 +133,7 @@ def test_fp8_linear(m, n, k):
     out = fp8_linear(x, w, w_s, 128, None, block_scale)
     a, a_s = per_token_group_quant_fp8(x, 128)
     assert_close(out, reference_fp8.w8a8_matmul(a, a_s, w, w_s, 128, torch.float32))
-    gemv_cfg = fp8_configs.gemv_config(n, k, 128)
+    gemv_cfg = gemv_config(n, k, 128)
     if m <= GEMV_MAX_ROWS and gemv_cfg is not None:
         assert torch.equal(out, fp8_gemv(x, w, w_s, 128, gemv_cfg))
     elif m <= SKINNY_MAX_ROWS:

@@ -212,7 +212,8 @@ def test_fp8_linear(m, group_k, assert_close):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fp8_gemv_is_the_reference_layer(n, k, group_k, cfg, dtype, assert_close):
     # the CUDA-core GEMV quantises the row group by group as per_token_group_quant_fp8 does:
-    # the reference layer's product (same codes and scales) up to float32 summation order
+    # the reference layer's product (same codes and scales) up to summation order and, with
+    # ``half``, runs of 16 products summed in float16
     x = (torch.randn(2, k) * torch.exp(torch.randn(2, 1) * 2)).to(dtype)
     x[0, :7] = 0  # a partly zero group
     w_q, w_s = ref.quantize_weight(torch.randn(n, k) * 0.1, group_k, 32)
@@ -228,6 +229,9 @@ def test_fp8_gemv_rejects_groups_it_cannot_step():
     w_q, w_s = ref.quantize_weight(torch.randn(8, 96), 48, 8)
     with pytest.raises(ValueError, match="scale group"):
         fp8_gemv(torch.randn(1, 96), w_q, w_s, 48, Fp8GemvConfig(block_n=8, block_k=96))
+    w_q, w_s = ref.quantize_weight(torch.randn(8, 384), 128, 8)
+    with pytest.raises(ValueError, match="power-of-two block_k"):  # three groups a step: no tl.arange
+        fp8_gemv(torch.randn(1, 384), w_q, w_s, 128, Fp8GemvConfig(block_n=8, block_k=384))
 
 
 def test_fp8_linear_takes_the_gemv_at_one_row(monkeypatch):
@@ -244,6 +248,6 @@ def test_fp8_linear_takes_the_gemv_at_one_row(monkeypatch):
     assert fp8_configs.gemv_config(n, k, 0) is None and fp8_configs.gemv_config(n, k, 2048) is None
     out = fp8_gemm.fp8_linear(x, w_q, w_s, 128)
     assert torch.equal(out, fp8_gemv(x, w_q, w_s, 128, cfg))
-    monkeypatch.setattr(fp8_configs, "gemv_config", lambda n, k, g: None)
+    monkeypatch.setattr(fp8_gemm, "gemv_config", lambda n, k, g: None)
     skinny = skinny_gemm(x, w_q, None, skinny_config(n, k, 128), scales=(None, w_s, 128), out_dtype=x.dtype)
     assert torch.equal(fp8_gemm.fp8_linear(x, w_q, w_s, 128), skinny)

@@ -30,8 +30,14 @@ import triton
 import triton.language as tl
 
 from atom.ops import reference_fp8
-from atom.ops.triton import fp8_configs
-from atom.ops.triton.fp8_configs import SKINNY_MAX_N, SKINNY_MAX_ROWS, gemm_config, skinny_config
+from atom.ops.triton.fp8_configs import (
+    GEMV_MAX_ROWS,
+    SKINNY_MAX_N,
+    SKINNY_MAX_ROWS,
+    gemm_config,
+    gemv_config,
+    skinny_config,
+)
 from atom.ops.triton.fp8_gemv import fp8_gemv
 from atom.ops.triton.gemv import skinny_gemm
 
@@ -199,14 +205,14 @@ def fp8_linear(
     """``reference_fp8.fp8_linear``: ``x`` [M, K] quantised 1 x ``group_k`` per row, times the
     e4m3 weight, in ``x``'s dtype. Block scales at decode sizes (the skinny kernel's rows and
     columns) take one launch: the skinny kernel, or at one row the CUDA-core GEMV
-    (``fp8_configs.gemv_config``), quantises each activation group as it reads it. Otherwise
+    (``gemv_config``), quantises each activation group as it reads it. Otherwise
     ``per_token_group_quant_fp8`` then ``w8a8_matmul``."""
     m, k = x.shape
     n = w.shape[0]
     if group_k and 0 < m <= SKINNY_MAX_ROWS and n <= SKINNY_MAX_N:
         if x.stride(-1) != 1:
             x = x.contiguous()
-        gemv = fp8_configs.gemv_config(n, k, group_k) if m <= fp8_configs.GEMV_MAX_ROWS else None
+        gemv = gemv_config(n, k, group_k) if m <= GEMV_MAX_ROWS else None
         if gemv is not None:
             return fp8_gemv(x, w, w_scale, group_k, gemv, bias)
         return skinny_gemm(x, w, bias, skinny_config(n, k, group_k), scales=(None, w_scale, group_k),

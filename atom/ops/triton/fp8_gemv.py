@@ -92,9 +92,9 @@ def fp8_gemv(
     ``w_scale`` [N, cdiv(K, group_k)] (any strides), in ``x``'s dtype."""
     m, k = x.shape
     n = w.shape[0]
-    if group_k < 16 or group_k & (group_k - 1) or cfg.block_k % group_k:
-        raise ValueError(f"the FP8 GEMV needs a power-of-two scale group (>= 16) dividing block_k={cfg.block_k}, "
-                         f"got {group_k}")  # fmt: skip
+    if group_k < 16 or group_k & (group_k - 1) or cfg.block_k % group_k or cfg.block_k & (cfg.block_k - 1):
+        raise ValueError(f"the FP8 GEMV needs a power-of-two scale group (>= 16) dividing a power-of-two block_k; "
+                         f"got group {group_k}, block_k {cfg.block_k}")  # fmt: skip
     if x.stride(-1) != 1 or w.stride(-1) != 1:
         raise ValueError("the FP8 GEMV needs rows contiguous along K")
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
