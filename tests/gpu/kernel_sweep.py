@@ -2,8 +2,8 @@
 decode attention's split-K factor, timed as ``tests/gpu/kernel_bench.py`` times its cases (how the defaults in
 ``atom.ops.triton`` were picked). GPU only:
 
-    python tests/gpu/kernel_sweep.py [moe] [moe_small] [moe_fp8] [prefill] [mla] [mla_prefill] [decode] \
-        [decode_varlen] [--output-json sweep.json]
+    python tests/gpu/kernel_sweep.py [moe] [moe_small] [moe_fp8] [moe_fp8_gemv] [prefill] [mla] [mla_prefill] \
+        [decode] [decode_varlen] [--output-json sweep.json]
 
 Prints the best two configs per case and the default; ``--output-json`` writes every row
 (case, config, ms, GB/s, TFLOP/s; prefill rows also the compiler's resource report and the max abs
@@ -40,6 +40,8 @@ from atom.benchmarks.benchmark_utils import write_to_json
 from atom.ops import mla as mla_reference
 from atom.ops import triton as tk
 from atom.ops.triton import mla, mla_prefill, moe, prefill_attention
+from atom.ops.triton.fp8_configs import moe_config
+from atom.ops.triton.fp8_gemv import Fp8GemvConfig, MoeGemvConfig
 
 
 def _cfgs(keys: str, rows: list[tuple]) -> list[dict]:
@@ -141,6 +143,53 @@ def moe_fp8_sweep() -> list[dict]:
                 continue  # tiles far from the rows per expert
             calls = [functools.partial(f, config=cfg) for f in fns]
             rows.append(_timed(label, cfg or "default", lambda c=calls, b=nbytes, f=flops: (c, {}, b, f)))
+        if refs.get(""):
+            rows.append(_timed(label, "vllm", lambda r=refs[""], b=nbytes, f=flops: (r, {}, b, f)))
+        del fns, refs
+    return [r for r in rows if r]
+
+
+def _gemv(gated: tuple, down: tuple, sum_in_kernel: bool = True) -> MoeGemvConfig:
+    return MoeGemvConfig(Fp8GemvConfig(*gated), Fp8GemvConfig(*down), sum_in_kernel)
+
+
+# the few-token FP8 MoE's GEMV launches: (block_n, block_k, num_warps) of the gated and the down GEMV
+MOE_GEMV_CANDIDATES = [
+    _gemv((16, 1024, 4), (16, 256, 4)),
+    _gemv((16, 1024, 4), (16, 256, 4), False),
+    _gemv((8, 1024, 4), (16, 256, 4)),
+    _gemv((8, 2048, 8), (16, 256, 4)),
+    _gemv((4, 1024, 2), (16, 256, 4)),
+    _gemv((16, 2048, 8), (16, 512, 4)),
+    _gemv((16, 1024, 4), (8, 256, 2)),
+    _gemv((16, 1024, 4), (32, 256, 4)),
+    _gemv((16, 1024, 4), (16, 1024, 4)),
+    _gemv((16, 1024, 4), (8, 256, 2), False),
+    _gemv((16, 1024, 4), (4, 256, 2), False),
+    _gemv((8, 1024, 4), (8, 512, 4), False),
+]
+
+
+def gemv_label(c: MoeGemvConfig) -> str:
+    g, d = c.gated, c.down
+    summed = "sum" if c.sum_in_kernel else "moe_sum"
+    return f"gemv {g.block_n}x{g.block_k}w{g.num_warps} down {d.block_n}x{d.block_k}w{d.num_warps} {summed}"
+
+
+def moe_fp8_gemv_sweep() -> list[dict]:
+    """The few-token FP8 MoE: the CUDA-core GEMVs' launches (``MOE_GEMV_CANDIDATES``) against the tile
+    kernels (``tiles``: the table's tile at that size) and vLLM's ``fused_experts``, at Qwen3-30B-A3B-FP8's
+    experts (1-16 tokens) and DeepSeek-V3's shapes (1 and 4 tokens); ``default``: what ``fused_moe_fp8`` picks."""
+    rows = []
+    # DeepSeek-V3: 32 of its 256 experts (the float32 weights drawn for 256 would take ~90 GB)
+    shapes = [(n, {}) for n in (1, 2, 4, 8, 16)] + [(n, dict(hidden=7168, inter=2048, num_experts=32)) for n in (1, 4)]
+    for n, experts in shapes:
+        label = f"moe fp8 T={n}" + (" V3" if experts else "")
+        fns, refs, nbytes, flops = prepare(functools.partial(moe_fp8_case, n, **experts))
+        tiles = moe_config(n * 8 / experts.get("num_experts", 128), True)
+        for name, cfg in [("default", None), ("tiles", tiles), *((gemv_label(c), c) for c in MOE_GEMV_CANDIDATES)]:
+            calls = [functools.partial(f, config=cfg) for f in fns]
+            rows.append(_timed(label, name, lambda c=calls, b=nbytes, f=flops: (c, {}, b, f)))
         if refs.get(""):
             rows.append(_timed(label, "vllm", lambda r=refs[""], b=nbytes, f=flops: (r, {}, b, f)))
         del fns, refs
@@ -361,7 +410,8 @@ def decode_varlen_sweep() -> list[dict]:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # no argparse choices: Python 3.10 rejects an empty list against them
-    kernels = "moe, moe_small, moe_fp8, prefill, mla, mla_prefill, decode and/or decode_varlen (default: moe, prefill)"
+    kernels = "moe, moe_small, moe_fp8, moe_fp8_gemv, prefill, mla, mla_prefill, decode and/or decode_varlen"
+    kernels += " (default: moe, prefill)"
     parser.add_argument("kernels", nargs="*", default=["moe", "prefill"], help=kernels)
     parser.add_argument("--output-json", help="write every row here")
     args = parser.parse_args()
@@ -369,6 +419,7 @@ def main():
         moe=moe_sweep,
         moe_small=functools.partial(moe_sweep, small=True),
         moe_fp8=moe_fp8_sweep,
+        moe_fp8_gemv=moe_fp8_gemv_sweep,
         prefill=prefill_sweep,
         mla=mla_sweep,
         mla_prefill=mla_prefill_sweep,
@@ -381,7 +432,7 @@ def main():
     print("\nsweep (best 2 per case, and the default):")
     for case in dict.fromkeys(r["case"] for r in sweep_rows):
         rows = sorted((r for r in sweep_rows if r["case"] == case), key=lambda r: r["ms"])
-        for r in rows[:2] + [r for r in rows[2:] if _is_default(r["config"]) or r["config"] == "vllm"]:
+        for r in rows[:2] + [r for r in rows[2:] if _is_default(r["config"]) or r["config"] in ("vllm", "tiles")]:
             print(f"  {case:<22} {r['ms']:8.4f} ms {r['gbps']:6.0f} GB/s {r['tflops']:6.1f} TF  {r['config']}")
     if args.output_json:
         write_to_json(args.output_json, dict(device=torch.cuda.get_device_name(), sweep=sweep_rows), indent=2)

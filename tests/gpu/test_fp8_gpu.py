@@ -12,6 +12,7 @@ Run in its own pytest process (``pytest tests/gpu/test_fp8_gpu.py``).
 - MoE: the Triton FP8 fused MoE matches the reference within 2% (see tests/kernels/test_moe_fp8.py).
 """
 
+import functools
 import os
 
 import pytest
@@ -31,7 +32,7 @@ from atom.ops.triton.fp8_gemm import (  # noqa: E402
     scaled_mm_block_scales,
     w8a8_matmul,
 )
-from atom.ops.triton.fp8_gemv import Fp8GemvConfig, fp8_gemv  # noqa: E402
+from atom.ops.triton.fp8_gemv import Fp8GemvConfig, MoeGemvConfig, fp8_gemv  # noqa: E402
 from atom.ops.triton.gemv import GemvConfig, skinny_gemm  # noqa: E402
 from atom.ops.triton.moe_fp8 import fused_moe_fp8  # noqa: E402
 from atom.ops.triton.rope_cache import store_kv_cache  # noqa: E402
@@ -243,6 +244,56 @@ def test_fused_moe_fp8(num_tokens, group_k):
     out = fused_moe_fp8(x, w13, s13, w2, s2, weights, ids, group_k)
     ref = reference_fp8.fused_moe_fp8(x, w13, s13, w2, s2, weights, ids, group_k)
     assert_close(out, ref, tol=0.02)
+
+
+def moe_fp8_inputs(num_tokens, hidden, inter, experts, top_k):
+    """Block-128 expert weights (K-major scales, as the FP8 MoE layer keeps them) and routes."""
+    out = []
+    for rows, cols in ((2 * inter, hidden), (hidden, inter)):
+        q = [reference_fp8.quantize_weight(torch.randn(rows, cols, device=DEV) * 0.02, 128, 128)
+             for _ in range(experts)]  # fmt: skip
+        scales = torch.stack([s for _, s in q]).transpose(1, 2).contiguous().transpose(1, 2)
+        out += [torch.stack([w for w, _ in q]), scales]
+    x = torch.randn(num_tokens, hidden, device=DEV, dtype=torch.bfloat16)
+    weights, ids = reference.moe_topk(torch.randn(num_tokens, experts, device=DEV), top_k, True)
+    return x, *out, weights, ids
+
+
+# the few-token FP8 MoE (CUDA-core GEMVs): the default launch and sweep candidates (narrow / wide row
+# blocks, 2,048 keys a step, per-pair down rows summed by moe_sum, a masked down key step)
+@pytest.mark.parametrize("cfg", [
+    None,
+    MoeGemvConfig(Fp8GemvConfig(8, 2048, 8), Fp8GemvConfig(32, 256), sum_in_kernel=False),
+    MoeGemvConfig(Fp8GemvConfig(4, 1024, 2), Fp8GemvConfig(16, 1024), sum_in_kernel=True),
+])  # fmt: skip
+@pytest.mark.parametrize("num_tokens, hidden, inter, experts, top_k", [
+    (1, 2048, 768, 128, 8),  # Qwen3-30B-A3B
+    (4, 2048, 768, 128, 8),
+    (1, 7168, 2048, 16, 8),  # DeepSeek-V3's expert shapes (fewer experts)
+    (3, 2048, 1408, 16, 6),  # DeepSeek-V2-Lite's
+])  # fmt: skip
+def test_fused_moe_fp8_gemv(cfg, num_tokens, hidden, inter, experts, top_k):
+    from atom.ops.triton.fp8_configs import moe_gemv_config
+
+    x, w13, s13, w2, s2, weights, ids = moe_fp8_inputs(num_tokens, hidden, inter, experts, top_k)
+    cfg = cfg or moe_gemv_config(1, 128)
+    out = fused_moe_fp8(x, w13, s13, w2, s2, weights, ids, 128, config=cfg)
+    assert_close(out, reference_fp8.fused_moe_fp8(x, w13, s13, w2, s2, weights, ids, 128), tol=0.02)
+
+
+def test_fused_moe_fp8_gemv_in_cuda_graph():
+    # one token, as a batch-1 decode step replays it, new activations and routes: the eager bits
+    x, w13, s13, w2, s2, weights, ids = moe_fp8_inputs(1, 2048, 768, 128, 8)
+    moe = functools.partial(fused_moe_fp8, x, w13, s13, w2, s2, weights, ids, 128)
+    moe()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe()
+    x2, *_, weights2, ids2 = moe_fp8_inputs(1, 2048, 768, 128, 8)
+    for t, new in ((x, x2), (weights, weights2), (ids, ids2)):
+        t.copy_(new)
+    graph.replay()
+    torch.testing.assert_close(out, moe(), atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("num_tokens", [16, 256, 2048])

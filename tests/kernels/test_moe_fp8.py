@@ -9,6 +9,9 @@ import pytest
 import torch
 
 from atom.ops import reference, reference_fp8
+from atom.ops.triton import fp8_configs
+from atom.ops.triton.fp8_configs import moe_config
+from atom.ops.triton.fp8_gemv import Fp8GemvConfig, MoeGemvConfig
 from atom.ops.triton.moe_fp8 import fused_moe_fp8
 
 
@@ -59,3 +62,57 @@ def test_fused_moe_fp8_config_and_k_major_scales(group_k, paired):
     ref = reference_fp8.fused_moe_fp8(x, w13, s13, w2, s2, weights, ids, group_k)
     err = (out.float() - ref.float()).abs().max().item()
     assert err <= 0.02 * max(1.0, ref.float().abs().max().item()), err
+
+
+def _experts(num_experts, hidden, inter, group_k):
+    out = []
+    for rows, cols in ((2 * inter, hidden), (hidden, inter)):
+        pairs = [reference_fp8.quantize_weight(torch.randn(rows, cols) / cols**0.5, group_k, group_k)
+                 for _ in range(num_experts)]  # fmt: skip
+        # the K-major scales the FP8 MoE layer keeps after loading
+        out += [torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs]).transpose(1, 2).contiguous()
+                .transpose(1, 2)]  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("sum_in_kernel", [True, False])
+@pytest.mark.parametrize(
+    "num_tokens, hidden, inter, top_k, gated, down",
+    [
+        (1, 256, 96, 4, (16, 256), (16, 64)),  # inter not a multiple of the row block; 2 down key steps
+        (3, 160, 64, 2, (8, 128), (32, 128)),  # hidden: 1 full and 1 partial key step (masked keys)
+    ],
+)
+def test_fused_moe_fp8_gemv(num_tokens, hidden, inter, top_k, gated, down, sum_in_kernel):
+    # the few-token path: each pair's gate / up rows through the CUDA-core GEMV (silu * up rounded as
+    # the tile kernel rounds), then the down rows, weighted and summed by token; the same codes and
+    # scales as the reference, so within its tolerance, and as close to the tile kernels
+    num_experts, group_k = 8, 32
+    x = (torch.randn(num_tokens, hidden) * torch.exp(torch.randn(num_tokens, 1))).to(torch.bfloat16)
+    w13, s13, w2, s2 = _experts(num_experts, hidden, inter, group_k)
+    weights, ids = reference.moe_topk(torch.randn(num_tokens, num_experts), top_k, True)
+    cfg = MoeGemvConfig(Fp8GemvConfig(*gated), Fp8GemvConfig(*down), sum_in_kernel)
+    out = fused_moe_fp8(x, w13, s13, w2, s2, weights, ids, group_k, config=cfg)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    ref = reference_fp8.fused_moe_fp8(x, w13, s13, w2, s2, weights, ids, group_k)
+    tiles = fused_moe_fp8(x, w13, s13, w2, s2, weights, ids, group_k, config=moe_config(1.0, True))
+    for other in (ref, tiles):
+        err = (out.float() - other.float()).abs().max().item()
+        assert err <= 0.02 * max(1.0, other.float().abs().max().item()), err
+
+
+def test_fused_moe_fp8_takes_the_gemv_up_to_its_token_count(monkeypatch):
+    # fp8_configs.moe_gemv_config picks the GEMVs up to MOE_GEMV_MAX_TOKENS tokens (block scales
+    # only), the tile kernels past it; 0 turns the GEMVs off
+    num_experts, hidden, inter, top_k, group_k = 8, 256, 64, 2, 128
+    w13, s13, w2, s2 = _experts(num_experts, hidden, inter, group_k)
+    n = fp8_configs.MOE_GEMV_MAX_TOKENS
+    assert n >= 1 and fp8_configs.moe_gemv_config(n + 1, 128) is None and fp8_configs.moe_gemv_config(n, 0) is None
+    x = torch.randn(n, hidden).to(torch.bfloat16)
+    weights, ids = reference.moe_topk(torch.randn(n, num_experts), top_k, True)
+    picked = fused_moe_fp8(x, w13, s13, w2, s2, weights, ids, group_k)
+    cfg = fp8_configs.moe_gemv_config(n, group_k)
+    assert torch.equal(picked, fused_moe_fp8(x, w13, s13, w2, s2, weights, ids, group_k, config=cfg))
+    monkeypatch.setattr(fp8_configs, "MOE_GEMV_MAX_TOKENS", 0)
+    tiles = fused_moe_fp8(x, w13, s13, w2, s2, weights, ids, group_k, config=moe_config(n * top_k / 8, True))
+    assert torch.equal(fused_moe_fp8(x, w13, s13, w2, s2, weights, ids, group_k), tiles)

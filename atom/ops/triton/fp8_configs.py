@@ -10,7 +10,7 @@ overrides keys for the down GEMM."""
 
 from __future__ import annotations
 
-from atom.ops.triton.fp8_gemv import Fp8GemvConfig
+from atom.ops.triton.fp8_gemv import Fp8GemvConfig, MoeGemvConfig
 from atom.ops.triton.gemv import GemvConfig
 
 _INF = float("inf")
@@ -123,3 +123,15 @@ def gemv_config(n: int, k: int, group_k: int) -> Fp8GemvConfig | None:
 
 def moe_config(pairs_per_expert: float, per_group: bool) -> dict:
     return _pick(MOE_BLOCK if per_group else MOE_CHANNEL, pairs_per_expert)
+
+
+# Up to this many tokens the block-scaled FP8 MoE runs the CUDA-core GEMVs (fp8_gemv.fused_moe_fp8_gemv):
+# no sort or quantisation launches, and no 16-row tiles holding one real row an expert (0: never)
+MOE_GEMV_MAX_TOKENS = 1
+
+
+def moe_gemv_config(num_tokens: int, group_k: int) -> MoeGemvConfig | None:
+    """The FP8 MoE's GEMV launches at ``num_tokens``, or None where the tile kernels run."""
+    if num_tokens > MOE_GEMV_MAX_TOKENS or not group_k or 128 % group_k:
+        return None
+    return MoeGemvConfig(gated=Fp8GemvConfig(block_n=16, block_k=1024), down=Fp8GemvConfig(block_n=16, block_k=256))

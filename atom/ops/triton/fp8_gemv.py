@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from atom.ops.triton.moe import moe_sum
+
 
 @dataclass(frozen=True, slots=True)
 class Fp8GemvConfig:
@@ -34,29 +36,22 @@ class Fp8GemvConfig:
 
 
 @triton.jit
-def _fp8_gemv_kernel(
-    x_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, N, K,
-    stride_xm, stride_wn, stride_wsn, stride_wsk, stride_om,
-    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_K: tl.constexpr, HALF: tl.constexpr,
-):  # fmt: skip
+def _gemv_rows(x_row, w_rows, ws_rows, stride_wsk, K, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr,
+               GROUP_K: tl.constexpr, HALF: tl.constexpr):  # fmt: skip
+    """float32 dot products of the 16-bit row at ``x_row`` (quantised here, as
+    ``per_token_group_quant_fp8`` does) with the e4m3 weight rows ``w_rows`` ([rows, 1, 1, 1]
+    pointers) whose scales start at ``ws_rows`` ([rows, 1] pointers), each scale group's partial
+    sum times its scales."""
     # a step's keys as [GROUPS, RUNS, 16]: scale groups of runs of 16 keys. HALF: each run's 16
     # products summed in float16 (e4m3 -> f16 is one conversion per two weights, f16 -> f32 one per
     # run; the activation codes times 2^-8 so that no product or run sum overflows f16), the runs in
     # float32; else every product in float32
     GROUPS: tl.constexpr = BLOCK_K // GROUP_K
     RUNS: tl.constexpr = GROUP_K // 16
-    pid_n = tl.program_id(0)
-    row = tl.program_id(1)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rn_load = tl.minimum(rn, N - 1)  # out-of-range rows read a valid row, never stored
     rg = tl.arange(0, GROUPS)
     keys = rg[:, None, None] * GROUP_K + tl.arange(0, RUNS)[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
-    x_row = x_ptr + row.to(tl.int64) * stride_xm
-    w_rows = w_ptr + rn_load.to(tl.int64)[:, None, None, None] * stride_wn
-    ws_rows = ws_ptr + rn_load[:, None] * stride_wsn
     num_groups = tl.cdiv(K, GROUP_K)
-    acc = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
+    acc = tl.zeros((w_rows.shape[0], GROUPS), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + keys
         if EVEN_K:
@@ -77,7 +72,24 @@ def _fp8_gemv_kernel(
         g = k0 // GROUP_K + rg
         ws = tl.load(ws_rows + g[None, :] * stride_wsk, mask=g[None, :] < num_groups, other=0.0)
         acc += part * (ws * xs[None, :])
-    out = tl.sum(acc, axis=1)
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _fp8_gemv_kernel(
+    x_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, N, K,
+    stride_xm, stride_wn, stride_wsn, stride_wsk, stride_om,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_K: tl.constexpr, HALF: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0)
+    row = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn_load = tl.minimum(rn, N - 1)  # out-of-range rows read a valid row, never stored
+    out = _gemv_rows(
+        x_ptr + row.to(tl.int64) * stride_xm, w_ptr + rn_load.to(tl.int64)[:, None, None, None] * stride_wn,
+        ws_ptr + rn_load[:, None] * stride_wsn, stride_wsk, K, EVEN_K, BLOCK_K, GROUP_K, HALF,
+    )  # fmt: skip
     if HAS_BIAS:
         out += tl.load(b_ptr + rn_load).to(tl.float32)
     tl.store(out_ptr + row.to(tl.int64) * stride_om + rn, out.to(out_ptr.dtype.element_ty), mask=rn < N)
@@ -92,9 +104,7 @@ def fp8_gemv(
     ``w_scale`` [N, cdiv(K, group_k)] (any strides), in ``x``'s dtype."""
     m, k = x.shape
     n = w.shape[0]
-    if group_k < 16 or group_k & (group_k - 1) or cfg.block_k % group_k or cfg.block_k & (cfg.block_k - 1):
-        raise ValueError(f"the FP8 GEMV needs a power-of-two scale group (>= 16) dividing a power-of-two block_k; "
-                         f"got group {group_k}, block_k {cfg.block_k}")  # fmt: skip
+    _check(group_k, cfg)
     if x.stride(-1) != 1 or w.stride(-1) != 1:
         raise ValueError("the FP8 GEMV needs rows contiguous along K")
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -107,3 +117,119 @@ def fp8_gemv(
         GROUP_K=group_k, HALF=cfg.half, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class MoeGemvConfig:
+    """The FP8 MoE's launches at a few tokens (``fused_moe_fp8_gemv``): the gated GEMV's
+    (``block_n`` gate rows and their up rows a program) and the down GEMV's."""
+
+    gated: Fp8GemvConfig
+    down: Fp8GemvConfig
+    sum_in_kernel: bool = True  # the down GEMV sums a token's experts itself (else ``moe_sum`` does)
+
+
+@triton.jit
+def _moe_gemv_gated_kernel(
+    x_ptr, ids_ptr, w_ptr, ws_ptr, out_ptr, N, K,
+    stride_xm, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, stride_om,
+    TOP_K: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_K: tl.constexpr, HALF: tl.constexpr,
+):  # fmt: skip
+    """``out[pair] = silu(gate) * up`` of ``x[pair // TOP_K]`` through expert ``ids[pair]``'s gate
+    rows (``w[e, :N]``) and up rows (``w[e, N:]``), rounded where the tile kernel rounds."""
+    pid_n = tl.program_id(0)
+    pair = tl.program_id(1)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    j = tl.arange(0, 2 * BLOCK_N)
+    rn = pid_n * BLOCK_N + j // 2
+    rows = tl.minimum(rn, N - 1) + (j % 2) * N  # gate row r, then its up row, side by side
+    out = _gemv_rows(
+        x_ptr + (pair // TOP_K).to(tl.int64) * stride_xm,
+        w_ptr + expert * stride_we + rows.to(tl.int64)[:, None, None, None] * stride_wn,
+        ws_ptr + expert * stride_wse + rows[:, None] * stride_wsn, stride_wsk, K, EVEN_K, BLOCK_K, GROUP_K, HALF,
+    )  # fmt: skip
+    gate, up = tl.split(tl.reshape(out, [BLOCK_N, 2]))
+    dtype = out_ptr.dtype.element_ty
+    gate = gate.to(dtype).to(tl.float32)
+    h = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up.to(dtype).to(tl.float32)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(out_ptr + pair.to(tl.int64) * stride_om + cols, h.to(dtype), mask=cols < N)
+
+
+@triton.jit
+def _moe_gemv_down_kernel(
+    x_ptr, ids_ptr, weights_ptr, w_ptr, ws_ptr, out_ptr, N, K,
+    stride_xm, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, stride_om,
+    PAIRS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_K: tl.constexpr, HALF: tl.constexpr,
+):  # fmt: skip
+    """``out[i] = sum_p weights[p] * x[p] @ w[ids[p]].T`` over the ``PAIRS`` pairs ``p`` of output
+    row ``i`` (a token's experts, or one pair), each product and weighted term rounded to the output
+    dtype and summed in float32, as the tile kernel and ``moe_sum`` do."""
+    pid_n = tl.program_id(0)
+    row = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn_load = tl.minimum(rn, N - 1)
+    dtype = out_ptr.dtype.element_ty
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for j in range(PAIRS):
+        p = row.to(tl.int64) * PAIRS + j
+        expert = tl.load(ids_ptr + p).to(tl.int64)
+        y = _gemv_rows(
+            x_ptr + p * stride_xm,
+            w_ptr + expert * stride_we + rn_load.to(tl.int64)[:, None, None, None] * stride_wn,
+            ws_ptr + expert * stride_wse + rn_load[:, None] * stride_wsn, stride_wsk, K, EVEN_K, BLOCK_K, GROUP_K,
+            HALF,
+        )  # fmt: skip
+        weight = tl.load(weights_ptr + p).to(dtype).to(tl.float32)
+        total += (y.to(dtype).to(tl.float32) * weight).to(dtype).to(tl.float32)
+    tl.store(out_ptr + row.to(tl.int64) * stride_om + rn, total.to(dtype), mask=rn < N)
+
+
+def _check(group_k: int, cfg: Fp8GemvConfig) -> None:
+    if group_k < 16 or group_k & (group_k - 1) or cfg.block_k % group_k or cfg.block_k & (cfg.block_k - 1):
+        raise ValueError(f"the FP8 GEMV needs a power-of-two scale group (>= 16) dividing a power-of-two block_k; "
+                         f"got group {group_k}, block_k {cfg.block_k}")  # fmt: skip
+
+
+def fused_moe_fp8_gemv(
+    x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
+    topk_weights: torch.Tensor, topk_ids: torch.Tensor, group_k: int, cfg: MoeGemvConfig,
+) -> torch.Tensor:  # fmt: skip
+    """``moe_fp8.fused_moe_fp8`` for a few tokens, with no sort and no quantisation launch: each
+    (token, expert) pair's gate / up rows stream through the CUDA-core GEMV (the token quantised in
+    the kernel), then each token's down rows of all its experts, weighted and summed. Expert weights
+    [E, N, K] e4m3 with block scales [E, N, K / group_k] (any strides), rows contiguous along K."""
+    num_tokens, hidden = x.shape
+    num_experts, two_i, _ = w13.shape
+    inter_size, top_k = two_i // 2, topk_ids.shape[1]
+    _check(group_k, cfg.gated)
+    _check(group_k, cfg.down)
+    if x.stride(-1) != 1 or w13.stride(-1) != 1 or w2.stride(-1) != 1:
+        raise ValueError("the FP8 MoE GEMV needs rows contiguous along K")
+    if num_tokens == 0:
+        return torch.zeros_like(x)
+    ids = topk_ids.contiguous().view(-1)
+    weights = topk_weights.contiguous().view(-1)
+    num_pairs = ids.numel()
+    inter = torch.empty(num_pairs, inter_size, dtype=x.dtype, device=x.device)
+    g = cfg.gated
+    _moe_gemv_gated_kernel[(triton.cdiv(inter_size, g.block_n), num_pairs)](
+        x, ids, w13, w13_scale, inter, inter_size, hidden,
+        x.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1), w13_scale.stride(2),
+        inter.stride(0),
+        TOP_K=top_k, EVEN_K=hidden % g.block_k == 0, BLOCK_N=g.block_n, BLOCK_K=g.block_k, GROUP_K=group_k,
+        HALF=g.half, num_warps=g.num_warps, num_stages=g.num_stages,
+    )  # fmt: skip
+    d = cfg.down
+    rows, pairs = (num_tokens, top_k) if cfg.sum_in_kernel else (num_pairs, 1)
+    out = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
+    _moe_gemv_down_kernel[(triton.cdiv(hidden, d.block_n), rows)](
+        inter, ids, weights, w2, w2_scale, out, hidden, inter_size,
+        inter.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1), w2_scale.stride(2),
+        out.stride(0),
+        PAIRS=pairs, EVEN_K=inter_size % d.block_k == 0, BLOCK_N=d.block_n, BLOCK_K=d.block_k, GROUP_K=group_k,
+        HALF=d.half, num_warps=d.num_warps, num_stages=d.num_stages,
+    )  # fmt: skip
+    return out if cfg.sum_in_kernel else moe_sum(out.view(num_tokens, top_k, hidden))

@@ -10,8 +10,9 @@ import torch
 import triton
 import triton.language as tl
 
-from atom.ops.triton.fp8_configs import moe_config
+from atom.ops.triton.fp8_configs import moe_config, moe_gemv_config
 from atom.ops.triton.fp8_gemm import per_token_group_quant_fp8
+from atom.ops.triton.fp8_gemv import MoeGemvConfig, fused_moe_fp8_gemv
 from atom.ops.triton.moe import _paired_rows, _row_tile, _sort_by_expert, _store_tile, _tile_ids, moe_sum
 
 
@@ -108,11 +109,24 @@ def _gemm(a, a_scale, b, b_scale, c, weights, sorted_ids, expert_ids, num_padded
 
 
 def fused_moe_fp8(
-    x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
-    topk_weights: torch.Tensor, topk_ids: torch.Tensor, group_k: int, config: dict | None = None,
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    group_k: int,
+    config: dict | MoeGemvConfig | None = None,
 ) -> torch.Tensor:
     """``config`` overrides the tile table (the sweep's candidates), for both GEMMs; its
-    ``down`` entry, if any, overrides keys for the down GEMM (same BLOCK_M)."""
+    ``down`` entry, if any, overrides keys for the down GEMM (same BLOCK_M). A few tokens
+    (``fp8_configs.moe_gemv_config``), or a ``MoeGemvConfig``, take the CUDA-core GEMVs instead."""
+    gemv = config if isinstance(config, MoeGemvConfig) else None
+    if config is None:
+        gemv = moe_gemv_config(x.shape[0], group_k)
+    if gemv is not None:
+        return fused_moe_fp8_gemv(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, group_k, gemv)
     num_tokens, hidden = x.shape
     num_experts, two_i, _ = w13.shape
     inter_size = two_i // 2
