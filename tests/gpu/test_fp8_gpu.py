@@ -260,11 +260,11 @@ def moe_fp8_inputs(num_tokens, hidden, inter, experts, top_k):
 
 
 # the few-token FP8 MoE (CUDA-core GEMVs): the default launch and sweep candidates (narrow / wide row
-# blocks, 2,048 keys a step, per-pair down rows summed by moe_sum, a masked down key step)
+# blocks, 2,048 keys a step, a masked down key step)
 @pytest.mark.parametrize("cfg", [
     None,
-    MoeGemvConfig(Fp8GemvConfig(8, 2048, 8), Fp8GemvConfig(32, 256), sum_in_kernel=False),
-    MoeGemvConfig(Fp8GemvConfig(4, 1024, 2), Fp8GemvConfig(16, 1024), sum_in_kernel=True),
+    MoeGemvConfig(Fp8GemvConfig(8, 2048, 8), Fp8GemvConfig(32, 256)),
+    MoeGemvConfig(Fp8GemvConfig(4, 1024, 2), Fp8GemvConfig(16, 1024)),
 ])  # fmt: skip
 @pytest.mark.parametrize("num_tokens, hidden, inter, experts, top_k", [
     (1, 2048, 768, 128, 8),  # Qwen3-30B-A3B
@@ -276,7 +276,7 @@ def test_fused_moe_fp8_gemv(cfg, num_tokens, hidden, inter, experts, top_k):
     from atom.ops.triton.fp8_configs import moe_gemv_config
 
     x, w13, s13, w2, s2, weights, ids = moe_fp8_inputs(num_tokens, hidden, inter, experts, top_k)
-    cfg = cfg or moe_gemv_config(1, 128)
+    cfg = cfg or moe_gemv_config(1, 2048, 768, 128)
     out = fused_moe_fp8(x, w13, s13, w2, s2, weights, ids, 128, config=cfg)
     assert_close(out, reference_fp8.fused_moe_fp8(x, w13, s13, w2, s2, weights, ids, 128), tol=0.02)
 

@@ -75,7 +75,6 @@ def _experts(num_experts, hidden, inter, group_k):
     return out
 
 
-@pytest.mark.parametrize("sum_in_kernel", [True, False])
 @pytest.mark.parametrize(
     "num_tokens, hidden, inter, top_k, gated, down",
     [
@@ -83,15 +82,15 @@ def _experts(num_experts, hidden, inter, group_k):
         (3, 160, 64, 2, (8, 128), (32, 128)),  # hidden: 1 full and 1 partial key step (masked keys)
     ],
 )
-def test_fused_moe_fp8_gemv(num_tokens, hidden, inter, top_k, gated, down, sum_in_kernel):
+def test_fused_moe_fp8_gemv(num_tokens, hidden, inter, top_k, gated, down):
     # the few-token path: each pair's gate / up rows through the CUDA-core GEMV (silu * up rounded as
-    # the tile kernel rounds), then the down rows, weighted and summed by token; the same codes and
+    # the tile kernel rounds), then its down rows times its weight, summed by token; the same codes and
     # scales as the reference, so within its tolerance, and as close to the tile kernels
     num_experts, group_k = 8, 32
     x = (torch.randn(num_tokens, hidden) * torch.exp(torch.randn(num_tokens, 1))).to(torch.bfloat16)
     w13, s13, w2, s2 = _experts(num_experts, hidden, inter, group_k)
     weights, ids = reference.moe_topk(torch.randn(num_tokens, num_experts), top_k, True)
-    cfg = MoeGemvConfig(Fp8GemvConfig(*gated), Fp8GemvConfig(*down), sum_in_kernel)
+    cfg = MoeGemvConfig(Fp8GemvConfig(*gated), Fp8GemvConfig(*down))
     out = fused_moe_fp8(x, w13, s13, w2, s2, weights, ids, group_k, config=cfg)
     assert out.shape == x.shape and out.dtype == x.dtype
     ref = reference_fp8.fused_moe_fp8(x, w13, s13, w2, s2, weights, ids, group_k)
@@ -101,18 +100,21 @@ def test_fused_moe_fp8_gemv(num_tokens, hidden, inter, top_k, gated, down, sum_i
         assert err <= 0.02 * max(1.0, other.float().abs().max().item()), err
 
 
-def test_fused_moe_fp8_takes_the_gemv_up_to_its_token_count(monkeypatch):
-    # fp8_configs.moe_gemv_config picks the GEMVs up to MOE_GEMV_MAX_TOKENS tokens (block scales
-    # only), the tile kernels past it; 0 turns the GEMVs off
+def test_fused_moe_fp8_takes_the_gemv_for_few_tokens_of_small_experts(monkeypatch):
+    # fp8_configs.moe_gemv_config picks the GEMVs up to MOE_GEMV_MAX_TOKENS tokens of experts of up to
+    # MOE_GEMV_MAX_EXPERT_WEIGHTS weights (block scales only; Qwen3-30B-A3B's, not DeepSeek-V3's), the
+    # tile kernels otherwise; 0 tokens turns the GEMVs off
     num_experts, hidden, inter, top_k, group_k = 8, 256, 64, 2, 128
     w13, s13, w2, s2 = _experts(num_experts, hidden, inter, group_k)
-    n = fp8_configs.MOE_GEMV_MAX_TOKENS
-    assert n >= 1 and fp8_configs.moe_gemv_config(n + 1, 128) is None and fp8_configs.moe_gemv_config(n, 0) is None
+    n, pick = fp8_configs.MOE_GEMV_MAX_TOKENS, fp8_configs.moe_gemv_config
+    assert n >= 1 and pick(n + 1, hidden, inter, 128) is None and pick(n, hidden, inter, 0) is None
+    assert pick(1, 2048, 768, 128) is not None and pick(1, 7168, 2048, 128) is None
     x = torch.randn(n, hidden).to(torch.bfloat16)
     weights, ids = reference.moe_topk(torch.randn(n, num_experts), top_k, True)
     picked = fused_moe_fp8(x, w13, s13, w2, s2, weights, ids, group_k)
-    cfg = fp8_configs.moe_gemv_config(n, group_k)
+    cfg = pick(n, hidden, inter, group_k)
     assert torch.equal(picked, fused_moe_fp8(x, w13, s13, w2, s2, weights, ids, group_k, config=cfg))
-    monkeypatch.setattr(fp8_configs, "MOE_GEMV_MAX_TOKENS", 0)
     tiles = fused_moe_fp8(x, w13, s13, w2, s2, weights, ids, group_k, config=moe_config(n * top_k / 8, True))
+    assert not torch.equal(picked, tiles)  # the GEMVs and the tiles sum in different orders
+    monkeypatch.setattr(fp8_configs, "MOE_GEMV_MAX_TOKENS", 0)
     assert torch.equal(fused_moe_fp8(x, w13, s13, w2, s2, weights, ids, group_k), tiles)

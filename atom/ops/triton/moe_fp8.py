@@ -124,7 +124,7 @@ def fused_moe_fp8(
     (``fp8_configs.moe_gemv_config``), or a ``MoeGemvConfig``, take the CUDA-core GEMVs instead."""
     gemv = config if isinstance(config, MoeGemvConfig) else None
     if config is None:
-        gemv = moe_gemv_config(x.shape[0], group_k)
+        gemv = moe_gemv_config(x.shape[0], x.shape[1], w2.shape[2], group_k)
     if gemv is not None:
         return fused_moe_fp8_gemv(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, group_k, gemv)
     num_tokens, hidden = x.shape
