@@ -2,8 +2,8 @@
 decode attention's split-K factor, timed as ``tests/gpu/kernel_bench.py`` times its cases (how the defaults in
 ``atom.ops.triton`` were picked). GPU only:
 
-    python tests/gpu/kernel_sweep.py [moe] [moe_small] [moe_fp8] [moe_fp8_gemv] [prefill] [mla] [mla_prefill] \
-        [decode] [decode_varlen] [--output-json sweep.json]
+    python tests/gpu/kernel_sweep.py [moe] [moe_small] [moe_fp8] [moe_fp8_gemv] [moe_gemv] [prefill] [mla] \
+        [mla_prefill] [decode] [decode_varlen] [--output-json sweep.json]
 
 Prints the best two configs per case and the default; ``--output-json`` writes every row
 (case, config, ms, GB/s, TFLOP/s; prefill rows also the compiler's resource report and the max abs
@@ -41,7 +41,8 @@ from atom.ops import mla as mla_reference
 from atom.ops import triton as tk
 from atom.ops.triton import mla, mla_prefill, moe, prefill_attention
 from atom.ops.triton.fp8_configs import moe_config
-from atom.ops.triton.fp8_gemv import Fp8GemvConfig, MoeGemvConfig
+from atom.ops.triton.fp8_gemv import Fp8GemvConfig
+from atom.ops.triton.moe_gemv import MoeGemvConfig
 
 
 def _cfgs(keys: str, rows: list[tuple]) -> list[dict]:
@@ -184,6 +185,36 @@ def moe_fp8_gemv_sweep() -> list[dict]:
         tiles = moe_config(n * 8 / experts.get("num_experts", 128), True)
         for name, cfg in [("default", None), ("tiles", tiles), *((gemv_label(c), c) for c in MOE_GEMV_CANDIDATES)]:
             calls = [functools.partial(f, config=cfg) for f in fns]
+            rows.append(_timed(label, name, lambda c=calls, b=nbytes, f=flops: (c, {}, b, f)))
+        if refs.get(""):
+            rows.append(_timed(label, "vllm", lambda r=refs[""], b=nbytes, f=flops: (r, {}, b, f)))
+        del fns, refs
+    return [r for r in rows if r]
+
+
+# the same for bf16 experts (twice the bytes a row: the dense one-row GEMV's 2-4 rows x 1,024 keys, 2 warps)
+MOE_GEMV_CANDIDATES_BF16 = [
+    _gemv((8, 1024, 4), (4, 256, 2)),
+    _gemv((4, 1024, 2), (4, 256, 2)),
+    _gemv((16, 1024, 4), (8, 256, 2)),
+    _gemv((8, 2048, 8), (4, 512, 2)),
+    _gemv((4, 1024, 2), (2, 512, 2)),
+    _gemv((8, 1024, 4), (8, 512, 4)),
+    _gemv((2, 1024, 2), (4, 256, 2)),
+]
+
+
+def moe_gemv_sweep() -> list[dict]:
+    """The few-token bf16 MoE: the GEMV launches (``MOE_GEMV_CANDIDATES_BF16``, passed as ``fused_moe(gemv=)``)
+    against the tile kernels (``default`` while ``moe.GEMV_MAX_TOKENS`` is 0) and vLLM's ``fused_experts``, at
+    Qwen3-30B-A3B's experts (1-4 tokens) and DeepSeek-V2-Lite's / Moonlight's (64 of 1,408 columns, top-6)."""
+    rows = []
+    v2 = dict(inter=1408, num_experts=64, top_k=6)
+    for n, experts in [(1, {}), (2, {}), (4, {}), (1, v2), (2, v2)]:
+        label = f"moe T={n}" + (" V2-Lite" if experts else "")
+        fns, refs, nbytes, flops = prepare(functools.partial(moe_case, n, **experts))
+        for name, cfg in [("default", None), *((gemv_label(c), c) for c in MOE_GEMV_CANDIDATES_BF16)]:
+            calls = [functools.partial(f, gemv=cfg) for f in fns]
             rows.append(_timed(label, name, lambda c=calls, b=nbytes, f=flops: (c, {}, b, f)))
         if refs.get(""):
             rows.append(_timed(label, "vllm", lambda r=refs[""], b=nbytes, f=flops: (r, {}, b, f)))
@@ -405,7 +436,7 @@ def decode_varlen_sweep() -> list[dict]:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # no argparse choices: Python 3.10 rejects an empty list against them
-    kernels = "moe, moe_small, moe_fp8, moe_fp8_gemv, prefill, mla, mla_prefill, decode and/or decode_varlen"
+    kernels = "moe, moe_small, moe_fp8, moe_fp8_gemv, moe_gemv, prefill, mla, mla_prefill, decode and/or decode_varlen"
     kernels += " (default: moe, prefill)"
     parser.add_argument("kernels", nargs="*", default=["moe", "prefill"], help=kernels)
     parser.add_argument("--output-json", help="write every row here")
@@ -415,6 +446,7 @@ def main():
         moe_small=functools.partial(moe_sweep, small=True),
         moe_fp8=moe_fp8_sweep,
         moe_fp8_gemv=moe_fp8_gemv_sweep,
+        moe_gemv=moe_gemv_sweep,
         prefill=prefill_sweep,
         mla=mla_sweep,
         mla_prefill=mla_prefill_sweep,

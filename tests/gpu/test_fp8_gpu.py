@@ -32,9 +32,10 @@ from atom.ops.triton.fp8_gemm import (  # noqa: E402
     scaled_mm_block_scales,
     w8a8_matmul,
 )
-from atom.ops.triton.fp8_gemv import Fp8GemvConfig, MoeGemvConfig, fp8_gemv  # noqa: E402
+from atom.ops.triton.fp8_gemv import Fp8GemvConfig, fp8_gemv  # noqa: E402
 from atom.ops.triton.gemv import GemvConfig, skinny_gemm  # noqa: E402
 from atom.ops.triton.moe_fp8 import fused_moe_fp8  # noqa: E402
+from atom.ops.triton.moe_gemv import MoeGemvConfig  # noqa: E402
 from atom.ops.triton.rope_cache import store_kv_cache  # noqa: E402
 
 DEV = "cuda"

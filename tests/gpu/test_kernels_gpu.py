@@ -298,6 +298,25 @@ def test_fused_moe_qwen3(num_tokens):
     assert_close(out, ref, dtype)
 
 
+# the bf16 MoE's GEMVs (moe_gemv, unscaled): the default launch and sweep candidates, at Qwen3-30B-A3B's and
+# DeepSeek-V2-Lite's experts (1,408 columns: masked key steps)
+@pytest.mark.parametrize("gemv", [(8, 1024, 4, 4, 256, 2), (4, 1024, 2, 2, 512, 2), (8, 2048, 8, 4, 512, 2)])
+@pytest.mark.parametrize("num_tokens, inter, e, k", [(1, 768, 128, 8), (2, 768, 128, 8), (2, 1408, 64, 6)])
+def test_fused_moe_gemv(gemv, num_tokens, inter, e, k):
+    from atom.ops.triton.fp8_gemv import Fp8GemvConfig
+    from atom.ops.triton.moe_gemv import MoeGemvConfig
+
+    dtype, h = torch.bfloat16, 2048
+    x = torch.randn(num_tokens, h, dtype=dtype, device=DEV)
+    w13 = (torch.randn(e, 2 * inter, h, device=DEV) / h**0.5).to(dtype)
+    w2 = (torch.randn(e, h, inter, device=DEV) / inter**0.5).to(dtype)
+    weights, ids = tk.moe_topk(torch.randn(num_tokens, e, device=DEV), k, True)
+    cfg = MoeGemvConfig(Fp8GemvConfig(*gemv[:3]), Fp8GemvConfig(*gemv[3:]))
+    out = tk.fused_moe(x, w13, w2, weights, ids, gemv=cfg)
+    ref = reference.fused_moe(x.float(), w13.float(), w2.float(), weights.to(dtype).float(), ids)
+    assert_close(out, ref, dtype)
+
+
 @pytest.mark.parametrize("group_m", [8, 16])
 def test_fused_moe_grouped_tile_order(group_m, monkeypatch):
     """Row tiles in groups across the column tiles (``GROUP_M``) at Qwen3-30B-A3B's experts and 2,048

@@ -139,3 +139,48 @@ def test_fused_moe_tile_configs(num_tokens, hidden, inter, b_desc, group_m, monk
     out = fused_moe(x, w13, w2, weights, ids)
     ref = reference.fused_moe(x.float(), w13.float(), w2.float(), weights.to(dtype).float(), ids)
     assert_close(out, ref, dtype, scale=2)
+
+
+@pytest.mark.parametrize(
+    "num_tokens, hidden, inter, top_k, gated, down",
+    [
+        (1, 256, 96, 4, (8, 128), (4, 64)),  # inter not a multiple of the row block; 2 down key steps
+        (2, 160, 64, 2, (4, 128), (16, 128)),  # hidden: a full and a partial key step (masked keys)
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_moe_gemv(num_tokens, hidden, inter, top_k, gated, down, dtype, assert_close):
+    # the few-token path on 16-bit experts (moe_gemv, unscaled): each pair's gate / up rows, silu * up
+    # rounded as the tile kernel rounds, its down rows times its weight, summed by token
+    from atom.ops.triton.fp8_gemv import Fp8GemvConfig
+    from atom.ops.triton.moe_gemv import MoeGemvConfig
+
+    x = torch.randn(num_tokens, hidden, dtype=dtype)
+    w13 = (torch.randn(8, 2 * inter, hidden) / hidden**0.5).to(dtype)
+    w2 = (torch.randn(8, hidden, inter) / inter**0.5).to(dtype)
+    weights, ids = reference.moe_topk(torch.randn(num_tokens, 8), top_k, True)
+    out = fused_moe(x, w13, w2, weights, ids, gemv=MoeGemvConfig(Fp8GemvConfig(*gated), Fp8GemvConfig(*down)))
+    assert out.dtype == dtype
+    ref = reference.fused_moe(x.float(), w13.float(), w2.float(), weights.to(dtype).float(), ids)
+    assert_close(out, ref, dtype, scale=2)
+
+
+def test_fused_moe_takes_the_gemv_up_to_its_token_count(monkeypatch):
+    # up to moe.GEMV_MAX_TOKENS tokens 16-bit experts run GEMV_CONFIG's GEMVs (float32 ones and more
+    # tokens the tile kernels): the GEMV launches recorded as they run
+    from atom.ops.triton import moe
+
+    x = torch.randn(2, 128, dtype=torch.bfloat16)
+    w13 = (torch.randn(8, 128, 128) / 128**0.5).to(torch.bfloat16)
+    w2 = (torch.randn(8, 128, 64) / 64**0.5).to(torch.bfloat16)
+    weights, ids = reference.moe_topk(torch.randn(2, 8), 2, True)
+    launches, gemv_pairs = [], moe.moe_gemv_pairs
+    monkeypatch.setattr(moe, "moe_gemv_pairs", lambda *args: launches.append(args[5]) or gemv_pairs(*args))
+    monkeypatch.setattr(moe, "GEMV_MAX_TOKENS", 2)
+    out = fused_moe(x, w13, w2, weights, ids)
+    assert launches == [moe.GEMV_CONFIG]
+    assert torch.equal(out, moe.moe_sum(gemv_pairs(x, w13, w2, weights, ids, moe.GEMV_CONFIG)))
+    fused_moe(x.float(), w13.float(), w2.float(), weights, ids)
+    monkeypatch.setattr(moe, "GEMV_MAX_TOKENS", 1)
+    fused_moe(x, w13, w2, weights, ids)
+    assert launches == [moe.GEMV_CONFIG]

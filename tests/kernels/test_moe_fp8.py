@@ -11,8 +11,9 @@ import torch
 from atom.ops import reference, reference_fp8
 from atom.ops.triton import fp8_configs
 from atom.ops.triton.fp8_configs import moe_config
-from atom.ops.triton.fp8_gemv import Fp8GemvConfig, MoeGemvConfig
+from atom.ops.triton.fp8_gemv import Fp8GemvConfig
 from atom.ops.triton.moe_fp8 import fused_moe_fp8
+from atom.ops.triton.moe_gemv import MoeGemvConfig
 
 
 @pytest.mark.parametrize(

@@ -23,8 +23,6 @@ import torch
 import triton
 import triton.language as tl
 
-from atom.ops.triton.moe import moe_sum
-
 
 @dataclass(frozen=True, slots=True)
 class Fp8GemvConfig:
@@ -37,11 +35,12 @@ class Fp8GemvConfig:
 
 @triton.jit
 def _gemv_rows(x_row, w_rows, ws_rows, stride_wsk, K, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr,
-               GROUP_K: tl.constexpr, HALF: tl.constexpr):  # fmt: skip
+               GROUP_K: tl.constexpr, HALF: tl.constexpr, SCALED: tl.constexpr = True):  # fmt: skip
     """float32 dot products of the 16-bit row at ``x_row`` (quantised here, as
     ``per_token_group_quant_fp8`` does) with the e4m3 weight rows ``w_rows`` ([rows, 1, 1, 1]
     pointers) whose scales start at ``ws_rows`` ([rows, 1] pointers), each scale group's partial
-    sum times its scales."""
+    sum times its scales. Not SCALED: 16-bit weight rows times the row as it is, in float32
+    (``GROUP_K`` only shapes the step; ``ws_rows`` unread)."""
     # a step's keys as [GROUPS, RUNS, 16]: scale groups of runs of 16 keys. HALF: each run's 16
     # products summed in float16 (e4m3 -> f16 is one conversion per two weights, f16 -> f32 one per
     # run; the activation codes times 2^-8 so that no product or run sum overflows f16), the runs in
@@ -60,18 +59,21 @@ def _gemv_rows(x_row, w_rows, ws_rows, stride_wsk, K, EVEN_K: tl.constexpr, BLOC
         else:
             x = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
             w = tl.load(w_rows + k[None], mask=k[None] < K, other=0.0, eviction_policy="evict_first")
-        # the row's groups quantised as per_token_group_quant_fp8 does: amax / 448 times the float32
-        # reciprocal, an IEEE-rounded division, e4m3 codes; zeros past K leave amax unchanged
-        xs = tl.maximum(tl.max(tl.max(tl.abs(x), axis=2), axis=1) * (1.0 / 448.0), 1e-12)
-        xq = tl.clamp(tl.math.div_rn(x, xs[:, None, None]), -448.0, 448.0).to(w.dtype)
-        if HALF:
-            prod = w.to(tl.float16) * (xq.to(tl.float16) * 0.00390625)[None]
-            part = tl.sum(tl.sum(prod, axis=3).to(tl.float32), axis=2) * 256.0
+        if SCALED:
+            # the row's groups quantised as per_token_group_quant_fp8 does: amax / 448 times the float32
+            # reciprocal, an IEEE-rounded division, e4m3 codes; zeros past K leave amax unchanged
+            xs = tl.maximum(tl.max(tl.max(tl.abs(x), axis=2), axis=1) * (1.0 / 448.0), 1e-12)
+            xq = tl.clamp(tl.math.div_rn(x, xs[:, None, None]), -448.0, 448.0).to(w.dtype)
+            if HALF:
+                prod = w.to(tl.float16) * (xq.to(tl.float16) * 0.00390625)[None]
+                part = tl.sum(tl.sum(prod, axis=3).to(tl.float32), axis=2) * 256.0
+            else:
+                part = tl.sum(tl.sum(w.to(tl.float32) * xq.to(tl.float32)[None], axis=3), axis=2)
+            g = k0 // GROUP_K + rg
+            ws = tl.load(ws_rows + g[None, :] * stride_wsk, mask=g[None, :] < num_groups, other=0.0)
+            acc += part * (ws * xs[None, :])
         else:
-            part = tl.sum(tl.sum(w.to(tl.float32) * xq.to(tl.float32)[None], axis=3), axis=2)
-        g = k0 // GROUP_K + rg
-        ws = tl.load(ws_rows + g[None, :] * stride_wsk, mask=g[None, :] < num_groups, other=0.0)
-        acc += part * (ws * xs[None, :])
+            acc += tl.sum(tl.sum(w.to(tl.float32) * x[None], axis=3), axis=2)
     return tl.sum(acc, axis=1)
 
 
@@ -119,109 +121,7 @@ def fp8_gemv(
     return out
 
 
-@dataclass(frozen=True, slots=True)
-class MoeGemvConfig:
-    """The FP8 MoE's launches at a few tokens (``fused_moe_fp8_gemv``): the gated GEMV's
-    (``block_n`` gate rows and their up rows a program) and the down GEMV's."""
-
-    gated: Fp8GemvConfig
-    down: Fp8GemvConfig
-
-
-@triton.jit
-def _moe_gemv_gated_kernel(
-    x_ptr, ids_ptr, w_ptr, ws_ptr, out_ptr, N, K,
-    stride_xm, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, stride_om,
-    TOP_K: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_K: tl.constexpr, HALF: tl.constexpr,
-):  # fmt: skip
-    """``out[pair] = silu(gate) * up`` of ``x[pair // TOP_K]`` through expert ``ids[pair]``'s gate
-    rows (``w[e, :N]``) and up rows (``w[e, N:]``), rounded where the tile kernel rounds."""
-    pid_n = tl.program_id(0)
-    pair = tl.program_id(1)
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
-    j = tl.arange(0, 2 * BLOCK_N)
-    rn = pid_n * BLOCK_N + j // 2
-    rows = tl.minimum(rn, N - 1) + (j % 2) * N  # gate row r, then its up row, side by side
-    out = _gemv_rows(
-        x_ptr + (pair // TOP_K).to(tl.int64) * stride_xm,
-        w_ptr + expert * stride_we + rows.to(tl.int64)[:, None, None, None] * stride_wn,
-        ws_ptr + expert * stride_wse + rows[:, None] * stride_wsn, stride_wsk, K, EVEN_K, BLOCK_K, GROUP_K, HALF,
-    )  # fmt: skip
-    gate, up = tl.split(tl.reshape(out, [BLOCK_N, 2]))
-    dtype = out_ptr.dtype.element_ty
-    gate = gate.to(dtype).to(tl.float32)
-    h = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up.to(dtype).to(tl.float32)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    tl.store(out_ptr + pair.to(tl.int64) * stride_om + cols, h.to(dtype), mask=cols < N)
-
-
-@triton.jit
-def _moe_gemv_down_kernel(
-    x_ptr, ids_ptr, weights_ptr, w_ptr, ws_ptr, out_ptr, N, K,
-    stride_xm, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, stride_om,
-    EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_K: tl.constexpr, HALF: tl.constexpr,
-):  # fmt: skip
-    """``out[pair] = weights[pair] * x[pair] @ w[ids[pair]].T``, the product and the weighted term
-    rounded to the output dtype as the tile kernel rounds them (``moe_sum`` adds a token's pairs).
-    One program a pair and row block: summing a token's experts in the program instead, each program
-    walking them one after another, was 1.6x slower at one token (H200, session 34)."""
-    pid_n = tl.program_id(0)
-    pair = tl.program_id(1).to(tl.int64)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rn_load = tl.minimum(rn, N - 1)
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
-    y = _gemv_rows(
-        x_ptr + pair * stride_xm, w_ptr + expert * stride_we + rn_load.to(tl.int64)[:, None, None, None] * stride_wn,
-        ws_ptr + expert * stride_wse + rn_load[:, None] * stride_wsn, stride_wsk, K, EVEN_K, BLOCK_K, GROUP_K, HALF,
-    )  # fmt: skip
-    dtype = out_ptr.dtype.element_ty
-    weight = tl.load(weights_ptr + pair).to(dtype).to(tl.float32)
-    tl.store(out_ptr + pair * stride_om + rn, (y.to(dtype).to(tl.float32) * weight).to(dtype), mask=rn < N)
-
-
 def _check(group_k: int, cfg: Fp8GemvConfig) -> None:
     if group_k < 16 or group_k & (group_k - 1) or cfg.block_k % group_k or cfg.block_k & (cfg.block_k - 1):
         raise ValueError(f"the FP8 GEMV needs a power-of-two scale group (>= 16) dividing a power-of-two block_k; "
                          f"got group {group_k}, block_k {cfg.block_k}")  # fmt: skip
-
-
-def fused_moe_fp8_gemv(
-    x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
-    topk_weights: torch.Tensor, topk_ids: torch.Tensor, group_k: int, cfg: MoeGemvConfig,
-) -> torch.Tensor:  # fmt: skip
-    """``moe_fp8.fused_moe_fp8`` for a few tokens, with no sort and no quantisation launch: each
-    (token, expert) pair's gate / up rows stream through the CUDA-core GEMV (the token quantised in
-    the kernel), then each pair's down rows, weighted, and ``moe_sum`` over a token's pairs. Expert weights
-    [E, N, K] e4m3 with block scales [E, N, K / group_k] (any strides), rows contiguous along K."""
-    num_tokens, hidden = x.shape
-    num_experts, two_i, _ = w13.shape
-    inter_size, top_k = two_i // 2, topk_ids.shape[1]
-    _check(group_k, cfg.gated)
-    _check(group_k, cfg.down)
-    if x.stride(-1) != 1 or w13.stride(-1) != 1 or w2.stride(-1) != 1:
-        raise ValueError("the FP8 MoE GEMV needs rows contiguous along K")
-    if num_tokens == 0:
-        return torch.zeros_like(x)
-    ids = topk_ids.contiguous().view(-1)
-    weights = topk_weights.contiguous().view(-1)
-    num_pairs = ids.numel()
-    inter = torch.empty(num_pairs, inter_size, dtype=x.dtype, device=x.device)
-    g = cfg.gated
-    _moe_gemv_gated_kernel[(triton.cdiv(inter_size, g.block_n), num_pairs)](
-        x, ids, w13, w13_scale, inter, inter_size, hidden,
-        x.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1), w13_scale.stride(2),
-        inter.stride(0),
-        TOP_K=top_k, EVEN_K=hidden % g.block_k == 0, BLOCK_N=g.block_n, BLOCK_K=g.block_k, GROUP_K=group_k,
-        HALF=g.half, num_warps=g.num_warps, num_stages=g.num_stages,
-    )  # fmt: skip
-    d = cfg.down
-    out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
-    _moe_gemv_down_kernel[(triton.cdiv(hidden, d.block_n), num_pairs)](
-        inter, ids, weights, w2, w2_scale, out, hidden, inter_size,
-        inter.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1), w2_scale.stride(2),
-        out.stride(0),
-        EVEN_K=inter_size % d.block_k == 0, BLOCK_N=d.block_n, BLOCK_K=d.block_k, GROUP_K=group_k, HALF=d.half,
-        num_warps=d.num_warps, num_stages=d.num_stages,
-    )  # fmt: skip
-    return moe_sum(out.view(num_tokens, top_k, hidden))

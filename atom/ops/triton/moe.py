@@ -14,6 +14,9 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from atom.ops.triton.fp8_gemv import Fp8GemvConfig
+from atom.ops.triton.moe_gemv import MoeGemvConfig, moe_gemv_pairs
+
 
 @triton.jit
 def _moe_topk_kernel(
@@ -459,9 +462,18 @@ def _moe_gemm(a, b, c, weights, sorted_ids, expert_ids, num_padded, n, a_row_div
     )
 
 
+# Up to this many tokens a 16-bit MoE runs the CUDA-core GEMVs (moe_gemv) with GEMV_CONFIG: 0 (never) until
+# swept on the GPU (`kernel_sweep.py moe_gemv`); the FP8 experts' rule is fp8_configs.moe_gemv_config
+GEMV_MAX_TOKENS = 0
+GEMV_CONFIG = MoeGemvConfig(Fp8GemvConfig(block_n=8, block_k=1024), Fp8GemvConfig(block_n=4, block_k=256, num_warps=2))
+
+
 def fused_moe(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
-) -> torch.Tensor:
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    gemv: MoeGemvConfig | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """``reference.fused_moe`` on the tile kernels, or on the GEMVs (``moe_gemv``) with launch ``gemv``
+    or up to ``GEMV_MAX_TOKENS`` tokens."""
     num_tokens, hidden = x.shape
     num_experts, two_i, _ = w13.shape
     inter_size = two_i // 2
@@ -469,6 +481,10 @@ def fused_moe(
     num_pairs = num_tokens * top_k
     if num_tokens == 0:
         return torch.zeros_like(x)
+    if gemv is None and num_tokens <= GEMV_MAX_TOKENS and w13.dtype == x.dtype and x.dtype != torch.float32:
+        gemv = GEMV_CONFIG
+    if gemv is not None:
+        return moe_sum(moe_gemv_pairs(x.contiguous(), w13, w2, topk_weights, topk_ids, gemv))
     x = x.contiguous()
     w13, w2 = w13.contiguous(), w2.contiguous()
     weights = topk_weights.contiguous().view(-1)

@@ -12,8 +12,8 @@ import triton.language as tl
 
 from atom.ops.triton.fp8_configs import moe_config, moe_gemv_config
 from atom.ops.triton.fp8_gemm import per_token_group_quant_fp8
-from atom.ops.triton.fp8_gemv import MoeGemvConfig, fused_moe_fp8_gemv
 from atom.ops.triton.moe import _paired_rows, _row_tile, _sort_by_expert, _store_tile, _tile_ids, moe_sum
+from atom.ops.triton.moe_gemv import MoeGemvConfig, moe_gemv_pairs
 
 
 # vary by batch (as in moe.py): the pairs, and the column-major activation scales' group
@@ -122,18 +122,18 @@ def fused_moe_fp8(
     """``config`` overrides the tile table (the sweep's candidates), for both GEMMs; its
     ``down`` entry, if any, overrides keys for the down GEMM (same BLOCK_M). A few tokens
     (``fp8_configs.moe_gemv_config``), or a ``MoeGemvConfig``, take the CUDA-core GEMVs instead."""
+    num_tokens, hidden = x.shape
+    if num_tokens == 0:
+        return torch.zeros_like(x)
     gemv = config if isinstance(config, MoeGemvConfig) else None
     if config is None:
-        gemv = moe_gemv_config(x.shape[0], x.shape[1], w2.shape[2], group_k)
+        gemv = moe_gemv_config(num_tokens, hidden, w2.shape[2], group_k)
     if gemv is not None:
-        return fused_moe_fp8_gemv(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, group_k, gemv)
-    num_tokens, hidden = x.shape
+        return moe_sum(moe_gemv_pairs(x, w13, w2, topk_weights, topk_ids, gemv, (w13_scale, w2_scale, group_k)))
     num_experts, two_i, _ = w13.shape
     inter_size = two_i // 2
     top_k = topk_ids.shape[1]
     num_pairs = num_tokens * top_k
-    if num_tokens == 0:
-        return torch.zeros_like(x)
     cfg = config or moe_config(num_pairs / num_experts, group_k > 0)
     down = {**cfg, **cfg.get("down", {})}
     weights = topk_weights.contiguous().view(-1)
