@@ -19,11 +19,14 @@ import logging
 import torch
 
 from atom.forward_context import AttentionMetadata
+from atom.ops.triton.attention import BALANCE_SPLITS, SPLIT_MIN_KEYS
 from atom.worker.sampler import SamplingTensors, sample
 
 logger = logging.getLogger(__name__)
 
 MAX_SPLITS = 64  # atom.ops.triton.attention._num_splits: at most 64 splits of at least 32 keys
+# decode rows enough that no model's (sequence, KV head) programs take the fill splits on a GPU of up to 256 SMs
+BALANCE_ROWS = 512
 # the LM head and sampling at these row counts meet every row bucket of the skinny GEMM
 # (``gemv.skinny_gemm``: BLOCK_M is the next power of two) and every split count of the
 # samplers (``sampling_fused._splits`` halves with each doubling of the rows)
@@ -47,6 +50,12 @@ def warmup_batches(max_num_batched_tokens: int, max_model_len: int) -> list[tupl
     while splits <= MAX_SPLITS and 32 * splits <= max_model_len:  # one decode row at each split-K factor
         batches.append(([1], [32 * splits if splits > 1 else 16]))
         splits *= 2
+    balanced = BALANCE_SPLITS * SPLIT_MIN_KEYS
+    if balanced <= max_model_len:
+        # a decode batch too large for the fill splits, over keys long enough for the balance splits (their
+        # 128-key variant at 8+ query heads a KV head was first built in Qwen3-30B-A3B's graph capture)
+        rows = min(BALANCE_ROWS, max_num_batched_tokens)
+        batches.append(([1] * rows, [balanced] * rows))
     sizes = {sum(q) for q, _ in batches}
     n = 1
     while n <= min(max_num_batched_tokens, max_model_len):

@@ -4,7 +4,15 @@ import pytest
 import torch
 
 from atom import LLMEngine
-from atom.worker.warmup import MAX_SPLITS, SAMPLER_ROWS, sampler_rows, warm_up_sampler, warmup_batches, warmup_inputs
+from atom.worker.warmup import (
+    BALANCE_ROWS,
+    MAX_SPLITS,
+    SAMPLER_ROWS,
+    sampler_rows,
+    warm_up_sampler,
+    warmup_batches,
+    warmup_inputs,
+)
 
 
 def test_batches_cover_each_kind_within_limits():
@@ -21,6 +29,12 @@ def test_batches_cover_each_kind_within_limits():
     # one decode row at each split-K factor: a key range of 32 keys per split, up to MAX_SPLITS
     decode_lens = sorted(s[0] for q, s in batches if q == [1])
     assert decode_lens == [16] + [32 * (1 << i) for i in range(1, MAX_SPLITS.bit_length())]
+    # a decode batch whose programs fill the GPU without splits, over keys that take the balance splits
+    from atom.ops.triton.attention import BALANCE_SPLITS, SPLIT_MIN_KEYS
+
+    balanced = [(q, s) for q, s in batches if len(q) == BALANCE_ROWS and set(q) == {1}]
+    assert balanced and min(balanced[0][1]) >= BALANCE_SPLITS * SPLIT_MIN_KEYS
+    assert not any(len(q) > 1 and set(q) == {1} for q, _ in warmup_batches(16384, SPLIT_MIN_KEYS))  # too short
 
 
 def test_batches_respect_small_limits():
@@ -29,11 +43,11 @@ def test_batches_respect_small_limits():
 
 
 def test_every_batch_runs_through_the_model(tiny_model):
-    engine = LLMEngine(tiny_model("qwen3"), max_model_len=256, enforce_eager=True)
+    engine = LLMEngine(tiny_model("qwen3"), max_model_len=1024, enforce_eager=True)
     runner = engine.core.runner
     hidden = None
     with torch.inference_mode():
-        for q_lens, seq_lens in warmup_batches(512, 256):
+        for q_lens, seq_lens in warmup_batches(512, 1024):  # 1,024 keys: the balance-split decode batch too
             ids, positions, meta = warmup_inputs(q_lens, seq_lens, runner.block_size, runner.device)
             assert positions.tolist() == [p for q, s in zip(q_lens, seq_lens) for p in range(s - q, s)]
             assert meta.num_decode_tokens == q_lens.count(1)
