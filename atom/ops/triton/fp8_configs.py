@@ -127,7 +127,7 @@ def moe_config(pairs_per_expert: float, per_group: bool) -> dict:
 
 
 # Up to this many tokens, and experts of up to this many weights (gate, up and down), the block-scaled FP8
-# MoE runs the CUDA-core GEMVs (moe_gemv.fused_moe_gemv): no sort or quantisation launches, and no
+# MoE runs the CUDA-core GEMVs (atom.ops.triton.moe_gemv): no sort or quantisation launches, and no
 # 16-row tiles holding one real row an expert (0 tokens: never). H200, session 34 (`kernel_sweep.py
 # moe_fp8_gemv`, us, GEMV / tiles / vLLM's fused_experts): Qwen3-30B-A3B-FP8's experts (4.7 M weights) at
 # 1 token 25.3 / 40.5 / 29.3, 2 tokens 42.2 / 47.5 / 38.7, 4 tokens 71.3 / 63.8 / 57.2; DeepSeek-V3's

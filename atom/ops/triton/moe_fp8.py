@@ -109,16 +109,9 @@ def _gemm(a, a_scale, b, b_scale, c, weights, sorted_ids, expert_ids, num_padded
 
 
 def fused_moe_fp8(
-    x: torch.Tensor,
-    w13: torch.Tensor,
-    w13_scale: torch.Tensor,
-    w2: torch.Tensor,
-    w2_scale: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    group_k: int,
-    config: dict | MoeGemvConfig | None = None,
-) -> torch.Tensor:
+    x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
+    topk_weights: torch.Tensor, topk_ids: torch.Tensor, group_k: int, config: dict | MoeGemvConfig | None = None,
+) -> torch.Tensor:  # fmt: skip
     """``config`` overrides the tile table (the sweep's candidates), for both GEMMs; its
     ``down`` entry, if any, overrides keys for the down GEMM (same BLOCK_M). A few tokens
     (``fp8_configs.moe_gemv_config``), or a ``MoeGemvConfig``, take the CUDA-core GEMVs instead."""
