@@ -173,17 +173,20 @@ def gemv_label(c: MoeGemvConfig) -> str:
 
 
 def moe_fp8_gemv_sweep() -> list[dict]:
-    """The few-token FP8 MoE: the CUDA-core GEMVs' launches (``MOE_GEMV_CANDIDATES``) against the tile
-    kernels (``tiles``: the table's tile at that size) and vLLM's ``fused_experts``, at Qwen3-30B-A3B-FP8's
-    experts (1-16 tokens) and DeepSeek-V3's shapes (1 and 4 tokens); ``default``: what ``fused_moe_fp8`` picks."""
+    """The few-token FP8 MoE: the CUDA-core GEMVs' launches (``MOE_GEMV_CANDIDATES``, to 16 tokens) against the
+    tile kernels (``tiles``: the table's tile at that size; ``tiles quant_a``: the same quantising their inputs
+    themselves, no quantisation launches) and vLLM's ``fused_experts``, at Qwen3-30B-A3B-FP8's experts (1-128
+    tokens) and DeepSeek-V3's shapes (1 and 4 tokens); ``default``: what ``fused_moe_fp8`` picks."""
     rows = []
     # DeepSeek-V3: 32 of its 256 experts (the float32 weights drawn for 256 would take ~90 GB)
-    shapes = [(n, {}) for n in (1, 2, 4, 8, 16)] + [(n, dict(hidden=7168, inter=2048, num_experts=32)) for n in (1, 4)]
-    for n, experts in shapes:
+    v3 = dict(hidden=7168, inter=2048, num_experts=32)
+    for n, experts in [(n, {}) for n in (1, 2, 4, 8, 16, 64, 128)] + [(n, v3) for n in (1, 4)]:
         label = f"moe fp8 T={n}" + (" V3" if experts else "")
         fns, refs, nbytes, flops = prepare(functools.partial(moe_fp8_case, n, **experts))
         tiles = moe_config(n * 8 / experts.get("num_experts", 128), True)
-        for name, cfg in [("default", None), ("tiles", tiles), *((gemv_label(c), c) for c in MOE_GEMV_CANDIDATES)]:
+        cfgs = [("default", None), ("tiles", tiles), ("tiles quant_a", {**tiles, "quant_a": True})]
+        cfgs += [(gemv_label(c), c) for c in MOE_GEMV_CANDIDATES] if n <= 16 else []
+        for name, cfg in cfgs:
             calls = [functools.partial(f, config=cfg) for f in fns]
             rows.append(_timed(label, name, lambda c=calls, b=nbytes, f=flops: (c, {}, b, f)))
         if refs.get(""):
@@ -459,7 +462,8 @@ def main():
     print("\nsweep (best 2 per case, and the default):")
     for case in dict.fromkeys(r["case"] for r in sweep_rows):
         rows = sorted((r for r in sweep_rows if r["case"] == case), key=lambda r: r["ms"])
-        for r in rows[:2] + [r for r in rows[2:] if _is_default(r["config"]) or r["config"] in ("vllm", "tiles")]:
+        named = ("vllm", "tiles", "tiles quant_a")
+        for r in rows[:2] + [r for r in rows[2:] if _is_default(r["config"]) or r["config"] in named]:
             print(f"  {case:<22} {r['ms']:8.4f} ms {r['gbps']:6.0f} GB/s {r['tflops']:6.1f} TF  {r['config']}")
     if args.output_json:
         write_to_json(args.output_json, dict(device=torch.cuda.get_device_name(), sweep=sweep_rows), indent=2)
