@@ -93,9 +93,7 @@ def moe_gemv_pairs(
     is ``reference.fused_moe`` (16-bit experts [E, 2I, H] / [E, H, I] in ``x``'s dtype) or, with
     ``scales`` = (w13_scale, w2_scale, group_k), ``reference_fp8.fused_moe_fp8`` (e4m3 experts with
     block scales [E, N, K / group_k], any strides); for a few tokens, rows contiguous along K."""
-    num_tokens, hidden = x.shape
-    inter_size, top_k = w13.shape[1] // 2, topk_ids.shape[1]
-    s13, s2, group_k = scales if scales is not None else (w13, w2, 0)  # unread without scales
+    s13, s2, group_k = scales if scales is not None else (None, None, 0)
     if scales is not None:
         _check(group_k, cfg.gated)
         _check(group_k, cfg.down)
@@ -104,24 +102,48 @@ def moe_gemv_pairs(
     if x.stride(-1) != 1 or w13.stride(-1) != 1 or w2.stride(-1) != 1:
         raise ValueError("the MoE GEMV needs rows contiguous along K")
     ids = topk_ids.contiguous().view(-1)
-    weights = topk_weights.contiguous().view(-1)
-    num_pairs = ids.numel()
-    inter = torch.empty(num_pairs, inter_size, dtype=x.dtype, device=x.device)
-    g = cfg.gated
-    s13_strides = (s13.stride(0), s13.stride(1), s13.stride(2)) if scales is not None else (0, 0, 0)
-    _moe_gemv_gated_kernel[(triton.cdiv(inter_size, g.block_n), num_pairs)](
-        x, ids, w13, s13, inter, inter_size, hidden, x.stride(0), w13.stride(0), w13.stride(1), *s13_strides,
+    inter = gated_gemv(x, w13, ids, topk_ids.shape[1], cfg.gated, s13, group_k)
+    out = down_gemv(inter, w2, topk_weights.contiguous().view(-1), ids, cfg.down, s2, group_k)
+    return out.view(*topk_ids.shape, -1)
+
+
+def _scale_args(scale: torch.Tensor | None, w: torch.Tensor) -> tuple:
+    # no scales: the weight stands in for the unread pointer
+    return (w, 0, 0, 0) if scale is None else (scale, *scale.stride())
+
+
+def gated_gemv(
+    x: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor, top_k: int, cfg: Fp8GemvConfig,
+    scale: torch.Tensor | None = None, group_k: int = 0,
+) -> torch.Tensor:  # fmt: skip
+    """``silu(gate) * up`` [pairs, I] of each pair ``p``'s token ``x[p // top_k]`` through expert
+    ``ids[p]``'s rows of ``w13`` [E, 2I, H] (gate then up; e4m3 with ``scale`` in ``group_k`` groups)."""
+    inter_size, hidden = w13.shape[1] // 2, x.shape[1]
+    inter = torch.empty(ids.numel(), inter_size, dtype=x.dtype, device=x.device)
+    s, *s_strides = _scale_args(scale, w13)
+    _moe_gemv_gated_kernel[(triton.cdiv(inter_size, cfg.block_n), ids.numel())](
+        x, ids, w13, s, inter, inter_size, hidden, x.stride(0), w13.stride(0), w13.stride(1), *s_strides,
         inter.stride(0),
-        TOP_K=top_k, EVEN_K=hidden % g.block_k == 0, BLOCK_N=g.block_n, BLOCK_K=g.block_k, GROUP_K=group_k or g.block_k,
-        HALF=g.half, SCALED=scales is not None, num_warps=g.num_warps, num_stages=g.num_stages,
+        TOP_K=top_k, EVEN_K=hidden % cfg.block_k == 0, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        GROUP_K=group_k or cfg.block_k, HALF=cfg.half, SCALED=scale is not None, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )  # fmt: skip
-    d = cfg.down
-    s2_strides = (s2.stride(0), s2.stride(1), s2.stride(2)) if scales is not None else (0, 0, 0)
-    out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
-    _moe_gemv_down_kernel[(triton.cdiv(hidden, d.block_n), num_pairs)](
-        inter, ids, weights, w2, s2, out, hidden, inter_size, inter.stride(0), w2.stride(0), w2.stride(1),
-        *s2_strides, out.stride(0),
-        EVEN_K=inter_size % d.block_k == 0, BLOCK_N=d.block_n, BLOCK_K=d.block_k, GROUP_K=group_k or d.block_k,
-        HALF=d.half, SCALED=scales is not None, num_warps=d.num_warps, num_stages=d.num_stages,
+    return inter
+
+
+def down_gemv(
+    inter: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, cfg: Fp8GemvConfig,
+    scale: torch.Tensor | None = None, group_k: int = 0,
+) -> torch.Tensor:  # fmt: skip
+    """``weights[p] * inter[p] @ w2[ids[p]].T`` [pairs, H] (``w2`` [E, H, I]; e4m3 with ``scale``)."""
+    hidden, inter_size = w2.shape[1], inter.shape[1]
+    out = torch.empty(ids.numel(), hidden, dtype=inter.dtype, device=inter.device)
+    s, *s_strides = _scale_args(scale, w2)
+    _moe_gemv_down_kernel[(triton.cdiv(hidden, cfg.block_n), ids.numel())](
+        inter, ids, weights, w2, s, out, hidden, inter_size, inter.stride(0), w2.stride(0), w2.stride(1),
+        *s_strides, out.stride(0),
+        EVEN_K=inter_size % cfg.block_k == 0, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        GROUP_K=group_k or cfg.block_k, HALF=cfg.half, SCALED=scale is not None, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )  # fmt: skip
-    return out.view(num_tokens, top_k, hidden)
+    return out
