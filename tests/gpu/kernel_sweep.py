@@ -175,12 +175,12 @@ def gemv_label(c: MoeGemvConfig) -> str:
 def moe_fp8_gemv_sweep() -> list[dict]:
     """The few-token FP8 MoE: the CUDA-core GEMVs' launches (``MOE_GEMV_CANDIDATES``, to 16 tokens) against the
     tile kernels (``tiles``: the table's tile at that size; ``tiles quant_a``: the same quantising their inputs
-    themselves, no quantisation launches) and vLLM's ``fused_experts``, at Qwen3-30B-A3B-FP8's experts (1-128
+    themselves, no quantisation launches) and vLLM's ``fused_experts``, at Qwen3-30B-A3B-FP8's experts (1-2,048
     tokens) and DeepSeek-V3's shapes (1 and 4 tokens); ``default``: what ``fused_moe_fp8`` picks."""
     rows = []
     # DeepSeek-V3: 32 of its 256 experts (the float32 weights drawn for 256 would take ~90 GB)
     v3 = dict(hidden=7168, inter=2048, num_experts=32)
-    for n, experts in [(n, {}) for n in (1, 2, 4, 8, 16, 64, 128)] + [(n, v3) for n in (1, 4)]:
+    for n, experts in [(n, {}) for n in (1, 2, 4, 8, 16, 64, 128, 256, 512, 2048)] + [(n, v3) for n in (1, 4)]:
         label = f"moe fp8 T={n}" + (" V3" if experts else "")
         fns, refs, nbytes, flops = prepare(functools.partial(moe_fp8_case, n, **experts))
         tiles = moe_config(n * 8 / experts.get("num_experts", 128), True)
