@@ -155,15 +155,16 @@ def _gemv(gated: tuple, down: tuple) -> MoeGemvConfig:
 
 
 # the few-token FP8 MoE's GEMV launches: (block_n, block_k, num_warps) of the gated and the down GEMV; the
-# first is the default. Session 34 also had the down GEMV sum a token's experts in one program: 1.6x slower.
+# first is the default, the second session 34's. Session 34 also had the down GEMV sum a token's experts in
+# one program: 1.6x slower.
 MOE_GEMV_CANDIDATES = [
-    _gemv((16, 1024, 4), (8, 256, 2)),
-    _gemv((16, 1024, 4), (16, 256, 4)),
-    _gemv((16, 1024, 4), (4, 256, 2)),
-    _gemv((8, 1024, 4), (8, 512, 4)),
     _gemv((8, 1024, 4), (8, 256, 2)),
+    _gemv((16, 1024, 4), (8, 256, 2)),
     _gemv((4, 1024, 2), (8, 256, 2)),
-    _gemv((16, 1024, 4), (16, 1024, 4)),
+    _gemv((8, 1024, 4), (4, 256, 2)),
+    _gemv((8, 1024, 4), (8, 512, 4)),
+    _gemv((8, 2048, 8), (8, 256, 2)),
+    _gemv((8, 1024, 4), (16, 256, 4)),
 ]
 
 
@@ -174,9 +175,8 @@ def gemv_label(c: MoeGemvConfig) -> str:
 
 def moe_fp8_gemv_sweep() -> list[dict]:
     """The few-token FP8 MoE: the CUDA-core GEMVs' launches (``MOE_GEMV_CANDIDATES``, to 16 tokens) against the
-    tile kernels (``tiles``: the table's tile at that size; ``tiles quant_a``: the same quantising their inputs
-    themselves, no quantisation launches) and vLLM's ``fused_experts``, at Qwen3-30B-A3B-FP8's experts (1-2,048
-    tokens) and DeepSeek-V3's shapes (1 and 4 tokens); ``default``: what ``fused_moe_fp8`` picks."""
+    tile kernels (``tiles``: the table's tile at that size) and vLLM's ``fused_experts``, at Qwen3-30B-A3B-FP8's
+    experts (1-2,048 tokens) and DeepSeek-V3's shapes (1 and 4 tokens); ``default``: what ``fused_moe_fp8`` picks."""
     rows = []
     # DeepSeek-V3: 32 of its 256 experts (the float32 weights drawn for 256 would take ~90 GB)
     v3 = dict(hidden=7168, inter=2048, num_experts=32)
@@ -184,7 +184,7 @@ def moe_fp8_gemv_sweep() -> list[dict]:
         label = f"moe fp8 T={n}" + (" V3" if experts else "")
         fns, refs, nbytes, flops = prepare(functools.partial(moe_fp8_case, n, **experts))
         tiles = moe_config(n * 8 / experts.get("num_experts", 128), True)
-        cfgs = [("default", None), ("tiles", tiles), ("tiles quant_a", {**tiles, "quant_a": True})]
+        cfgs = [("default", None), ("tiles", tiles)]
         cfgs += [(gemv_label(c), c) for c in MOE_GEMV_CANDIDATES] if n <= 16 else []
         for name, cfg in cfgs:
             calls = [functools.partial(f, config=cfg) for f in fns]
@@ -195,30 +195,35 @@ def moe_fp8_gemv_sweep() -> list[dict]:
     return [r for r in rows if r]
 
 
-# the same for bf16 experts (twice the bytes a row: the dense one-row GEMV's 2-4 rows x 1,024 keys, 2 warps)
+# the same for bf16 experts (twice the bytes a row); the first is the default (moe.GEMV_CONFIG)
 MOE_GEMV_CANDIDATES_BF16 = [
-    _gemv((8, 1024, 4), (4, 256, 2)),
-    _gemv((4, 1024, 2), (4, 256, 2)),
-    _gemv((16, 1024, 4), (8, 256, 2)),
-    _gemv((8, 2048, 8), (4, 512, 2)),
-    _gemv((4, 1024, 2), (2, 512, 2)),
-    _gemv((8, 1024, 4), (8, 512, 4)),
     _gemv((2, 1024, 2), (4, 256, 2)),
+    _gemv((4, 1024, 2), (4, 256, 2)),
+    _gemv((2, 1024, 2), (2, 256, 2)),
+    _gemv((2, 2048, 4), (4, 256, 2)),
+    _gemv((2, 1024, 2), (8, 256, 2)),
+    _gemv((4, 1024, 2), (2, 512, 2)),
+    _gemv((8, 1024, 4), (4, 256, 2)),
 ]
 
 
 def moe_gemv_sweep() -> list[dict]:
     """The few-token bf16 MoE: the GEMV launches (``MOE_GEMV_CANDIDATES_BF16``, passed as ``fused_moe(gemv=)``)
-    against the tile kernels (``default`` while ``moe.GEMV_MAX_TOKENS`` is 0) and vLLM's ``fused_experts``, at
+    against the tile kernels (``tiles``; ``default``: what ``fused_moe`` picks) and vLLM's ``fused_experts``, at
     Qwen3-30B-A3B's experts (1-4 tokens) and DeepSeek-V2-Lite's / Moonlight's (64 of 1,408 columns, top-6)."""
     rows = []
     v2 = dict(inter=1408, num_experts=64, top_k=6)
     for n, experts in [(1, {}), (2, {}), (4, {}), (1, v2), (2, v2)]:
         label = f"moe T={n}" + (" V2-Lite" if experts else "")
         fns, refs, nbytes, flops = prepare(functools.partial(moe_case, n, **experts))
-        for name, cfg in [("default", None), *((gemv_label(c), c) for c in MOE_GEMV_CANDIDATES_BF16)]:
+        max_tokens = moe.GEMV_MAX_TOKENS
+        for name, cfg in [("default", None), ("tiles", None), *((gemv_label(c), c) for c in MOE_GEMV_CANDIDATES_BF16)]:
             calls = [functools.partial(f, gemv=cfg) for f in fns]
-            rows.append(_timed(label, name, lambda c=calls, b=nbytes, f=flops: (c, {}, b, f)))
+            moe.GEMV_MAX_TOKENS = 0 if name == "tiles" else max_tokens
+            try:
+                rows.append(_timed(label, name, lambda c=calls, b=nbytes, f=flops: (c, {}, b, f)))
+            finally:
+                moe.GEMV_MAX_TOKENS = max_tokens
         if refs.get(""):
             rows.append(_timed(label, "vllm", lambda r=refs[""], b=nbytes, f=flops: (r, {}, b, f)))
         del fns, refs
@@ -462,8 +467,7 @@ def main():
     print("\nsweep (best 2 per case, and the default):")
     for case in dict.fromkeys(r["case"] for r in sweep_rows):
         rows = sorted((r for r in sweep_rows if r["case"] == case), key=lambda r: r["ms"])
-        named = ("vllm", "tiles", "tiles quant_a")
-        for r in rows[:2] + [r for r in rows[2:] if _is_default(r["config"]) or r["config"] in named]:
+        for r in rows[:2] + [r for r in rows[2:] if _is_default(r["config"]) or r["config"] in ("vllm", "tiles")]:
             print(f"  {case:<22} {r['ms']:8.4f} ms {r['gbps']:6.0f} GB/s {r['tflops']:6.1f} TF  {r['config']}")
     if args.output_json:
         write_to_json(args.output_json, dict(device=torch.cuda.get_device_name(), sweep=sweep_rows), indent=2)

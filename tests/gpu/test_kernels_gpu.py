@@ -300,7 +300,7 @@ def test_fused_moe_qwen3(num_tokens):
 
 # the bf16 MoE's GEMVs (moe_gemv, unscaled): the default launch and sweep candidates, at Qwen3-30B-A3B's and
 # DeepSeek-V2-Lite's experts (1,408 columns: masked key steps)
-@pytest.mark.parametrize("gemv", [(8, 1024, 4, 4, 256, 2), (4, 1024, 2, 2, 512, 2), (8, 2048, 8, 4, 512, 2)])
+@pytest.mark.parametrize("gemv", [(2, 1024, 2, 4, 256, 2), (4, 1024, 2, 2, 512, 2), (8, 2048, 8, 4, 512, 2)])
 @pytest.mark.parametrize("num_tokens, inter, e, k", [(1, 768, 128, 8), (2, 768, 128, 8), (2, 1408, 64, 6)])
 def test_fused_moe_gemv(gemv, num_tokens, inter, e, k):
     from atom.ops.triton.fp8_gemv import Fp8GemvConfig

@@ -128,19 +128,3 @@ def test_fused_moe_fp8_takes_the_gemv_for_few_tokens_of_small_experts(monkeypatc
     assert not torch.equal(picked, tiles)  # the GEMVs and the tiles sum in different orders
     monkeypatch.setattr(fp8_configs, "MOE_GEMV_MAX_TOKENS", 0)
     assert torch.equal(fused_moe_fp8(x, w13, s13, w2, s2, weights, ids, group_k), tiles)
-
-
-@pytest.mark.parametrize("paired", [False, True])
-@pytest.mark.parametrize("num_tokens, hidden, inter", [(5, 128, 96), (40, 72, 48)])  # 72, 48: a partial key group
-def test_fused_moe_fp8_quantises_in_the_gemms(num_tokens, hidden, inter, paired):
-    # quant_a: each GEMM quantises its 16-bit rows a key group at a time as per_token_group_quant_fp8
-    # does (the same codes and scales), so the same bits as with the two quantisation launches
-    num_experts, top_k, group_k = 8, 2, 32
-    x = (torch.randn(num_tokens, hidden) * torch.exp(torch.randn(num_tokens, 1))).to(torch.bfloat16)
-    w13, s13, w2, s2 = _experts(num_experts, hidden, inter, group_k)
-    weights, ids = reference.moe_topk(torch.randn(num_tokens, num_experts), top_k, True)
-    config = dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=2, GROUP_M=2, paired=paired)
-    out = fused_moe_fp8(x, w13, s13, w2, s2, weights, ids, group_k, config={**config, "quant_a": True})
-    assert torch.equal(out, fused_moe_fp8(x, w13, s13, w2, s2, weights, ids, group_k, config=config))
-    with pytest.raises(ValueError, match="quant_a needs block scales"):
-        fused_moe_fp8(x, w13, s13[..., :1], w2, s2[..., :1], weights, ids, 0, config={**config, "quant_a": True})

@@ -128,20 +128,21 @@ def moe_config(pairs_per_expert: float, per_group: bool) -> dict:
 
 # Up to this many tokens, and experts of up to this many weights (gate, up and down), the block-scaled FP8
 # MoE runs the CUDA-core GEMVs (atom.ops.triton.moe_gemv): no sort or quantisation launches, and no
-# 16-row tiles holding one real row an expert (0 tokens: never). H200, session 34 (`kernel_sweep.py
+# 16-row tiles holding one real row an expert (0 tokens: never). H200, session 35 (`kernel_sweep.py
 # moe_fp8_gemv`, us, GEMV / tiles / vLLM's fused_experts): Qwen3-30B-A3B-FP8's experts (4.7 M weights) at
-# 1 token 25.3 / 40.5 / 29.3, 2 tokens 42.2 / 47.5 / 38.7, 4 tokens 71.3 / 63.8 / 57.2; DeepSeek-V3's
-# (44 M) at 1 token 163.6 / 136.1 / 116.8, where the GEMV streams the larger experts slower.
+# 1 token 23.7 / 40.4 / 29.4, 2 tokens 38.4 / 48.0 / 39.2, 4 tokens 65.7 / 65.4 / 58.5; DeepSeek-V3's
+# (44 M) at 1 token 151.6 / 138.8 / 119.2, where the GEMV streams the larger experts slower.
 MOE_GEMV_MAX_TOKENS = 2
 MOE_GEMV_MAX_EXPERT_WEIGHTS = 1 << 23
 
 
 def moe_gemv_config(num_tokens: int, hidden: int, inter: int, group_k: int) -> MoeGemvConfig | None:
     """The FP8 MoE's GEMV launches at ``num_tokens`` of experts [2 x inter, hidden] / [hidden, inter], or
-    None where the tile kernels run. Session 34's sweep: 16 gate / up rows a program over 1,024 keys a
-    step (4 warps) and 8 down rows over 256 keys (2 warps) fastest of 12 launches at one token."""
+    None where the tile kernels run. Session 35's sweep: 8 gate / up rows a program over 1,024 keys a
+    step (4 warps) and 8 down rows over 256 keys (2 warps) fastest of 7 launches at 1, 2, 8 and 16 tokens
+    (session 34's 16 gate / up rows: 25.6 us at 1 token, 42.5 at 2)."""
     if num_tokens > MOE_GEMV_MAX_TOKENS or 3 * hidden * inter > MOE_GEMV_MAX_EXPERT_WEIGHTS or not group_k:
         return None
     if 128 % group_k:  # scale groups the down GEMV's 256-key steps cannot hold
         return None
-    return MoeGemvConfig(Fp8GemvConfig(block_n=16, block_k=1024), Fp8GemvConfig(block_n=8, block_k=256, num_warps=2))
+    return MoeGemvConfig(Fp8GemvConfig(block_n=8, block_k=1024), Fp8GemvConfig(block_n=8, block_k=256, num_warps=2))

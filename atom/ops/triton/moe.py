@@ -462,10 +462,16 @@ def _moe_gemm(a, b, c, weights, sorted_ids, expert_ids, num_padded, n, a_row_div
     )
 
 
-# Up to this many tokens a 16-bit MoE runs the CUDA-core GEMVs (moe_gemv) with GEMV_CONFIG: 0 (never) until
-# swept on the GPU (`kernel_sweep.py moe_gemv`); the FP8 experts' rule is fp8_configs.moe_gemv_config
-GEMV_MAX_TOKENS = 0
-GEMV_CONFIG = MoeGemvConfig(Fp8GemvConfig(block_n=8, block_k=1024), Fp8GemvConfig(block_n=4, block_k=256, num_warps=2))
+# Up to this many tokens a 16-bit MoE runs the CUDA-core GEMVs (moe_gemv) with GEMV_CONFIG: no sort launches
+# and no 16-row tiles holding one real row an expert (the FP8 experts' rule: fp8_configs.moe_gemv_config).
+# H200, session 35 (`kernel_sweep.py moe_gemv`, us, fastest of 7 launches / tiles / vLLM's fused_experts):
+# Qwen3-30B-A3B's experts at 1 token 30.2 / 31.9 / 33.1, 2 tokens 50.6 / 52.0 / 52.6; DeepSeek-V2-Lite's at 1
+# token 36.6 / 39.8 / 40.9, 2 tokens 63.9 / 63.3 / 66.1. End to end at batch 1 more than that (the launches
+# it saves): Qwen3-30B-A3B TPOT 3.185 ms against 3.479 with the tiles, V2-Lite 2.497 against 2.522.
+GEMV_MAX_TOKENS = 1
+GEMV_CONFIG = MoeGemvConfig(
+    Fp8GemvConfig(block_n=2, block_k=1024, num_warps=2), Fp8GemvConfig(block_n=4, block_k=256, num_warps=2)
+)
 
 
 def fused_moe(

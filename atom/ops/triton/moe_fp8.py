@@ -25,7 +25,7 @@ def _moe_fp8_gemm_kernel(
     stride_bsk, stride_cm,
     A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, PER_GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    PAIRED: tl.constexpr, QUANT_A: tl.constexpr,
+    PAIRED: tl.constexpr,
 ):  # fmt: skip
     """``c[pair] = dequant(a[pair // A_ROW_DIV]) @ dequant(b[expert]).T`` for one row tile;
     GATED: gate rows then up rows (N each), c = silu(gate) * up; MUL_WEIGHT: times the pair's
@@ -35,8 +35,8 @@ def _moe_fp8_gemm_kernel(
     Block scales are read one key step ahead (carried across the loop), as in ``fp8_gemm``: read in
     their own step (vLLM's order, 110 instead of 140 registers at the paired 16 x 64 tile) was 0.6-1.2%
     faster at 16-row tiles (equal with their row groups of 16) and 17% slower at 64-row ones (H200, session 31).
-    QUANT_A (with PER_GROUP): ``a`` is 16-bit and each key step quantises its rows' group here, as
-    ``per_token_group_quant_fp8`` does (the same codes and scales; ``as_ptr`` unread): no quantisation launch."""
+    Quantising the 16-bit rows here a key step at a time (no quantisation launches; session 34) was 2.0-7.6x
+    slower at 1-2,048 tokens (H200, session 35): each of a GEMM's 12-16 column tiles quantised its rows again."""
     pid_m, pid_n = _tile_ids(num_m, N, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
@@ -56,7 +56,7 @@ def _moe_fp8_gemm_kernel(
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     steps = tl.cdiv(K, BLOCK_K)
     if PER_GROUP:
-        a_s = tl.zeros([BLOCK_M, 1], tl.float32) if QUANT_A else tl.load(as_ptrs, mask=row_ok, other=0.0)[:, None]
+        a_s = tl.load(as_ptrs, mask=row_ok, other=0.0)[:, None]
         b_s = tl.load(bs_ptrs, mask=b_ok, other=0.0)[None, :]
         up_s = b_s
         if TWO_DOTS:
@@ -67,17 +67,11 @@ def _moe_fp8_gemm_kernel(
         b = tl.load(b_ptrs, mask=k_ok[:, None] & b_ok[None, :], other=0.0)
         if TWO_DOTS:
             b_up = tl.load(b_ptrs + N * stride_bn, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if QUANT_A:
-            # amax / 448 times the float32 reciprocal, an IEEE-rounded division, e4m3 codes (zeros past K
-            # and in padding rows leave it unchanged)
-            af = a.to(tl.float32)
-            a_s = tl.maximum(tl.max(tl.abs(af), axis=1) * (1.0 / 448.0), 1e-12)[:, None]
-            a = tl.clamp(tl.math.div_rn(af, a_s), -448.0, 448.0).to(b.dtype)
         if PER_GROUP:
             # the next step's scales, loaded while this step's MMAs run (the index clamped into range:
             # the value read after the last step is unused)
             sk = tl.minimum(kt + 1, steps - 1)
-            a_s_k = a_s if QUANT_A else tl.load(as_ptrs + sk * stride_ask, mask=row_ok, other=0.0)[:, None]
+            a_s_k = tl.load(as_ptrs + sk * stride_ask, mask=row_ok, other=0.0)[:, None]
             b_s_k = tl.load(bs_ptrs + sk * stride_bsk, mask=b_ok, other=0.0)[None, :]
             up_s_k = b_s_k
             if TWO_DOTS:
@@ -111,7 +105,7 @@ def _gemm(a, a_scale, b, b_scale, c, weights, sorted_ids, expert_ids, num_padded
         b_scale.stride(0), b_scale.stride(1), b_scale.stride(2), c.stride(0),
         A_ROW_DIV=a_row_div, GATED=gated, MUL_WEIGHT=not gated, PER_GROUP=group_k > 0,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=group_k or cfg.get("BLOCK_K", 128),
-        GROUP_M=cfg.get("GROUP_M", 0), PAIRED=cfg.get("paired", False), QUANT_A=a.dtype != b.dtype,
+        GROUP_M=cfg.get("GROUP_M", 0), PAIRED=cfg.get("paired", False),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
 
@@ -121,8 +115,7 @@ def fused_moe_fp8(
     topk_weights: torch.Tensor, topk_ids: torch.Tensor, group_k: int, config: dict | MoeGemvConfig | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """``config`` overrides the tile table (the sweep's candidates), for both GEMMs; its
-    ``down`` entry, if any, overrides keys for the down GEMM (same BLOCK_M); ``quant_a``: no quantisation
-    launches, the GEMMs quantise their inputs (``QUANT_A``). A few tokens
+    ``down`` entry, if any, overrides keys for the down GEMM (same BLOCK_M). A few tokens
     (``fp8_configs.moe_gemv_config``), or a ``MoeGemvConfig``, take the CUDA-core GEMVs instead."""
     num_tokens, hidden = x.shape
     if num_tokens == 0:
@@ -140,15 +133,11 @@ def fused_moe_fp8(
     down = {**cfg, **cfg.get("down", {})}
     weights = topk_weights.contiguous().view(-1)
     sorted_ids, expert_ids, num_padded = _sort_by_expert(topk_ids, num_experts, cfg["BLOCK_M"])
-    # quant_a: the GEMMs quantise their 16-bit inputs themselves (block scales only)
-    if cfg.get("quant_a") and not group_k:
-        raise ValueError("quant_a needs block scales (group_k > 0)")
-    quantize = (lambda t, _: (t, t)) if cfg.get("quant_a") else per_token_group_quant_fp8
-    a, a_scale = quantize(x.contiguous(), group_k)
+    a, a_scale = per_token_group_quant_fp8(x.contiguous(), group_k)
     inter = torch.empty(num_pairs, inter_size, dtype=x.dtype, device=x.device)
     _gemm(a, a_scale, w13, w13_scale, inter, weights, sorted_ids, expert_ids, num_padded, inter_size, top_k, True,
           group_k, cfg)  # fmt: skip
-    a, a_scale = quantize(inter, group_k)
+    a, a_scale = per_token_group_quant_fp8(inter, group_k)
     out_pairs = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     _gemm(a, a_scale, w2, w2_scale, out_pairs, weights, sorted_ids, expert_ids, num_padded, hidden, 1, False,
           group_k, down)  # fmt: skip
