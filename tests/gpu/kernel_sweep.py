@@ -210,11 +210,13 @@ MOE_GEMV_CANDIDATES_BF16 = [
 def moe_gemv_sweep() -> list[dict]:
     """The few-token bf16 MoE: the GEMV launches (``MOE_GEMV_CANDIDATES_BF16``, passed as ``fused_moe(gemv=)``)
     against the tile kernels (``tiles``; ``default``: what ``fused_moe`` picks) and vLLM's ``fused_experts``, at
-    Qwen3-30B-A3B's experts (1-4 tokens) and DeepSeek-V2-Lite's / Moonlight's (64 of 1,408 columns, top-6)."""
+    Qwen3-30B-A3B's experts (1-4 tokens), DeepSeek-V2-Lite's / Moonlight's (64 of 1,408 columns, top-6),
+    Qwen3-235B-A22B's (hidden 4,096, 1,536 columns) and DeepSeek-V3's (32 of its 256 experts)."""
     rows = []
-    v2 = dict(inter=1408, num_experts=64, top_k=6)
-    for n, experts in [(1, {}), (2, {}), (4, {}), (1, v2), (2, v2)]:
-        label = f"moe T={n}" + (" V2-Lite" if experts else "")
+    shapes = {"": {}, " V2-Lite": dict(inter=1408, num_experts=64, top_k=6),
+              " 235B": dict(hidden=4096, inter=1536), " V3": dict(hidden=7168, inter=2048, num_experts=32)}  # fmt: skip
+    for n, shape in [(1, ""), (2, ""), (4, ""), (1, " V2-Lite"), (2, " V2-Lite"), (1, " 235B"), (1, " V3")]:
+        label, experts = f"moe T={n}{shape}", shapes[shape]
         fns, refs, nbytes, flops = prepare(functools.partial(moe_case, n, **experts))
         max_tokens = moe.GEMV_MAX_TOKENS
         for name, cfg in [("default", None), ("tiles", None), *((gemv_label(c), c) for c in MOE_GEMV_CANDIDATES_BF16)]:

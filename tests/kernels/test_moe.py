@@ -166,8 +166,8 @@ def test_fused_moe_gemv(num_tokens, hidden, inter, top_k, gated, down, dtype, as
 
 
 def test_fused_moe_takes_the_gemv_up_to_its_token_count(monkeypatch):
-    # up to moe.GEMV_MAX_TOKENS tokens 16-bit experts run GEMV_CONFIG's GEMVs (float32 ones and more
-    # tokens the tile kernels): the GEMV launches recorded as they run
+    # up to moe.GEMV_MAX_TOKENS tokens 16-bit experts of up to GEMV_MAX_EXPERT_WEIGHTS run GEMV_CONFIG's
+    # GEMVs (float32 ones, larger ones and more tokens the tile kernels): the GEMV launches recorded as they run
     from atom.ops.triton import moe
 
     x = torch.randn(2, 128, dtype=torch.bfloat16)
@@ -181,6 +181,11 @@ def test_fused_moe_takes_the_gemv_up_to_its_token_count(monkeypatch):
     assert launches == [moe.GEMV_CONFIG]
     assert torch.equal(out, moe.moe_sum(gemv_pairs(x, w13, w2, weights, ids, moe.GEMV_CONFIG)))
     fused_moe(x.float(), w13.float(), w2.float(), weights, ids)
+    monkeypatch.setattr(moe, "GEMV_MAX_EXPERT_WEIGHTS", 3 * 128 * 64 - 1)  # experts one weight too large
+    fused_moe(x, w13, w2, weights, ids)
+    monkeypatch.setattr(moe, "GEMV_MAX_EXPERT_WEIGHTS", 3 * 128 * 64)
     monkeypatch.setattr(moe, "GEMV_MAX_TOKENS", 1)
     fused_moe(x, w13, w2, weights, ids)
     assert launches == [moe.GEMV_CONFIG]
+    fused_moe(x[:1], w13, w2, weights[:1], ids[:1])
+    assert launches == [moe.GEMV_CONFIG] * 2

@@ -467,8 +467,11 @@ def _moe_gemm(a, b, c, weights, sorted_ids, expert_ids, num_padded, n, a_row_div
 # H200, session 35 (`kernel_sweep.py moe_gemv`, us, fastest of 7 launches / tiles / vLLM's fused_experts):
 # Qwen3-30B-A3B's experts at 1 token 30.2 / 31.9 / 33.1, 2 tokens 50.6 / 52.0 / 52.6; DeepSeek-V2-Lite's at 1
 # token 36.6 / 39.8 / 40.9, 2 tokens 63.9 / 63.3 / 66.1. End to end at batch 1 more than that (the launches
-# it saves): Qwen3-30B-A3B TPOT 3.185 ms against 3.479 with the tiles, V2-Lite 2.497 against 2.522.
+# it saves): Qwen3-30B-A3B TPOT 3.185 ms against 3.479 with the tiles, V2-Lite 2.497 against 2.522. Larger
+# experts (gate, up and down over GEMV_MAX_EXPERT_WEIGHTS) stay on the tiles: at one token Qwen3-235B-A22B's
+# (18.9 M weights) 92.6 us on the GEMVs against 94.0, DeepSeek-V3's (44 M) 193.9 against 190.3.
 GEMV_MAX_TOKENS = 1
+GEMV_MAX_EXPERT_WEIGHTS = 1 << 25
 GEMV_CONFIG = MoeGemvConfig(
     Fp8GemvConfig(block_n=2, block_k=1024, num_warps=2), Fp8GemvConfig(block_n=4, block_k=256, num_warps=2)
 )
@@ -479,7 +482,7 @@ def fused_moe(
     gemv: MoeGemvConfig | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """``reference.fused_moe`` on the tile kernels, or on the GEMVs (``moe_gemv``) with launch ``gemv``
-    or up to ``GEMV_MAX_TOKENS`` tokens."""
+    or up to ``GEMV_MAX_TOKENS`` tokens of experts up to ``GEMV_MAX_EXPERT_WEIGHTS``."""
     num_tokens, hidden = x.shape
     num_experts, two_i, _ = w13.shape
     inter_size = two_i // 2
@@ -487,7 +490,8 @@ def fused_moe(
     num_pairs = num_tokens * top_k
     if num_tokens == 0:
         return torch.zeros_like(x)
-    if gemv is None and num_tokens <= GEMV_MAX_TOKENS and w13.dtype == x.dtype and x.dtype != torch.float32:
+    small = num_tokens <= GEMV_MAX_TOKENS and 3 * hidden * inter_size <= GEMV_MAX_EXPERT_WEIGHTS
+    if gemv is None and small and w13.dtype == x.dtype and x.dtype != torch.float32:
         gemv = GEMV_CONFIG
     if gemv is not None:
         return moe_sum(moe_gemv_pairs(x.contiguous(), w13, w2, topk_weights, topk_ids, gemv))
