@@ -101,6 +101,13 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             loaded = loaded.narrow(0, self.tp.rank * size, size)
         default_weight_loader(target, loaded)
 
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu_and_mul(self(x))`` of a gate / up pair: unquantised on CUDA one op (``ops.gated_linear``:
+        at decode sizes the activation in the GEMM's epilogue, a launch fewer)."""
+        if self.quant_method is None and x.is_cuda:
+            return ops.gated_linear(x, self.weight, self.bias)
+        return ops.silu_and_mul(self(x))
+
 
 class QKVParallelLinear(ColumnParallelLinear):
     """q, k and v projections in one matrix; KV heads are replicated when there are fewer

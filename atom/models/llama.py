@@ -9,7 +9,6 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from atom.distributed.parallel_state import SINGLE, TPInfo
-from atom.layers.activation import SiluAndMul
 from atom.layers.attention import Attention
 from atom.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from atom.layers.layernorm import RMSNorm
@@ -48,10 +47,9 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias, tp)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, tp)
-        self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj.silu_and_mul(x))
 
 
 MlpFactory = Callable[[PretrainedConfig, TPInfo, int], nn.Module]

@@ -29,6 +29,7 @@ __all__ = [
     "fused_moe",
     "fp8_linear",
     "fused_moe_fp8",
+    "gated_linear",
     "grouped_topk",
     "linear",
     "mla_decode",
@@ -199,6 +200,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``; on CUDA the skinny Triton GEMM for a few rows (decode), cuBLAS otherwise."""
     return F.linear(x, weight, bias)
+
+
+@register_op(
+    "gated_linear",
+    triton=f"{_T}.gemv:gated_linear",
+    fake=lambda x, weight, bias=None: x.new_empty((*x.shape[:-1], weight.shape[0] // 2)),
+)
+def gated_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu_and_mul(linear(x, weight, bias))`` for a gate-then-up weight; on CUDA, at decode
+    sizes, one skinny-GEMM launch with the activation in its epilogue."""
+    return reference.silu_and_mul(F.linear(x, weight, bias))
 
 
 silu_and_mul = register_op(

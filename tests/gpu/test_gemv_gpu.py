@@ -59,3 +59,26 @@ def test_linear_compiled_dynamic_batch():
     for m in (MAX_ROWS, MAX_ROWS + 1, 40):
         x = torch.randn(m, 512, device=DEV, dtype=torch.bfloat16)
         torch.testing.assert_close(fn(x), ops.linear(x, w, bias) * 2, atol=0, rtol=0)
+
+
+# the activation in the skinny kernel's epilogue (gemv.gated_linear) at Qwen3-8B's and 0.6B's gate_up, with
+# its one-row launch and with key splits: the bits of the GEMM over the weight's rows in the kernel's order
+# (gate 0, up 0, gate 1, ...) then silu_and_mul, and near the fp32 product
+@pytest.mark.parametrize("n,k", [(2 * 12288, 4096), (2 * 3072, 1024)])
+@pytest.mark.parametrize("split_k", [1, 4])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gated_skinny_gemm(n, k, split_k, dtype):
+    import dataclasses
+
+    from atom.ops.triton import gemv
+
+    x = torch.randn(1, k, device=DEV, dtype=dtype)
+    w = torch.randn(n, k, device=DEV, dtype=dtype) / k**0.5
+    cfg = dataclasses.replace(gemv.pick_config(1, n, k), split_k=split_k)
+    cfg = dataclasses.replace(cfg, block_n=cfg.block_n + cfg.block_n % 2)
+    out = gemv.skinny_gemm(x, w, None, cfg, gated=True)
+    order = torch.arange(n, device=DEV).view(2, n // 2).t().reshape(-1)
+    product = gemv.skinny_gemm(x, w[order], None, cfg)
+    unfused = ops.silu_and_mul(torch.cat([product[:, 0::2], product[:, 1::2]], 1))
+    torch.testing.assert_close(out, unfused, atol=0, rtol=0)
+    assert_close(out, ops.reference.silu_and_mul(F.linear(x.float(), w.float())), dtype)

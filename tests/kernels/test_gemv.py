@@ -15,7 +15,11 @@ CONFIGS = [
 ]
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.mode}-n{c.block_n}-k{c.block_k}-s{c.split_k}")
+def _config_id(c: GemvConfig) -> str:
+    return f"{c.mode}-n{c.block_n}-k{c.block_k}-s{c.split_k}"
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=_config_id)
 @pytest.mark.parametrize("m,n,k", [(1, 37, 100), (3, 64, 96), (7, 50, 130), (17, 33, 72)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_skinny_gemm(cfg, m, n, k, with_bias, dtype, assert_close):
@@ -60,3 +64,54 @@ def test_linear_falls_back_to_torch():
         ww = w.to(x.dtype)
         assert not gemv.use_skinny(x, ww, None)
         torch.testing.assert_close(gemv.linear(x, ww), F.linear(x, ww), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS[:1] + CONFIGS[2:], ids=_config_id)
+@pytest.mark.parametrize("m,n,k", [(1, 2 * 37, 100), (3, 2 * 32, 96), (2, 2 * 25, 130)])  # 37, 25: a part row block
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("dtype16", [torch.bfloat16, torch.float16])
+def test_skinny_gemm_gated(cfg, m, n, k, with_bias, dtype16, assert_close):
+    # the activation in the epilogue (or the split-K reduction) of product rows that interleave gate and up
+    # rows: the bits of the GEMM over a weight in that order, then silu_and_mul (an MMA's sums may depend on
+    # a row's place in the tile, so not necessarily those of the GEMM over the weight as stored)
+    from atom.ops import reference
+    from atom.ops.triton.activation import silu_and_mul
+
+    x = torch.randn(m, k, dtype=dtype16)
+    w = (torch.randn(n, k) / k**0.5).to(dtype16)
+    bias = torch.randn(n, dtype=dtype16) if with_bias else None
+    out = skinny_gemm(x, w, bias, cfg, gated=True)
+    assert out.shape == (m, n // 2) and out.dtype == dtype16
+    order = torch.arange(n).view(2, n // 2).t().reshape(-1)  # gate 0, up 0, gate 1, up 1, ...
+    product = skinny_gemm(x, w[order], None if bias is None else bias[order], cfg)
+    torch.testing.assert_close(out, silu_and_mul(torch.cat([product[:, 0::2], product[:, 1::2]], 1)), atol=0, rtol=0)
+    ref = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+    assert_close(out, reference.silu_and_mul(ref), dtype16)
+
+
+def test_skinny_gemm_gated_needs_pairs():
+    x, w = torch.randn(1, 32, dtype=torch.bfloat16), torch.randn(64, 32, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="must be even"):
+        skinny_gemm(x, w, None, GemvConfig(block_n=1, block_k=32), gated=True)
+    with pytest.raises(ValueError, match="must be even"):
+        skinny_gemm(x, w[:63], None, GemvConfig(block_n=2, block_k=32), gated=True)
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_gated_linear_fuses_up_to_its_row_count(rows, monkeypatch):
+    # up to GATED_MAX_ROWS rows one gated skinny launch (block_n 1 widened to a pair), above it the
+    # skinny kernel and silu_and_mul: the same bits either way
+    from atom.ops.triton.activation import silu_and_mul
+
+    monkeypatch.setattr(gemv, "MAX_ROWS", 2)
+    x = torch.randn(1, rows, 96, dtype=torch.bfloat16)
+    w = (torch.randn(2 * 40, 96) / 10).to(torch.bfloat16)
+    ref = silu_and_mul(skinny_gemm(x.view(rows, 96), w, None, GemvConfig(block_n=1, block_k=32))).view(1, rows, 40)
+    calls, skinny = [], gemv.skinny_gemm
+    monkeypatch.setattr(gemv, "skinny_gemm", lambda *a, **kw: calls.append(kw.get("gated", False)) or skinny(*a, **kw))
+    monkeypatch.setattr(gemv, "pick_config", lambda m, n, k: GemvConfig(block_n=1, block_k=32))
+    monkeypatch.setattr(gemv, "GATED_MAX_ROWS", 1)
+    out = gemv.gated_linear(x, w)
+    assert out.shape == (1, rows, 40)
+    assert calls == ([True] if rows == 1 else [False])
+    torch.testing.assert_close(out, ref, atol=0, rtol=0)

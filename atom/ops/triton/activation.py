@@ -8,15 +8,24 @@ import triton.language as tl
 
 
 @triton.jit
+def silu_mul(gate, up, dtype: tl.constexpr):
+    """``silu(gate) * up`` in float32, rounded where the model-dtype ops round: each input to ``dtype``
+    (a linear layer's output; a no-op on values loaded in it) and silu before the multiply, as the
+    reference does. Kernels that fuse the activation into a GEMM's epilogue call it on their
+    accumulators, so they give the bits of the GEMM then ``silu_and_mul``."""
+    gate = gate.to(dtype).to(tl.float32)
+    return (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up.to(dtype).to(tl.float32)
+
+
+@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, d, stride_x, stride_out, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
-    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * stride_x + d + cols, mask=mask, other=0.0).to(tl.float32)
-    # silu is rounded to the model dtype before the multiply, as the reference does.
-    act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * stride_x + d + cols, mask=mask, other=0.0)
+    dtype = out_ptr.dtype.element_ty
+    tl.store(out_ptr + row * stride_out + cols, silu_mul(gate, up, dtype).to(dtype), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

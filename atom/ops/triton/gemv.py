@@ -25,12 +25,14 @@ few rows): per-channel scales multiply the accumulator once, block scales (one p
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from atom.ops.triton.activation import silu_and_mul, silu_mul
 
 _MODES = {"sum": 0, "defer": 1, "dot": 2, "dot_t": 3}
 # Where the skinny kernel beats cuBLAS (H100 sweep, tests/gpu/gemv_bench.py, CUDA-graph replay
@@ -63,12 +65,15 @@ def _skinny_gemm_kernel(
     stride_xm, stride_wn, stride_om, stride_os, stride_xsm, stride_xsk, stride_wsn, stride_wsk,
     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr, MODE: tl.constexpr,
     SCALES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    QUANT_X: tl.constexpr,
+    QUANT_X: tl.constexpr, GATED: tl.constexpr,
 ):  # fmt: skip
     # SCALES: 0 none; 1 one scale per input row (xs[m, 0]) and weight row (ws[n, 0]), applied
     # once; 2 one per row and BLOCK_K-wide key group (xs[m, g], ws[n, g]), applied every step.
     # QUANT_X (with SCALES 2): x is 16-bit and each step quantises its group to e4m3 here, as
-    # fp8_gemm's _group_quant_kernel does (the same codes and scales; xs_ptr is unused)
+    # fp8_gemm's _group_quant_kernel does (the same codes and scales; xs_ptr is unused).
+    # GATED: the weight is gate rows then up rows (N / 2 each) and the output silu(gate) * up;
+    # product row n is weight row n // 2 of the gate half (n even) or of the up half (n odd),
+    # so a program's gate rows and their up rows part with one tl.split in the epilogue
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
@@ -76,7 +81,10 @@ def _skinny_gemm_kernel(
     rk = tl.arange(0, BLOCK_K)
     # out-of-range rows read a valid row (their results are never stored): no load masks on M, N
     rm_load = tl.minimum(rm, M - 1)
-    rn_load = tl.minimum(rn, N - 1)
+    if GATED:
+        rn_load = tl.minimum(rn // 2, N // 2 - 1) + (rn % 2) * (N // 2)
+    else:
+        rn_load = tl.minimum(rn, N - 1)
     x_rows = x_ptr + rm_load.to(tl.int64)[:, None] * stride_xm
     w_rows = w_ptr + rn_load.to(tl.int64)[:, None] * stride_wn
     xs_rows = xs_ptr + rm_load * stride_xsm
@@ -146,36 +154,62 @@ def _skinny_gemm_kernel(
         acc = acc * tl.load(xs_rows)[:, None] * tl.load(ws_rows)[None, :]
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     offs = rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
-    if PARTIAL:
+    if PARTIAL:  # GATED: the partial sums in product-row order; the reduction applies the gate
         tl.store(out_ptr + pid_k.to(tl.int64) * stride_os + offs, acc, mask=mask)
     else:
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn_load).to(tl.float32)[None, :]
-        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        dtype = out_ptr.dtype.element_ty
+        if GATED:
+            gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N // 2, 2]))
+            cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+            offs = rm.to(tl.int64)[:, None] * stride_om + cols[None, :]
+            tl.store(out_ptr + offs, silu_mul(gate, up, dtype).to(dtype),
+                     mask=(rm[:, None] < M) & (cols[None, :] < N // 2))  # fmt: skip
+        else:
+            tl.store(out_ptr + offs, acc.to(dtype), mask=mask)
+
+
+@triton.jit
+def _split_k_sum(part_ptr, b_ptr, rn, b_rn, mask, stride_ps, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 BLOCK: tl.constexpr):  # fmt: skip
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):  # a fixed order: the same bits on every run
+        acc += tl.load(part_ptr + s * stride_ps + rn, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + b_rn, mask=mask, other=0.0).to(tl.float32)
+    return acc
 
 
 @triton.jit
 def _split_k_reduce_kernel(
     part_ptr, b_ptr, out_ptr, N, stride_pm, stride_ps, stride_om,
-    SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+    SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, GATED: tl.constexpr,
 ):  # fmt: skip
+    # N: the output's columns (GATED: half the partial sums', which are in the kernel's product-row order)
     m = tl.program_id(0).to(tl.int64)
     rn = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = rn < N
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in tl.static_range(SPLIT_K):  # a fixed order: the same bits on every run
-        acc += tl.load(part_ptr + s * stride_ps + m * stride_pm + rn, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rn, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + m * stride_om + rn, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    part_ptr += m * stride_pm
+    dtype = out_ptr.dtype.element_ty
+    if GATED:
+        gate = _split_k_sum(part_ptr, b_ptr, 2 * rn, rn, mask, stride_ps, SPLIT_K, HAS_BIAS, BLOCK)
+        up = _split_k_sum(part_ptr, b_ptr, 2 * rn + 1, N + rn, mask, stride_ps, SPLIT_K, HAS_BIAS, BLOCK)
+        out = silu_mul(gate, up, dtype)
+    else:
+        out = _split_k_sum(part_ptr, b_ptr, rn, rn, mask, stride_ps, SPLIT_K, HAS_BIAS, BLOCK)
+    tl.store(out_ptr + m * stride_om + rn, out.to(dtype), mask=mask)
 
 
 def skinny_gemm(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: GemvConfig,
     scales: tuple[torch.Tensor, torch.Tensor, int] | None = None, out_dtype: torch.dtype | None = None,
+    gated: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """``x @ weight.T + bias`` for 2-D ``x`` [M, K] and ``weight`` [N, K], both with unit
     stride along K; fp32 accumulation, output in ``out_dtype`` (default: ``x``'s dtype).
+    ``gated``: ``silu_and_mul`` of that, [M, N / 2], from one launch (or the split-K reduction's):
+    the bits of the two ops (an even ``cfg.block_n``: a program's gate rows and their up rows).
 
     ``scales`` = (``x_scale`` [M, groups], ``weight_scale`` [N, groups], ``group_k``) for e4m3
     ``x`` and ``weight``: ``reference_fp8.w8a8_matmul``'s product. Block scales (``group_k`` > 0)
@@ -185,7 +219,10 @@ def skinny_gemm(
     the codes and scales of ``per_token_group_quant_fp8`` (one launch fewer per layer)."""
     m, k = x.shape
     n = weight.shape[0]
-    out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
+    if gated and (n % 2 or cfg.block_n % 2):
+        raise ValueError(f"gated: {n} weight rows and {cfg.block_n} a program must be even")
+    n_out = n // 2 if gated else n
+    out = torch.empty((m, n_out), dtype=out_dtype or x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
     x_scale, w_scale, group_k = scales if scales is not None else (out, out, 0)
@@ -212,14 +249,14 @@ def skinny_gemm(
         x_scale.stride(0), x_scale.stride(1), w_scale.stride(0), w_scale.stride(1),
         HAS_BIAS=bias is not None, PARTIAL=partial, EVEN_K=even_k, MODE=mode,
         SCALES=0 if scales is None else 2 if group_k else 1,
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, QUANT_X=quant_x,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, QUANT_X=quant_x, GATED=gated,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if partial:
-        block = min(triton.next_power_of_2(n), 1024)
-        _split_k_reduce_kernel[(m, triton.cdiv(n, block))](
-            target, b, out, n, target.stride(1), target.stride(0), out.stride(0),
-            SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
+        block = min(triton.next_power_of_2(n_out), 1024)
+        _split_k_reduce_kernel[(m, triton.cdiv(n_out, block))](
+            target, b, out, n_out, target.stride(1), target.stride(0), out.stride(0),
+            SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=block, GATED=gated, num_warps=4,
         )  # fmt: skip
     return out
 
@@ -272,3 +309,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         x2 = x2.contiguous()
     out = skinny_gemm(x2, weight, bias, pick_config(x2.shape[0], weight.shape[0], weight.shape[1]))
     return out.view(*x.shape[:-1], weight.shape[0])
+
+
+# Up to this many rows ``gated_linear`` applies the activation in the skinny kernel's epilogue, one launch
+# fewer a layer (0: never; the skinny kernel, then silu_and_mul's launch) until timed on the GPU
+GATED_MAX_ROWS = 0
+
+
+def gated_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu_and_mul(linear(x, weight, bias))`` for a gate-then-up ``weight`` [2 I, K]: up to
+    ``GATED_MAX_ROWS`` rows one skinny-kernel launch, the same bits."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    n = weight.shape[0]
+    if rows > GATED_MAX_ROWS or n % 2 or not use_skinny(x, weight, bias):
+        return silu_and_mul(linear(x, weight, bias))
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    cfg = pick_config(rows, n, weight.shape[1])
+    cfg = replace(cfg, block_n=cfg.block_n + cfg.block_n % 2)  # gate rows with their up rows
+    return skinny_gemm(x2, weight, bias, cfg, gated=True).view(*x.shape[:-1], n // 2)

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from atom.ops.triton.activation import silu_mul
 from atom.ops.triton.fp8_gemv import Fp8GemvConfig
 from atom.ops.triton.moe_gemv import MoeGemvConfig, moe_gemv_pairs
 
@@ -323,10 +324,10 @@ def _store_tile(c_ptr, stride_cm, weights_ptr, acc, acc_up, pairs, row_ok, offs_
     weights when MUL_WEIGHT."""
     dtype = c_ptr.dtype.element_ty
     # Round where the reference rounds: each GEMM output, silu, and the weighted product.
-    res = acc.to(dtype).to(tl.float32)
     if GATED:
-        up = acc_up.to(dtype).to(tl.float32)
-        res = (res / (1.0 + tl.exp(-res))).to(dtype).to(tl.float32) * up
+        res = silu_mul(acc, acc_up, dtype)
+    else:
+        res = acc.to(dtype).to(tl.float32)
     if MUL_WEIGHT:
         w = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0).to(dtype).to(tl.float32)
         res = res * w[:, None]

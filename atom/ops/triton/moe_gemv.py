@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from atom.ops.triton.activation import silu_mul
 from atom.ops.triton.fp8_gemv import Fp8GemvConfig, _check, _gemv_rows
 
 
@@ -53,8 +54,7 @@ def _moe_gemv_gated_kernel(
     )  # fmt: skip
     gate, up = tl.split(tl.reshape(out, [BLOCK_N, 2]))
     dtype = out_ptr.dtype.element_ty
-    gate = gate.to(dtype).to(tl.float32)
-    h = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up.to(dtype).to(tl.float32)
+    h = silu_mul(gate, up, dtype)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     tl.store(out_ptr + pair.to(tl.int64) * stride_om + cols, h.to(dtype), mask=cols < N)
 
