@@ -47,3 +47,14 @@ def test_reference_ops_compile_as_opaque_custom_ops_on_cpu():
 
     compiled = torch.compile(moe_block, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(x, router), moe_block(x, router))
+
+
+def test_gated_linear_is_silu_and_mul_of_the_linear_on_cpu():
+    # the MLP's gate / up op (one launch at decode sizes on CUDA): on the CPU, also compiled (its fake
+    # tensor's shape: half the weight's rows)
+    ops.init_device_ops("cpu")
+    x, w, b = torch.randn(2, 3, 8), torch.randn(10, 8), torch.randn(10)
+    ref = ops.reference.silu_and_mul(torch.nn.functional.linear(x, w, b))
+    torch.testing.assert_close(ops.gated_linear(x, w, b), ref)
+    compiled = torch.compile(lambda x: ops.gated_linear(x, w, b).reshape(6, 5), fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x), ref.reshape(6, 5))
