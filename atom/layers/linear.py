@@ -103,9 +103,12 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """``silu_and_mul(self(x))`` of a gate / up pair: unquantised on CUDA one op (``ops.gated_linear``:
-        at decode sizes the activation in the GEMM's epilogue, a launch fewer)."""
+        at decode sizes the activation in the GEMM's epilogue, a launch fewer), quantised its method's
+        ``apply_gated`` where it has one."""
         if self.quant_method is None and x.is_cuda:
             return ops.gated_linear(x, self.weight, self.bias)
+        if self.quant_method is not None and hasattr(self.quant_method, "apply_gated"):
+            return self.quant_method.apply_gated(self, x, self.bias)
         return ops.silu_and_mul(self(x))
 
 

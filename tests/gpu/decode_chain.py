@@ -4,8 +4,8 @@ beyond its GEMMs.
 Qwen3-8B's layer minus attention, one row, bf16 and FP8 (block-128) weights: RMS norm -> qkv -> o (on the
 first 4,096 of qkv's columns) -> RMS norm -> gate_up -> SiLU-mul -> down, over 8 layers of their own weights
 (past L2), captured in one CUDA graph and replayed: us a layer and the weight bytes / time as a share of
-the copy bandwidth measured in the same call; bf16 also with SiLU-mul in gate_up's epilogue
-(``gemv.GATED_MAX_ROWS`` = 1). ``fp8_gemm_probe.py`` times the same GEMMs one by one.
+the copy bandwidth measured in the same call; each also with SiLU-mul in gate_up's epilogue
+(``gemv.GATED_MAX_ROWS`` = 1, ``fp8_gemm.GATED_MAX_ROWS`` = 1). ``fp8_gemm_probe.py`` times the same GEMMs one by one.
 ``--trace``: a torch-profiler trace of three replays each, and per kernel its launches a layer, mean time
 and mean idle gap before it (where the time between the GEMMs goes). ``--variants``: the FP8 chain again
 with the skinny launch changed from ``fp8_configs.skinny_config``'s table (key splits, stages, warps, 64-row
@@ -51,8 +51,8 @@ def layer_weights(fp8: bool) -> tuple[list, int]:
         if fp8:
             q, s = reference_fp8.quantize_weight(w, 128, 128)
             s = s.t().contiguous().t()  # K-major, as the FP8 layers keep them
-            call = lambda x, q=q, s=s: fp8_linear(x, q, s, 128)  # noqa: E731
-            calls.append((lambda x, c=call: ops.silu_and_mul(c(x))) if name == "gate_up" else call)
+            op = fp8_gemm.fp8_gated_linear if name == "gate_up" else fp8_linear
+            calls.append(functools.partial(op, w=q, w_scale=s, group_k=128))
             nbytes += q.numel() + s.numel() * 4
         else:
             w16 = w.to(torch.bfloat16)
@@ -233,14 +233,15 @@ def main() -> None:
         if args.trace:
             kernels[name] = kernel_table(graph, f"{out_dir}/decode_chain_{name}.json", args.layers)
         del graph
-        if not fp8:  # SiLU-mul in the skinny kernel's epilogue (gemv.gated_linear), one launch fewer a layer
-            with patched([(gemv, "GATED_MAX_ROWS", 1)]):
-                graph = captured([c for c, _ in built], norm_w, x)
-                ms = bench_ms(graph.replay, 50) / args.layers
-            rows.append(dict(weights="bf16, SiLU-mul in gate_up's epilogue", us=ms * 1e3,
-                             floor_pct=100 * built[0][1] / (ms * 1e-3) / bw))  # fmt: skip
-            print(rows[-1], flush=True)
-            del graph
+        # SiLU-mul in the skinny kernel's epilogue (gemv.gated_linear, fp8_gemm.fp8_gated_linear), a launch fewer
+        gated = [(fp8_gemm, "GATED_MAX_ROWS", 1)] if fp8 else [(gemv, "GATED_MAX_ROWS", 1)]
+        with patched(gated):
+            graph = captured([c for c, _ in built], norm_w, x)
+            ms = bench_ms(graph.replay, 50) / args.layers
+        rows.append(dict(weights=f"{name}, SiLU-mul in gate_up's epilogue", us=ms * 1e3,
+                         floor_pct=100 * built[0][1] / (ms * 1e-3) / bw))  # fmt: skip
+        print(rows[-1], flush=True)
+        del graph
         if fp8 and args.variants:
             rows += variant_rows(built, norm_w, x, bw, args.layers)
         del built

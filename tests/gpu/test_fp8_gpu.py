@@ -142,6 +142,30 @@ def test_fp8_linear(m, n, k):
         assert torch.equal(out, w8a8_matmul(a, a_s, w, w_s, 128, torch.bfloat16))
 
 
+# the FP8 MLP's gate / up op with the activation in the skinny launch (fp8_gemm.GATED_MAX_ROWS) at Qwen3-8B's
+# gate_up, 1-16 rows (key splits: SiLU-mul in the reduction): the bits of the skinny kernel over the weight's
+# rows in the product's order, then silu_and_mul, and near the reference
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_fp8_gated_linear(m, monkeypatch):
+    from atom.ops.triton import fp8_gemm
+    from atom.ops.triton.fp8_configs import skinny_config
+
+    n, k = 2 * 12288, 4096
+    monkeypatch.setattr(fp8_gemm, "GATED_MAX_ROWS", SKINNY_MAX_ROWS)
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+    w, w_s = reference_fp8.quantize_weight(torch.randn(n, k, device=DEV) * 0.02, 128, 128)
+    w_s = w_s.t().contiguous().t()
+    out = fp8_gemm.fp8_gated_linear(x, w, w_s, 128)
+    order = torch.arange(n, device=DEV).view(2, n // 2).t().reshape(-1)
+    product = skinny_gemm(x, w[order], None, skinny_config(n, k, 128), scales=(None, w_s[order], 128),
+                          out_dtype=x.dtype)  # fmt: skip
+    assert skinny_config(n, k, 128).split_k > 1
+    unfused = ops.silu_and_mul(torch.cat([product[:, 0::2], product[:, 1::2]], 1))
+    torch.testing.assert_close(out, unfused, atol=0, rtol=0)
+    a, a_s = per_token_group_quant_fp8(x, 128)
+    assert_close(out, reference.silu_and_mul(reference_fp8.w8a8_matmul(a, a_s, w, w_s, 128, torch.float32)))
+
+
 # the CUDA-core GEMV's launches (decode_chain.py's candidates), ragged K and N included
 @pytest.mark.parametrize("cfg", [
     Fp8GemvConfig(block_n=4, block_k=1024, num_warps=2), Fp8GemvConfig(block_n=8, block_k=1024),

@@ -251,3 +251,37 @@ def test_fp8_linear_takes_the_gemv_at_one_row(monkeypatch):
     monkeypatch.setattr(fp8_gemm, "gemv_config", lambda n, k, g: None)
     skinny = skinny_gemm(x, w_q, None, skinny_config(n, k, 128), scales=(None, w_s, 128), out_dtype=x.dtype)
     assert torch.equal(fp8_gemm.fp8_linear(x, w_q, w_s, 128), skinny)
+
+
+@pytest.mark.parametrize("m, k", [(1, 256), (3, 1024)])  # 1024 keys: split in two, SiLU-mul in the reduction
+def test_fp8_gated_linear_fuses_up_to_its_row_count(m, k, monkeypatch, assert_close):
+    # up to GATED_MAX_ROWS rows one gated skinny launch: the bits of the skinny kernel over the weight's rows
+    # in the product's order (gate 0, up 0, gate 1, ...), then silu_and_mul; above it, or where the GEMV
+    # takes the row, fp8_linear then silu_and_mul
+    from atom.ops.reference import silu_and_mul as silu_and_mul_ref
+    from atom.ops.triton.activation import silu_and_mul
+
+    n = 2 * 40
+    x = torch.randn(m, k).to(torch.bfloat16)
+    w_q, w_s = ref.quantize_weight(torch.randn(n, k) * 0.1, 128, 128)
+    w_s = w_s.t().contiguous().t()
+    b = torch.randn(n).to(torch.bfloat16)
+    monkeypatch.setattr(fp8_gemm, "gemv_config", lambda n, k, g: None)
+    cfg = skinny_config(n, k, 128)
+    assert cfg.split_k == (2 if k == 1024 else 1)
+    order = torch.arange(n).view(2, n // 2).t().reshape(-1)
+    product = skinny_gemm(x, w_q[order], b[order], cfg, scales=(None, w_s[order], 128), out_dtype=x.dtype)
+    fused = silu_and_mul(torch.cat([product[:, 0::2], product[:, 1::2]], 1))
+    unfused = silu_and_mul(fp8_gemm.fp8_linear(x, w_q, w_s, 128, b))
+    monkeypatch.setattr(fp8_gemm, "GATED_MAX_ROWS", m)
+    out = fp8_gemm.fp8_gated_linear(x, w_q, w_s, 128, b)
+    assert out.shape == (m, n // 2) and out.dtype == torch.bfloat16
+    assert torch.equal(out, fused)
+    assert_close(out, silu_and_mul_ref(ref.fp8_linear(x.float(), w_q, w_s, 128, b.float())), torch.bfloat16)
+    monkeypatch.setattr(fp8_gemm, "GATED_MAX_ROWS", m - 1)
+    assert torch.equal(fp8_gemm.fp8_gated_linear(x, w_q, w_s, 128, b), unfused)
+    monkeypatch.setattr(fp8_gemm, "GATED_MAX_ROWS", m)
+    monkeypatch.setattr(fp8_gemm, "gemv_config", fp8_configs.gemv_config)  # the GEMV's row: no gated launch
+    if m == 1:
+        assert torch.equal(fp8_gemm.fp8_gated_linear(x, w_q, w_s, 128, b),
+                           silu_and_mul(fp8_gemv(x, w_q, w_s, 128, fp8_configs.gemv_config(n, k, 128), b)))  # fmt: skip

@@ -58,3 +58,16 @@ def test_gated_linear_is_silu_and_mul_of_the_linear_on_cpu():
     torch.testing.assert_close(ops.gated_linear(x, w, b), ref)
     compiled = torch.compile(lambda x: ops.gated_linear(x, w, b).reshape(6, 5), fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(x), ref.reshape(6, 5))
+
+
+def test_fp8_gated_linear_is_silu_and_mul_of_the_fp8_linear_on_cpu():
+    # the FP8 MLP's gate / up op: on the CPU the reference layer then SiLU-mul, also compiled (half the rows)
+    from atom.ops import reference_fp8
+
+    ops.init_device_ops("cpu")
+    x = torch.randn(3, 256)
+    w_q, w_s = reference_fp8.quantize_weight(torch.randn(10, 256) * 0.1, 128, 128)
+    ref = ops.reference.silu_and_mul(reference_fp8.fp8_linear(x, w_q, w_s, 128))
+    torch.testing.assert_close(ops.fp8_gated_linear(x, w_q, w_s, 128), ref, atol=0, rtol=0)
+    compiled = torch.compile(lambda x: ops.fp8_gated_linear(x, w_q, w_s, 128) * 2, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x), ref * 2)

@@ -138,6 +138,17 @@ class Fp8LinearMethod:
             out = ops.fp8_linear(x2, layer.weight, scale, self.group_k, bias, block_scale)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
+    def apply_gated(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``silu_and_mul(apply(...))`` of a gate / up pair: with block scales one op
+        (``ops.fp8_gated_linear``: at decode sizes the activation in the skinny kernel's launch)."""
+        if not self.group_k:
+            return ops.silu_and_mul(self.apply(layer, x, bias))
+        x2 = x.reshape(-1, x.shape[-1])
+        block_scale = self.block_scale if x.dtype == torch.bfloat16 else None
+        out = ops.fp8_gated_linear(x2, layer.weight, getattr(layer, self.config.scale_name), self.group_k, bias,
+                                   block_scale)  # fmt: skip
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
 
 class Fp8MoEMethod:
     """Experts' e4m3 weights [E, N, K] with row-expanded scales [E, N, groups]; the GEMMs run

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from atom.ops import reference_fp8
+from atom.ops.triton.activation import silu_and_mul
 from atom.ops.triton.fp8_configs import (
     GEMV_MAX_ROWS,
     SKINNY_MAX_N,
@@ -219,6 +220,26 @@ def fp8_linear(
                            out_dtype=x.dtype)  # fmt: skip
     a, a_scale = per_token_group_quant_fp8(x, group_k)
     return w8a8_matmul(a, a_scale, w, w_scale, group_k, x.dtype, bias, w_block_scale)
+
+
+# Up to this many rows ``fp8_gated_linear`` applies SiLU-mul in the skinny kernel's epilogue (or its split-K
+# reduction's), one launch fewer a layer (0: never, ``fp8_linear`` then silu_and_mul) until timed on the GPU
+GATED_MAX_ROWS = 0
+
+
+def fp8_gated_linear(
+    x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, group_k: int, bias: torch.Tensor | None = None,
+    w_block_scale: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """``silu_and_mul(fp8_linear(...))`` for a gate-then-up ``w`` [2 I, K]; where ``fp8_linear`` takes the
+    skinny kernel, up to ``GATED_MAX_ROWS`` rows, with the activation in that launch: the same bits."""
+    m, k = x.shape
+    n = w.shape[0]
+    skinny = group_k and 0 < m <= min(GATED_MAX_ROWS, SKINNY_MAX_ROWS) and n <= SKINNY_MAX_N and n % 2 == 0
+    if not skinny or (m <= GEMV_MAX_ROWS and gemv_config(n, k, group_k) is not None):
+        return silu_and_mul(fp8_linear(x, w, w_scale, group_k, bias, w_block_scale))
+    cfg = skinny_config(n, k, group_k)  # 64 or 128 rows a program: gate rows with their up rows
+    return skinny_gemm(x.contiguous(), w, bias, cfg, scales=(None, w_scale, group_k), out_dtype=x.dtype, gated=True)
 
 
 def scaled_mm_block(
