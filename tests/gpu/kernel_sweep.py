@@ -176,17 +176,22 @@ def gemv_label(c: MoeGemvConfig) -> str:
 def moe_fp8_gemv_sweep() -> list[dict]:
     """The few-token FP8 MoE: the CUDA-core GEMVs' launches (``MOE_GEMV_CANDIDATES``, to 16 tokens) against the
     tile kernels (``tiles``: the table's tile at that size) and vLLM's ``fused_experts``, at Qwen3-30B-A3B-FP8's
-    experts (1-2,048 tokens) and DeepSeek-V3's shapes (1 and 4 tokens); ``default``: what ``fused_moe_fp8`` picks."""
+    experts (1-2,048 tokens), DeepSeek-V2-Lite's (64 of 1,408 columns, top-6) and Qwen3-235B-A22B's (hidden
+    4,096, 1,536 columns) at 1 and 2 tokens (around ``MOE_GEMV_MAX_EXPERT_WEIGHTS``), and DeepSeek-V3's (1 and 4
+    tokens); ``default``: what ``fused_moe_fp8`` picks, timed first and again last (the order's share)."""
     rows = []
     # DeepSeek-V3: 32 of its 256 experts (the float32 weights drawn for 256 would take ~90 GB)
-    v3 = dict(hidden=7168, inter=2048, num_experts=32)
-    for n, experts in [(n, {}) for n in (1, 2, 4, 8, 16, 64, 128, 256, 512, 2048)] + [(n, v3) for n in (1, 4)]:
-        label = f"moe fp8 T={n}" + (" V3" if experts else "")
+    shapes = {"": {}, " V2-Lite": dict(inter=1408, num_experts=64, top_k=6),
+              " 235B": dict(hidden=4096, inter=1536), " V3": dict(hidden=7168, inter=2048, num_experts=32)}  # fmt: skip
+    cases = [(n, "") for n in (1, 2, 4, 8, 16, 64, 128, 256, 512, 2048)]
+    cases += [(1, " V2-Lite"), (2, " V2-Lite"), (1, " 235B"), (2, " 235B"), (1, " V3"), (4, " V3")]
+    for n, shape in cases:
+        label, experts = f"moe fp8 T={n}{shape}", shapes[shape]
         fns, refs, nbytes, flops = prepare(functools.partial(moe_fp8_case, n, **experts))
-        tiles = moe_config(n * 8 / experts.get("num_experts", 128), True)
+        tiles = moe_config(n * experts.get("top_k", 8) / experts.get("num_experts", 128), True)
         cfgs = [("default", None), ("tiles", tiles)]
         cfgs += [(gemv_label(c), c) for c in MOE_GEMV_CANDIDATES] if n <= 16 else []
-        for name, cfg in cfgs:
+        for name, cfg in cfgs + [("default, again", None)]:
             calls = [functools.partial(f, config=cfg) for f in fns]
             rows.append(_timed(label, name, lambda c=calls, b=nbytes, f=flops: (c, {}, b, f)))
         if refs.get(""):
