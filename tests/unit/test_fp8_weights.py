@@ -49,6 +49,13 @@ def _dequantized_linear(self, layer, x, bias):
     return torch.nn.functional.linear(x, w.to(x.dtype), bias)
 
 
+def _dequantize_linears(monkeypatch) -> None:
+    """The FP8 linear layers (and the gate / up pairs' one op) as float linears over the dequantized weights."""
+    monkeypatch.setattr(Fp8LinearMethod, "apply", _dequantized_linear)
+    monkeypatch.setattr(Fp8LinearMethod, "apply_gated",
+                        lambda self, layer, x, bias: reference.silu_and_mul(_dequantized_linear(self, layer, x, bias)))
+
+
 def _dequantized_moe(self, moe, x, weights, ids):
     s13, s2 = (getattr(moe, n) for n in self._names())
     w13, w2 = (torch.stack([reference_fp8.dequantize(w[e], s[e], self.group_k) for e in range(w.shape[0])])
@@ -83,7 +90,7 @@ def test_fp8_checkpoint_matches_dequantized(tiny_model, tmp_path, fmt, arch):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_fp8_checkpoint_loads_exact_weights(tiny_model, tmp_path, fmt, arch, monkeypatch):
     path = write(tiny_model(arch), str(tmp_path / "fp8"), fmt, str(tmp_path / "deq"), block=32)
-    monkeypatch.setattr(Fp8LinearMethod, "apply", _dequantized_linear)
+    _dequantize_linears(monkeypatch)
     monkeypatch.setattr(Fp8MoEMethod, "apply", _dequantized_moe)
     logits, _ = prompt_logits(path)
     ref, _ = prompt_logits(str(tmp_path / "deq"))
@@ -145,7 +152,7 @@ def _check_deepseek_layers(model: torch.nn.Module) -> None:
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_fp8_deepseek_loads_exact_weights(tiny_model, tmp_path, fmt, arch, monkeypatch):
     path = write(tiny_model(arch), str(tmp_path / "fp8"), fmt, str(tmp_path / "deq"), block=16)
-    monkeypatch.setattr(Fp8LinearMethod, "apply", _dequantized_linear)
+    _dequantize_linears(monkeypatch)
     monkeypatch.setattr(Fp8MoEMethod, "apply", _dequantized_moe)
     logits, model = prompt_logits(path)
     _check_deepseek_layers(model)
@@ -163,7 +170,7 @@ def test_fp8_deepseek_shared_experts_load_as_experts(tmp_path, fmt, arch, monkey
     for inter, fused in ((32, True), (40, False)):
         src = build(str(tmp_path / f"src{inter}"), arch, moe_intermediate_size=inter)
         path = write(src, str(tmp_path / f"fp8{inter}"), fmt, str(tmp_path / f"deq{inter}"), block=16)
-        monkeypatch.setattr(Fp8LinearMethod, "apply", _dequantized_linear)
+        _dequantize_linears(monkeypatch)
         monkeypatch.setattr(Fp8MoEMethod, "apply", _dequantized_moe)
         logits, model = prompt_logits(path)
         moe = model.model.layers[1].mlp
@@ -181,7 +188,7 @@ def test_fp8_deepseek_ignored_kv_a_stays_apart(tiny_model, tmp_path, fmt, monkey
     ignored = "model.layers.1.self_attn.kv_a_proj_with_mqa"
     path = write(tiny_model("deepseek_v3"), str(tmp_path / "fp8"), fmt, str(tmp_path / "deq"), block=16,
                  ignore=(ignored,))
-    monkeypatch.setattr(Fp8LinearMethod, "apply", _dequantized_linear)
+    _dequantize_linears(monkeypatch)
     monkeypatch.setattr(Fp8MoEMethod, "apply", _dequantized_moe)
     logits, model = prompt_logits(path)
     attn = model.model.layers[1].self_attn
@@ -317,3 +324,24 @@ def test_dummy_weights_fill_large_fp8_tensors():
     w = model.weight.float()
     assert torch.isfinite(w).all() and abs(w.std().item() - 0.02) < 1e-3 and abs(w.mean().item()) < 1e-3
     assert (model.weight_scale_inv == 1).all()
+
+
+@pytest.mark.parametrize("block", [(32, 32), None])
+def test_fp8_gate_up_pair_is_silu_and_mul_of_its_linear(block):
+    # the MLP's gate / up call (MergedColumnParallelLinear.silu_and_mul -> Fp8LinearMethod.apply_gated):
+    # the layer's own output through SiLU-mul, bit for bit, block-scaled (one op) or per channel
+    from atom.layers.linear import MergedColumnParallelLinear
+    from atom.layers.quantization.fp8_config import Fp8Config
+
+    config = Fp8Config(block, serialized=True, scale_name="weight_scale_inv" if block else "weight_scale")
+    layer = MergedColumnParallelLinear(64, [48, 48])
+    method = Fp8LinearMethod(config)
+    method.create_weights(layer)
+    w_q, w_s = reference_fp8.quantize_weight(torch.randn(96, 64) * 0.1, *(block or (96, 64)))
+    layer.weight.data.copy_(w_q)
+    getattr(layer, config.scale_name).data.copy_(w_s.expand(96, -1) if block is None else w_s)
+    method.process_weights_after_loading(layer)
+    x = torch.randn(3, 64)
+    out = layer.silu_and_mul(x)
+    assert out.shape == (3, 48)
+    torch.testing.assert_close(out, reference.silu_and_mul(layer(x)), atol=0, rtol=0)
