@@ -4,8 +4,9 @@ beyond its GEMMs.
 Qwen3-8B's layer minus attention, one row, bf16 and FP8 (block-128) weights: RMS norm -> qkv -> o (on the
 first 4,096 of qkv's columns) -> RMS norm -> gate_up -> SiLU-mul -> down, over 8 layers of their own weights
 (past L2), captured in one CUDA graph and replayed: us a layer and the weight bytes / time as a share of
-the copy bandwidth measured in the same call; each also with SiLU-mul in gate_up's epilogue
-(``gemv.GATED_MAX_ROWS`` = 1, ``fp8_gemm.GATED_MAX_ROWS`` = 1). ``fp8_gemm_probe.py`` times the same GEMMs one by one.
+the copy bandwidth measured in the same call; each also with SiLU-mul the other way than the default (in the
+gate_up launch or apart: ``gemv.GATED_MAX_ROWS``, ``fp8_gemm.GATED_MAX_ROWS``), then the default again.
+``fp8_gemm_probe.py`` times the same GEMMs one by one.
 ``--trace``: a torch-profiler trace of three replays each, and per kernel its launches a layer, mean time
 and mean idle gap before it (where the time between the GEMMs goes). ``--variants``: the FP8 chain again
 with the skinny launch changed from ``fp8_configs.skinny_config``'s table (key splits, stages, warps, 64-row
@@ -258,15 +259,19 @@ def main() -> None:
         if args.trace:
             kernels[name] = kernel_table(graph, f"{out_dir}/decode_chain_{name}.json", args.layers)
         del graph
-        # SiLU-mul in the skinny kernel's epilogue (gemv.gated_linear, fp8_gemm.fp8_gated_linear), a launch fewer
-        gated = [(fp8_gemm, "GATED_MAX_ROWS", 1)] if fp8 else [(gemv, "GATED_MAX_ROWS", 1)]
-        with patched(gated):
-            graph = captured([c for c, _ in built], norm_w, x)
-            ms = bench_ms(graph.replay, 50) / args.layers
-        rows.append(dict(weights=f"{name}, SiLU-mul in gate_up's epilogue", us=ms * 1e3,
-                         floor_pct=100 * built[0][1] / (ms * 1e-3) / bw))  # fmt: skip
-        print(rows[-1], flush=True)
-        del graph
+        # SiLU-mul in the skinny kernel's epilogue (gemv.gated_linear, fp8_gemm.fp8_gated_linear) or its own launch:
+        # the other way than the default, then the default again (session 36, H100: the FP8 chain's second
+        # capture read ~2.4 us a layer more whichever way it ran; compare rows of one position)
+        module = fp8_gemm if fp8 else gemv
+        on = module.GATED_MAX_ROWS >= 1
+        flipped = f"SiLU-mul {'apart' if on else 'in the gate_up launch'}"
+        for label, patches in ((flipped, [(module, "GATED_MAX_ROWS", 1 - on)]), ("again", [])):
+            with patched(patches):
+                graph = captured([c for c, _ in built], norm_w, x)
+                ms = bench_ms(graph.replay, 50) / args.layers
+            rows.append(dict(weights=f"{name}, {label}", us=ms * 1e3, floor_pct=100 * built[0][1] / (ms * 1e-3) / bw))
+            print(rows[-1], flush=True)
+            del graph
         if fp8 and args.variants:
             rows += variant_rows(built, norm_w, x, bw, args.layers)
         del built

@@ -112,13 +112,14 @@ def test_fused_moe_fp8_gemv(num_tokens, hidden, inter, top_k, gated, down, asser
 
 def test_fused_moe_fp8_takes_the_gemv_for_few_tokens_of_small_experts(monkeypatch):
     # fp8_configs.moe_gemv_config picks the GEMVs up to MOE_GEMV_MAX_TOKENS tokens of experts of up to
-    # MOE_GEMV_MAX_EXPERT_WEIGHTS weights (block scales only; Qwen3-30B-A3B's, not DeepSeek-V3's), the
+    # MOE_GEMV_MAX_EXPERT_WEIGHTS weights (block scales only; Qwen3-30B-A3B's, V2-Lite's and 235B's, not V3's), the
     # tile kernels otherwise; 0 tokens turns the GEMVs off
     num_experts, hidden, inter, top_k, group_k = 8, 256, 64, 2, 128
     w13, s13, w2, s2 = _experts(num_experts, hidden, inter, group_k)
     n, pick = fp8_configs.MOE_GEMV_MAX_TOKENS, fp8_configs.moe_gemv_config
     assert n >= 1 and pick(n + 1, hidden, inter, 128) is None and pick(n, hidden, inter, 0) is None
     assert pick(1, 2048, 768, 128) is not None and pick(1, 7168, 2048, 128) is None
+    assert pick(1, 2048, 1408, 128) is not None and pick(1, 4096, 1536, 128) is not None
     x = torch.randn(n, hidden).to(torch.bfloat16)
     weights, ids = reference.moe_topk(torch.randn(n, num_experts), top_k, True)
     picked = fused_moe_fp8(x, w13, s13, w2, s2, weights, ids, group_k)

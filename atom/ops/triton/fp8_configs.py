@@ -131,9 +131,12 @@ def moe_config(pairs_per_expert: float, per_group: bool) -> dict:
 # 16-row tiles holding one real row an expert (0 tokens: never). H200, session 35 (`kernel_sweep.py
 # moe_fp8_gemv`, us, GEMV / tiles / vLLM's fused_experts): Qwen3-30B-A3B-FP8's experts (4.7 M weights) at
 # 1 token 23.7 / 40.4 / 29.4, 2 tokens 38.4 / 48.0 / 39.2, 4 tokens 65.7 / 65.4 / 58.5; DeepSeek-V3's
-# (44 M) at 1 token 151.6 / 138.8 / 119.2, where the GEMV streams the larger experts slower.
+# (44 M) at 1 token 151.6 / 138.8 / 119.2, where the GEMV streams the larger experts slower. H100, session
+# 36 (the same sweep, GEMV / tiles): DeepSeek-V2-Lite's experts (8.65 M) 34.4 / 49.6 at 1 token, 57.8 / 64.6
+# at 2; Qwen3-235B-A22B's (18.9 M) 76.2 / 87.1, 139.9 / 144.1; DeepSeek-V3's 171.9 / 172.8: the limit of the
+# bf16 MoE's GEMVs (33.5 M), V3's experts on the tiles.
 MOE_GEMV_MAX_TOKENS = 2
-MOE_GEMV_MAX_EXPERT_WEIGHTS = 1 << 23
+MOE_GEMV_MAX_EXPERT_WEIGHTS = 1 << 25
 
 
 def moe_gemv_config(num_tokens: int, hidden: int, inter: int, group_k: int) -> MoeGemvConfig | None:

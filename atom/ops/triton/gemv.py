@@ -312,8 +312,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 # Up to this many rows ``gated_linear`` applies the activation in the skinny kernel's epilogue, one launch
-# fewer a layer (0: never; the skinny kernel, then silu_and_mul's launch) until timed on the GPU
-GATED_MAX_ROWS = 0
+# fewer a layer (0: never; the skinny kernel, then silu_and_mul's launch). H100, session 36
+# (tests/gpu/decode_chain.py, Qwen3-8B's layer minus attention at one row, CUDA-graph replay): 140.4-140.6 us a
+# layer against 141.4-141.5 without, in two trees of one call (the gate_up launch unchanged at 4 rows a program)
+GATED_MAX_ROWS = 1
 
 
 def gated_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
