@@ -73,7 +73,9 @@ def _skinny_gemm_kernel(
     # fp8_gemm's _group_quant_kernel does (the same codes and scales; xs_ptr is unused).
     # GATED: the weight is gate rows then up rows (N / 2 each) and the output silu(gate) * up;
     # product row n is weight row n // 2 of the gate half (n even) or of the up half (n odd),
-    # so a program's gate rows and their up rows part with one tl.split in the epilogue
+    # so a program's gate rows and their up rows part with one tl.split in the epilogue; split-K
+    # partial sums are stored by weight row (gate rows then up rows), so the reduction reads both
+    # halves in contiguous runs
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
@@ -154,7 +156,9 @@ def _skinny_gemm_kernel(
         acc = acc * tl.load(xs_rows)[:, None] * tl.load(ws_rows)[None, :]
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     offs = rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
-    if PARTIAL:  # GATED: the partial sums in product-row order; the reduction applies the gate
+    if PARTIAL:  # GATED: by weight row, as loaded; the reduction applies the gate
+        if GATED:
+            offs = rm.to(tl.int64)[:, None] * stride_om + rn_load[None, :]
         tl.store(out_ptr + pid_k.to(tl.int64) * stride_os + offs, acc, mask=mask)
     else:
         if HAS_BIAS:
@@ -186,15 +190,15 @@ def _split_k_reduce_kernel(
     part_ptr, b_ptr, out_ptr, N, stride_pm, stride_ps, stride_om,
     SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, GATED: tl.constexpr,
 ):  # fmt: skip
-    # N: the output's columns (GATED: half the partial sums', which are in the kernel's product-row order)
+    # N: the output's columns (GATED: half the partial sums', gate rows then up rows)
     m = tl.program_id(0).to(tl.int64)
     rn = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = rn < N
     part_ptr += m * stride_pm
     dtype = out_ptr.dtype.element_ty
     if GATED:
-        gate = _split_k_sum(part_ptr, b_ptr, 2 * rn, rn, mask, stride_ps, SPLIT_K, HAS_BIAS, BLOCK)
-        up = _split_k_sum(part_ptr, b_ptr, 2 * rn + 1, N + rn, mask, stride_ps, SPLIT_K, HAS_BIAS, BLOCK)
+        gate = _split_k_sum(part_ptr, b_ptr, rn, rn, mask, stride_ps, SPLIT_K, HAS_BIAS, BLOCK)
+        up = _split_k_sum(part_ptr, b_ptr, N + rn, N + rn, mask, stride_ps, SPLIT_K, HAS_BIAS, BLOCK)
         out = silu_mul(gate, up, dtype)
     else:
         out = _split_k_sum(part_ptr, b_ptr, rn, rn, mask, stride_ps, SPLIT_K, HAS_BIAS, BLOCK)
@@ -252,8 +256,8 @@ def skinny_gemm(
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, QUANT_X=quant_x, GATED=gated,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    if partial:
-        block = min(triton.next_power_of_2(n_out), 1024)
+    if partial:  # gated: half the columns a program, as many programs as the plain reduction's
+        block = min(triton.next_power_of_2(n), 1024) // (2 if gated else 1)
         _split_k_reduce_kernel[(m, triton.cdiv(n_out, block))](
             target, b, out, n_out, target.stride(1), target.stride(0), out.stride(0),
             SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=block, GATED=gated, num_warps=4,
