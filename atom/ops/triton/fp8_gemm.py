@@ -226,7 +226,8 @@ def fp8_linear(
 # reduction's), one launch fewer a layer (0: never, ``fp8_linear`` then silu_and_mul). Off: on an H100 (session 36,
 # tests/gpu/decode_chain.py --trace, Qwen3-8B-FP8's layer at one row) it saved silu_and_mul's 1.1 us but its
 # gated split-K reduction took ~3.3 us against the plain one's 2.0 (12 programs of 1,024 outputs, each
-# reading gate and up partials), 95.6 us a layer either way
+# reading gate and up partials two apart), 95.6 us a layer either way; that reduction has since been
+# reshaped (partials by weight row, 24 programs), not yet timed
 GATED_MAX_ROWS = 0
 
 

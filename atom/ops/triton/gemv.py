@@ -257,7 +257,7 @@ def skinny_gemm(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if partial:  # gated: half the columns a program, as many programs as the plain reduction's
-        block = min(triton.next_power_of_2(n), 1024) // (2 if gated else 1)
+        block = min(triton.next_power_of_2(n_out), 512 if gated else 1024)
         _split_k_reduce_kernel[(m, triton.cdiv(n_out, block))](
             target, b, out, n_out, target.stride(1), target.stride(0), out.stride(0),
             SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=block, GATED=gated, num_warps=4,
