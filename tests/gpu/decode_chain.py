@@ -28,8 +28,6 @@ import os
 from collections import defaultdict
 
 import torch
-import triton
-import triton.language as tl
 from kernel_bench import bench_ms  # tests/gpu/, next to this script
 
 from atom import ops
@@ -38,7 +36,7 @@ from atom.ops import reference_fp8
 from atom.ops.triton import fp8_gemm, gemv
 from atom.ops.triton.fp8_configs import skinny_config
 from atom.ops.triton.fp8_gemm import fp8_linear
-from atom.ops.triton.fp8_gemv import Fp8GemvConfig, _gemv_rows, fp8_gemv
+from atom.ops.triton.fp8_gemv import Fp8GemvConfig, fp8_gemv
 
 DEV = "cuda"
 HIDDEN, QKV, INTER = 4096, 6144, 12288
@@ -160,26 +158,9 @@ def variant_rows(built, norm_w, x, bw: float, layers: int) -> list[dict]:
     return rows
 
 
-@triton.jit
-def _unscaled_gemv_kernel(x_ptr, w_ptr, out_ptr, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # the FP8 GEMV's weight stream and products without the row's quantisation or any scale: its ceiling
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    w_rows = w_ptr + rn.to(tl.int64)[:, None, None, None] * stride_wn
-    out = _gemv_rows(x_ptr, w_rows, w_ptr, 0, K, True, BLOCK_K, 128, False, SCALED=False)
-    tl.store(out_ptr + rn, out.to(out_ptr.dtype.element_ty))
-
-
-def _unscaled_gemv(x: torch.Tensor, q: torch.Tensor, block_n: int, block_k: int, num_warps: int) -> torch.Tensor:
-    out = torch.empty(1, q.shape[0], device=DEV, dtype=x.dtype)
-    _unscaled_gemv_kernel[(q.shape[0] // block_n,)](x, q, out, q.shape[1], q.stride(0), BLOCK_N=block_n,
-                                                    BLOCK_K=block_k, num_warps=num_warps)  # fmt: skip
-    return out
-
-
 def launches(n: int, k: int, x: torch.Tensor) -> dict:
-    """The one-row launches of an [n, k] FP8 GEMM, each a callable of (weight, scales); and two diagnostics:
-    the skinny kernel given the row's codes and scales (no quantisation in it), and the GEMV (16 x 1,024, 4
-    warps) with neither quantisation nor scales."""
+    """The one-row launches of an [n, k] FP8 GEMM, each a callable of (weight, scales); and the skinny kernel
+    given the row's codes and scales (no quantisation in it: what the in-kernel quantisation costs)."""
     table = {"skinny": lambda q, s: gemv.skinny_gemm(x, q, None, skinny_config(n, k, 128), scales=(None, s, 128),
                                                      out_dtype=torch.bfloat16)}  # fmt: skip
     a, a_s = fp8_gemm.per_token_group_quant_fp8(x, 128)
@@ -189,7 +170,6 @@ def launches(n: int, k: int, x: torch.Tensor) -> dict:
     for bn, bk, w, half in GEMV_LAUNCHES:
         cfg = Fp8GemvConfig(bn, bk, w, half=half)
         table[_name(bn, bk, w, half)] = lambda q, s, cfg=cfg: fp8_gemv(x, q, s, 128, cfg)
-    table["gemv 16x1024 w4, unscaled"] = lambda q, s: _unscaled_gemv(x, q, 16, 1024, 4)
     return table
 
 

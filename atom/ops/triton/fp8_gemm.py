@@ -39,7 +39,7 @@ from atom.ops.triton.fp8_configs import (
     gemv_config,
     skinny_config,
 )
-from atom.ops.triton.fp8_gemv import fp8_gemv
+from atom.ops.triton.fp8_gemv import Fp8GemvConfig, fp8_gemv
 from atom.ops.triton.gemv import skinny_gemm
 
 logger = logging.getLogger(__name__)
@@ -199,6 +199,15 @@ def w8a8_matmul(
     return out
 
 
+def _one_launch(m: int, n: int, k: int, group_k: int) -> Fp8GemvConfig | str | None:
+    """How ``fp8_linear`` runs [m, k] x [n, k]^T in one launch: the CUDA-core GEMV's config, "skinny",
+    or None (quantisation, then ``w8a8_matmul``)."""
+    if not (group_k and 0 < m <= SKINNY_MAX_ROWS and n <= SKINNY_MAX_N):
+        return None
+    gemv = gemv_config(n, k, group_k) if m <= GEMV_MAX_ROWS else None
+    return gemv if gemv is not None else "skinny"
+
+
 def fp8_linear(
     x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, group_k: int, bias: torch.Tensor | None = None,
     w_block_scale: torch.Tensor | None = None,
@@ -210,12 +219,11 @@ def fp8_linear(
     ``per_token_group_quant_fp8`` then ``w8a8_matmul``."""
     m, k = x.shape
     n = w.shape[0]
-    if group_k and 0 < m <= SKINNY_MAX_ROWS and n <= SKINNY_MAX_N:
-        if x.stride(-1) != 1:
-            x = x.contiguous()
-        gemv = gemv_config(n, k, group_k) if m <= GEMV_MAX_ROWS else None
-        if gemv is not None:
-            return fp8_gemv(x, w, w_scale, group_k, gemv, bias)
+    launch = _one_launch(m, n, k, group_k)
+    if launch is not None:
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        if launch != "skinny":
+            return fp8_gemv(x, w, w_scale, group_k, launch, bias)
         return skinny_gemm(x, w, bias, skinny_config(n, k, group_k), scales=(None, w_scale, group_k),
                            out_dtype=x.dtype)  # fmt: skip
     a, a_scale = per_token_group_quant_fp8(x, group_k)
@@ -239,11 +247,11 @@ def fp8_gated_linear(
     skinny kernel, up to ``GATED_MAX_ROWS`` rows, with the activation in that launch: the same bits."""
     m, k = x.shape
     n = w.shape[0]
-    skinny = group_k and 0 < m <= min(GATED_MAX_ROWS, SKINNY_MAX_ROWS) and n <= SKINNY_MAX_N and n % 2 == 0
-    if not skinny or (m <= GEMV_MAX_ROWS and gemv_config(n, k, group_k) is not None):
+    if m > GATED_MAX_ROWS or n % 2 or _one_launch(m, n, k, group_k) != "skinny":
         return silu_and_mul(fp8_linear(x, w, w_scale, group_k, bias, w_block_scale))
     cfg = skinny_config(n, k, group_k)  # 64 or 128 rows a program: gate rows with their up rows
-    return skinny_gemm(x.contiguous(), w, bias, cfg, scales=(None, w_scale, group_k), out_dtype=x.dtype, gated=True)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    return skinny_gemm(x, w, bias, cfg, scales=(None, w_scale, group_k), out_dtype=x.dtype, gated=True)
 
 
 def scaled_mm_block(
