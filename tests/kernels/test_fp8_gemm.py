@@ -169,6 +169,7 @@ def test_w8a8_matmul_takes_scaled_mm_above_the_skinny_rows():
 
 @pytest.mark.parametrize("m, n, k, group_k, cfg", [
     (1, 37, 200, 32, GemvConfig(block_n=64, block_k=128, split_k=2, mode="dot_t")),
+    (3, 40, 64, 32, GemvConfig(block_n=16, block_k=128, mode="dot_t")),  # 4 rows quantised, tiled to 16
     (5, 70, 72, 16, GemvConfig(block_n=8, block_k=128, split_k=2, mode="sum")),
     (16, 100, 96, 32, GemvConfig(block_n=16, block_k=128, mode="dot")),
 ])

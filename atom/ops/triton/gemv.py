@@ -55,7 +55,8 @@ class GemvConfig:
 
 
 # M is not specialised (M == 1 would be a variant of its own): one compiled variant per
-# power-of-two row bucket, all of which CUDA-graph capture and warm-up compile at start-up.
+# power-of-two row bucket (BLOCK_M, or ROWS_Q where the kernel quantises), all of which
+# CUDA-graph capture and warm-up compile at start-up.
 # Nor are the strides that follow M: the column-major activation scales' (M apart) and the
 # split-K partial sums' (M * N apart); Triton would compile variants for 1 and multiples of 16.
 @triton.jit(do_not_specialize=["M", "stride_os", "stride_xsk"])
@@ -65,12 +66,14 @@ def _skinny_gemm_kernel(
     stride_xm, stride_wn, stride_om, stride_os, stride_xsm, stride_xsk, stride_wsn, stride_wsk,
     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr, MODE: tl.constexpr,
     SCALES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    QUANT_X: tl.constexpr, GATED: tl.constexpr,
+    QUANT_X: tl.constexpr, GATED: tl.constexpr, ROWS_Q: tl.constexpr,
 ):  # fmt: skip
     # SCALES: 0 none; 1 one scale per input row (xs[m, 0]) and weight row (ws[n, 0]), applied
     # once; 2 one per row and BLOCK_K-wide key group (xs[m, g], ws[n, g]), applied every step.
     # QUANT_X (with SCALES 2): x is 16-bit and each step quantises its group to e4m3 here, as
-    # fp8_gemm's _group_quant_kernel does (the same codes and scales; xs_ptr is unused).
+    # fp8_gemm's _group_quant_kernel does (the same codes and scales; xs_ptr is unused), ROWS_Q
+    # rows of it (the power of two at or above M), tiled to BLOCK_M after: the MMA's 16 rows
+    # would otherwise quantise one row 16 times at batch 1.
     # GATED: the weight is gate rows then up rows (N / 2 each) and the output silu(gate) * up;
     # product row n is weight row n // 2 of the gate half (n even) or of the up half (n odd),
     # so a program's gate rows and their up rows part with one tl.split in the epilogue; split-K
@@ -87,7 +90,7 @@ def _skinny_gemm_kernel(
         rn_load = tl.minimum(rn // 2, N // 2 - 1) + (rn % 2) * (N // 2)
     else:
         rn_load = tl.minimum(rn, N - 1)
-    x_rows = x_ptr + rm_load.to(tl.int64)[:, None] * stride_xm
+    x_rows = x_ptr + tl.minimum(tl.arange(0, ROWS_Q), M - 1).to(tl.int64)[:, None] * stride_xm
     w_rows = w_ptr + rn_load.to(tl.int64)[:, None] * stride_wn
     xs_rows = xs_ptr + rm_load * stride_xsm
     ws_rows = ws_ptr + rn_load * stride_wsn
@@ -127,6 +130,10 @@ def _skinny_gemm_kernel(
                 xf = x.to(tl.float32)
                 xs = tl.maximum(tl.max(tl.abs(xf), axis=1) * (1.0 / 448.0), 1e-12)
                 x = tl.clamp(tl.math.div_rn(xf, xs[:, None]), -448.0, 448.0).to(w.dtype)
+                if ROWS_Q < BLOCK_M:  # row r is quantised row r % ROWS_Q (rows from M on are not stored)
+                    x = tl.reshape(tl.broadcast_to(x[None, :, :], (BLOCK_M // ROWS_Q, ROWS_Q, BLOCK_K)),
+                                   (BLOCK_M, BLOCK_K))  # fmt: skip
+                    xs = tl.reshape(tl.broadcast_to(xs[None, :], (BLOCK_M // ROWS_Q, ROWS_Q)), (BLOCK_M,))
                 xs_next = xs
             else:
                 xs_next = tl.load(xs_rows + group_next * stride_xsk)
@@ -254,6 +261,7 @@ def skinny_gemm(
         HAS_BIAS=bias is not None, PARTIAL=partial, EVEN_K=even_k, MODE=mode,
         SCALES=0 if scales is None else 2 if group_k else 1,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, QUANT_X=quant_x, GATED=gated,
+        ROWS_Q=min(triton.next_power_of_2(m), block_m) if quant_x else block_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if partial:  # gated: half the columns a program, as many programs as the plain reduction's
