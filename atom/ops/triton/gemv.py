@@ -25,6 +25,7 @@ few rows): per-channel scales multiply the accumulator once, block scales (one p
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -59,14 +60,14 @@ class GemvConfig:
 # CUDA-graph capture and warm-up compile at start-up.
 # Nor are the strides that follow M: the column-major activation scales' (M apart) and the
 # split-K partial sums' (M * N apart); Triton would compile variants for 1 and multiples of 16.
-@triton.jit(do_not_specialize=["M", "stride_os", "stride_xsk"])
+@triton.jit(do_not_specialize=["M", "stride_ps", "stride_xsk"])
 def _skinny_gemm_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, xs_ptr, ws_ptr,
+    x_ptr, w_ptr, b_ptr, out_ptr, xs_ptr, ws_ptr, part_ptr, count_ptr,
     M, N, K, k_per_split,
-    stride_xm, stride_wn, stride_om, stride_os, stride_xsm, stride_xsk, stride_wsn, stride_wsk,
+    stride_xm, stride_wn, stride_om, stride_pm, stride_ps, stride_xsm, stride_xsk, stride_wsn, stride_wsk,
     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr, MODE: tl.constexpr,
     SCALES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    QUANT_X: tl.constexpr, GATED: tl.constexpr, ROWS_Q: tl.constexpr,
+    QUANT_X: tl.constexpr, GATED: tl.constexpr, ROWS_Q: tl.constexpr, FOLD: tl.constexpr,
 ):  # fmt: skip
     # SCALES: 0 none; 1 one scale per input row (xs[m, 0]) and weight row (ws[n, 0]), applied
     # once; 2 one per row and BLOCK_K-wide key group (xs[m, g], ws[n, g]), applied every step.
@@ -78,7 +79,11 @@ def _skinny_gemm_kernel(
     # product row n is weight row n // 2 of the gate half (n even) or of the up half (n odd),
     # so a program's gate rows and their up rows part with one tl.split in the epilogue; split-K
     # partial sums are stored by weight row (gate rows then up rows), so the reduction reads both
-    # halves in contiguous runs
+    # halves in contiguous runs.
+    # PARTIAL: the key range is split over programs, each storing its float32 partial sums at
+    # part_ptr. FOLD: the last of a column block's programs to finish (a counter a block, as
+    # CUTLASS's serial split-K semaphore) adds them up in split order and runs the epilogue (the
+    # bits of _split_k_reduce_kernel, one launch fewer); else that kernel does, after
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
@@ -163,11 +168,23 @@ def _skinny_gemm_kernel(
         acc = acc * tl.load(xs_rows)[:, None] * tl.load(ws_rows)[None, :]
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     offs = rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
-    if PARTIAL:  # GATED: by weight row, as loaded; the reduction applies the gate
-        if GATED:
-            offs = rm.to(tl.int64)[:, None] * stride_om + rn_load[None, :]
-        tl.store(out_ptr + pid_k.to(tl.int64) * stride_os + offs, acc, mask=mask)
-    else:
+    last = True
+    if PARTIAL:  # GATED: by weight row, as loaded; the gate applies after the sum
+        part_offs = rm.to(tl.int64)[:, None] * stride_pm + (rn_load if GATED else rn)[None, :]
+        tl.store(part_ptr + pid_k.to(tl.int64) * stride_ps + part_offs, acc, mask=mask)
+        if FOLD:
+            # every thread's partial sums stored before the (release, acquire) count: the
+            # last to count reads the others' from L2
+            tl.debug_barrier()
+            last = tl.atomic_add(count_ptr + pid_n, 1) == tl.num_programs(1) - 1
+            if last:
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for s in range(0, tl.num_programs(1)):  # split order: the reduction kernel's bits
+                    acc += tl.load(part_ptr + s * stride_ps + part_offs, mask=mask, other=0.0, cache_modifier=".cg")
+                tl.atomic_xchg(count_ptr + pid_n, 0)  # zero for the next launch
+        else:
+            last = False
+    if last:
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn_load).to(tl.float32)[None, :]
         dtype = out_ptr.dtype.element_ty
@@ -212,6 +229,18 @@ def _split_k_reduce_kernel(
     tl.store(out_ptr + m * stride_om + rn, out.to(dtype), mask=mask)
 
 
+# The split-K partial sums added by the last of a column block's programs (FOLD in the kernel), not by a
+# second kernel; the counters (one a column block) are zero between launches: each launch's last programs
+# zero their own, and launches on one device do not overlap (one stream)
+FOLD_SPLIT_K = True
+_SPLIT_COUNTS = 1 << 14
+
+
+@functools.cache
+def _split_counts(device: torch.device) -> torch.Tensor:
+    return torch.zeros(_SPLIT_COUNTS, dtype=torch.int32, device=device)
+
+
 def skinny_gemm(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: GemvConfig,
     scales: tuple[torch.Tensor, torch.Tensor, int] | None = None, out_dtype: torch.dtype | None = None,
@@ -251,23 +280,24 @@ def skinny_gemm(
     split_k = triton.cdiv(k, k_per_split)  # no empty split
     even_k = k % k_per_split == 0
     partial = split_k > 1
-    target = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if partial else out
+    part = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if partial else out
     b = bias if bias is not None else out
     grid = (triton.cdiv(n, cfg.block_n), split_k)
+    fold = partial and FOLD_SPLIT_K and grid[0] <= _SPLIT_COUNTS
     _skinny_gemm_kernel[grid](
-        x, weight, b, target, x_scale, w_scale, m, n, k, k_per_split,
-        x.stride(0), weight.stride(0), target.stride(-2), target.stride(0) if partial else 0,
-        x_scale.stride(0), x_scale.stride(1), w_scale.stride(0), w_scale.stride(1),
+        x, weight, b, out, x_scale, w_scale, part, _split_counts(x.device) if fold else out, m, n, k, k_per_split,
+        x.stride(0), weight.stride(0), out.stride(0), part.stride(1) if partial else 0,
+        part.stride(0) if partial else 0, x_scale.stride(0), x_scale.stride(1), w_scale.stride(0), w_scale.stride(1),
         HAS_BIAS=bias is not None, PARTIAL=partial, EVEN_K=even_k, MODE=mode,
         SCALES=0 if scales is None else 2 if group_k else 1,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, QUANT_X=quant_x, GATED=gated,
-        ROWS_Q=min(triton.next_power_of_2(m), block_m) if quant_x else block_m,
+        ROWS_Q=min(triton.next_power_of_2(m), block_m) if quant_x else block_m, FOLD=fold,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    if partial:  # gated: half the columns a program, as many programs as the plain reduction's
+    if partial and not fold:  # gated: half the columns a program, as many programs as the plain reduction's
         block = min(triton.next_power_of_2(n_out), 512 if gated else 1024)
         _split_k_reduce_kernel[(m, triton.cdiv(n_out, block))](
-            target, b, out, n_out, target.stride(1), target.stride(0), out.stride(0),
+            part, b, out, n_out, part.stride(1), part.stride(0), out.stride(0),
             SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=block, GATED=gated, num_warps=4,
         )  # fmt: skip
     return out
