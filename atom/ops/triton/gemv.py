@@ -191,8 +191,8 @@ def _skinny_gemm_kernel(
         if GATED:
             gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N // 2, 2]))
             cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-            offs = rm.to(tl.int64)[:, None] * stride_om + cols[None, :]
-            tl.store(out_ptr + offs, silu_mul(gate, up, dtype).to(dtype),
+            gated_offs = rm.to(tl.int64)[:, None] * stride_om + cols[None, :]
+            tl.store(out_ptr + gated_offs, silu_mul(gate, up, dtype).to(dtype),
                      mask=(rm[:, None] < M) & (cols[None, :] < N // 2))  # fmt: skip
         else:
             tl.store(out_ptr + offs, acc.to(dtype), mask=mask)
