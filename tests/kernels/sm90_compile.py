@@ -1,0 +1,78 @@
+"""Compiles Triton kernels for Hopper (sm_90) on a machine without a GPU, down to the cubin: what the
+interpreter cannot see (a runtime branch that changes a variable's shape, an MMA's operand layouts)
+fails here as it would on the GPU. Run by test_sm90_compile.py in its own process: the kernel tests'
+conftest puts Triton in interpreter mode for the whole session.
+
+    python tests/kernels/sm90_compile.py   # prints one line per variant, exits 1 on any failure
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import traceback
+
+from triton._C.libtriton import ir
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.compiler.compiler import make_backend
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def compile_sm90(fn, signature: dict[str, str], constexprs: dict, num_warps: int = 4, num_stages: int = 3) -> None:
+    """``fn`` (a ``triton.jit`` function) compiled for ``TARGET`` with its pointer / integer argument
+    types and constexpr values; raises what the compiler raises."""
+    sig = dict(signature, **{name: "constexpr" for name in constexprs})
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(c),): v for c, v in constexprs.items()})
+    backend = make_backend(TARGET)
+    options = backend.parse_options({"num_warps": num_warps, "num_stages": num_stages})
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    module = src.make_ir(TARGET, options, backend.get_codegen_implementation(options), backend.get_module_map(),
+                         context)  # fmt: skip
+    stages: dict = {}
+    backend.add_stages(stages, options, src.language)
+    metadata: dict = {}
+    for ext, stage in stages.items():
+        if ext != "source":
+            module = stage(module, metadata)
+
+
+def skinny_variants():
+    """The skinny GEMM's constexpr branches: bf16 and FP8 (activations quantised in the kernel, one row
+    or four tiled to the MMA's 16), key splits added by a second kernel or folded, gated or not."""
+    from atom.ops.triton.gemv import _skinny_gemm_kernel
+
+    ints = ["M", "N", "K", "k_per_split", "stride_xm", "stride_wn", "stride_om", "stride_pm", "stride_ps",
+            "stride_xsm", "stride_xsk", "stride_wsn", "stride_wsk"]  # fmt: skip
+    for fp8, mode, partial, fold, gated in itertools.product([False, True], [0, 3], [False, True], [False, True],
+                                                             [False, True]):  # fmt: skip
+        if fold and not partial:
+            continue
+        sig = dict.fromkeys(["x_ptr", "b_ptr", "out_ptr"], "*bf16")
+        sig.update(w_ptr="*fp8e4nv" if fp8 else "*bf16", xs_ptr="*fp32", ws_ptr="*fp32", part_ptr="*fp32",
+                   count_ptr="*i32", **dict.fromkeys(ints, "i32"))  # fmt: skip
+        block_m = 16 if mode else 1
+        const = dict(HAS_BIAS=True, PARTIAL=partial, EVEN_K=True, MODE=mode, SCALES=2 if fp8 else 0,
+                     BLOCK_M=block_m, BLOCK_N=64 if mode else 8, BLOCK_K=128, QUANT_X=fp8, GATED=gated,
+                     ROWS_Q=(4 if partial else 1) if fp8 and mode else block_m, FOLD=fold)  # fmt: skip
+        yield "_skinny_gemm_kernel", _skinny_gemm_kernel, sig, const
+
+
+def main() -> int:
+    failed = 0
+    for name, fn, sig, const in skinny_variants():
+        label = f"{name} " + " ".join(f"{k}={v}" for k, v in const.items())
+        try:
+            compile_sm90(fn, sig, const)
+            print("ok", label)
+        except Exception:  # every variant is tried; the failures are listed
+            failed += 1
+            print("FAILED", label, "\n" + traceback.format_exc(limit=1) + str(sys.exc_info()[1])[-2000:])
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
