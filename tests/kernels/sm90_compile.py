@@ -21,9 +21,9 @@ TARGET = GPUTarget("cuda", 90, 32)
 
 
 def compile_sm90(fn, signature: dict[str, str], constexprs: dict, num_warps: int = 4, num_stages: int = 3) -> None:
-    """``fn`` (a ``triton.jit`` function) compiled for ``TARGET`` with its pointer / integer argument
-    types and constexpr values; raises what the compiler raises."""
-    sig = dict(signature, **{name: "constexpr" for name in constexprs})
+    """``fn`` (a ``triton.jit`` function) compiled for ``TARGET`` with its argument types (in order) and
+    constexpr values; raises what the compiler raises."""
+    sig = {name: signature.get(name, "constexpr") for name in fn.arg_names}
     src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(c),): v for c, v in constexprs.items()})
     backend = make_backend(TARGET)
     options = backend.parse_options({"num_warps": num_warps, "num_stages": num_stages})
@@ -61,9 +61,32 @@ def skinny_variants():
         yield "_skinny_gemm_kernel", _skinny_gemm_kernel, sig, const
 
 
+def attention_variants():
+    """The paged attention kernel at decode tiles (Qwen3-8B's heads): unsplit, key splits merged by
+    a second kernel or by the last split's program; bf16 and an fp8 cache."""
+    from atom.ops.triton.attention import _paged_attention_kernel
+
+    ptrs = ["out_ptr", "part_out_ptr", "part_max_ptr", "part_sum_ptr", "count_ptr", "q_ptr", "k_cache_ptr",
+            "v_cache_ptr", "cu_seqlens_q_ptr", "seq_lens_ptr", "block_tables_ptr", "k_scale_ptr", "v_scale_ptr"]
+    ints = ["num_seqs", "num_splits", "min_split_tiles", "stride_qt", "stride_qh", "stride_ot", "stride_oh",
+            "stride_cb", "stride_ch", "stride_ct", "stride_bt"]  # fmt: skip
+    for split, fold, fp8 in itertools.product([False, True], [False, True], [False, True]):
+        if fold and not split:
+            continue
+        sig = dict.fromkeys(ptrs, "*bf16")
+        sig.update(part_out_ptr="*fp32", part_max_ptr="*fp32", part_sum_ptr="*fp32", count_ptr="*i32",
+                   cu_seqlens_q_ptr="*i32", seq_lens_ptr="*i32", block_tables_ptr="*i32", k_scale_ptr="*fp32",
+                   v_scale_ptr="*fp32", qk_scale="fp32", **dict.fromkeys(ints, "i32"))  # fmt: skip
+        if fp8:
+            sig.update(k_cache_ptr="*fp8e4nv", v_cache_ptr="*fp8e4nv")
+        const = dict(GROUP=4, GROUP_PAD=4, BLOCK_Q=4, BLOCK_N=64, HEAD_DIM=128, HEAD_DIM_PAD=128, PAGE_SIZE=16,
+                     SPLIT=split, FOLD=fold, DOT_PRECISION="tf32", HAS_SCALE=fp8)  # fmt: skip
+        yield "_paged_attention_kernel", _paged_attention_kernel, sig, const
+
+
 def main() -> int:
     failed = 0
-    for name, fn, sig, const in skinny_variants():
+    for name, fn, sig, const in itertools.chain(skinny_variants(), attention_variants()):
         label = f"{name} " + " ".join(f"{k}={v}" for k, v in const.items())
         try:
             compile_sm90(fn, sig, const)

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from atom.ops.triton import gemv
+from atom.ops.triton import counters, gemv
 from atom.ops.triton.gemv import GemvConfig, skinny_gemm
 
 CONFIGS = [
@@ -103,11 +103,11 @@ def test_split_k_sums_folded_into_the_last_program(cfg, gated, monkeypatch):
     bias = torch.randn(n, dtype=torch.bfloat16)
     run = functools.partial(skinny_gemm, x, w, bias, cfg, out_dtype=torch.float32, gated=gated)  # every bit shows
     folded = run()
-    assert not gemv._split_counts(x.device).any()
+    assert not counters.launch_counters(x.device).any()
     torch.testing.assert_close(run(), folded, atol=0, rtol=0)
-    for name, value in (("_SPLIT_COUNTS", 1), ("FOLD_SPLIT_K", False)):
+    for module, name, value in ((counters, "SLOTS", 1), (gemv, "FOLD_SPLIT_K", False)):
         with monkeypatch.context() as patch:
-            patch.setattr(gemv, name, value)
+            patch.setattr(module, name, value)
             torch.testing.assert_close(run(), folded, atol=0, rtol=0)
 
 

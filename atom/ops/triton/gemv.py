@@ -25,7 +25,6 @@ few rows): per-channel scales multiply the accumulator once, block scales (one p
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -33,6 +32,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from atom.ops.triton import counters
 from atom.ops.triton.activation import silu_and_mul, silu_mul
 
 _MODES = {"sum": 0, "defer": 1, "dot": 2, "dot_t": 3}
@@ -229,16 +229,9 @@ def _split_k_reduce_kernel(
     tl.store(out_ptr + m * stride_om + rn, out.to(dtype), mask=mask)
 
 
-# The split-K partial sums added by the last of a column block's programs (FOLD in the kernel), not by a
-# second kernel; the counters (one a column block) are zero between launches: each launch's last programs
-# zero their own, and launches on one device do not overlap (one stream)
+# The split-K partial sums added by the last of a column block's programs (FOLD in the kernel; a
+# ``counters`` slot a column block), not by a second kernel
 FOLD_SPLIT_K = True
-_SPLIT_COUNTS = 1 << 14
-
-
-@functools.cache
-def _split_counts(device: torch.device) -> torch.Tensor:
-    return torch.zeros(_SPLIT_COUNTS, dtype=torch.int32, device=device)
 
 
 def skinny_gemm(
@@ -283,9 +276,10 @@ def skinny_gemm(
     part = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if partial else out
     b = bias if bias is not None else out
     grid = (triton.cdiv(n, cfg.block_n), split_k)
-    fold = partial and FOLD_SPLIT_K and grid[0] <= _SPLIT_COUNTS
+    fold = partial and FOLD_SPLIT_K and grid[0] <= counters.SLOTS
+    counts = counters.launch_counters(x.device) if fold else out
     _skinny_gemm_kernel[grid](
-        x, weight, b, out, x_scale, w_scale, part, _split_counts(x.device) if fold else out, m, n, k, k_per_split,
+        x, weight, b, out, x_scale, w_scale, part, counts, m, n, k, k_per_split,
         x.stride(0), weight.stride(0), out.stride(0), part.stride(1) if partial else 0,
         part.stride(0) if partial else 0, x_scale.stride(0), x_scale.stride(1), w_scale.stride(0), w_scale.stride(1),
         HAS_BIAS=bias is not None, PARTIAL=partial, EVEN_K=even_k, MODE=mode,

@@ -41,6 +41,7 @@ import os
 
 import torch
 
+from atom.ops.triton import counters
 from atom.ops.triton.attention_merge import merge_splits, split_partials
 
 try:  # Gluon and its Hopper module exist from Triton 3.5; the API used here is 3.6's
@@ -425,13 +426,6 @@ def _num_sms(device_index: int) -> int:
 
 
 @functools.cache
-def _sched_counter(device_index: int) -> torch.Tensor:
-    """The dynamic scheduler's counter of work items taken on a device: zero between launches
-    (the launch's last draw zeroes it; launches on one device do not overlap: one stream)."""
-    return torch.zeros(1, dtype=torch.int32, device=torch.device("cuda", device_index))
-
-
-@functools.cache
 def _layout(rows: int, head_dim: int, bits: int):
     return gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl.float16 if bits == 16 else gl.float32)
 
@@ -517,7 +511,7 @@ def prefill_attention_gluon(q, k, v, out, cu_seqlens, scale, config=None, cache=
         paged = (_cache_descriptor(k_flat, page, cfg["block_n"]), _cache_descriptor(v_flat, page, cfg["block_n"]),
                  seq_lens, tables, tables.stride(0), per_block, per_head)  # fmt: skip
     kernel = _prefill_gluon_kernel[grid](
-        q_desc, k_desc, v_desc, paged[0], paged[1], out, *parts, _sched_counter(q.device.index or 0), cu_seqlens,
+        q_desc, k_desc, v_desc, paged[0], paged[1], out, *parts, counters.launch_counters(q.device), cu_seqlens,
         *paged[2:], scale, num_seqs, num_slots, splits, num_items, out.stride(0), out.stride(1),
         GROUP=q_heads // k.shape[1], NUM_Q_HEADS=q_heads, HEAD_DIM=head_dim,
         BLOCK_N=cfg["block_n"], STAGES=cfg["stages"], PINGPONG=cfg["pingpong"], CONSUMER_REGS=cfg["consumer_regs"],
