@@ -206,8 +206,9 @@ def _paged_attention_kernel(
 # 8 KV heads): 2 of >= 512 keys 1.5-7% faster than unsplit; 4-16 splits, or shorter ones, slower.
 BALANCE_SPLITS = 2
 SPLIT_MIN_KEYS = 512
-# Key-range splits merged by the last of a tile's programs (FOLD in the kernel), not by merge_splits' launch
-FOLD_MERGE = True
+# Key-range splits merged by the last of a tile's programs (FOLD in the kernel), not by merge_splits' launch.
+# Off until run on a GPU (as gemv.FOLD_SPLIT_K)
+FOLD_MERGE = False
 
 
 def _num_splits(

@@ -230,8 +230,9 @@ def _split_k_reduce_kernel(
 
 
 # The split-K partial sums added by the last of a column block's programs (FOLD in the kernel; a
-# ``counters`` slot a column block), not by a second kernel
-FOLD_SPLIT_K = True
+# ``counters`` slot a column block), not by a second kernel. Off until run on a GPU: session 37 tested it in
+# the interpreter and compiled it for sm_90 (tests/kernels/sm90_compile.py) but got no GPU call to time it
+FOLD_SPLIT_K = False
 
 
 def skinny_gemm(
