@@ -86,8 +86,9 @@ def test_gated_skinny_gemm(n, k, split_k, dtype):
 
 
 # the split-K sums added by the last of a column block's programs (gemv.FOLD_SPLIT_K): the reduction kernel's
-# bits at Qwen3-8B's gate_up (gated) and down, bf16 and FP8 (activations quantised in the kernel), 1-16 rows,
-# the same bits again on a second launch (the counters zero again) and inside a CUDA graph replayed twice
+# bits at Qwen3-8B's gate_up (gated) and down, bf16 and FP8 (activations quantised in the kernel, first with
+# the rows there are tiled to the MMA's, gemv.QUANT_ROWS_TILED: the same bits), 1-16 rows, the same bits again
+# on a second launch (the counters zero again) and inside a CUDA graph replayed twice
 @pytest.mark.parametrize("n,k,gated", [(2 * 12288, 4096, True), (4096, 12288, False)])
 @pytest.mark.parametrize("m", [1, 5, 16])
 @pytest.mark.parametrize("fp8", [False, True])
@@ -109,6 +110,9 @@ def test_split_k_folded(n, k, gated, m, fp8, monkeypatch):
     cfg = dataclasses.replace(cfg, split_k=4, block_n=cfg.block_n + cfg.block_n % 2)
     run = functools.partial(gemv.skinny_gemm, x, w, None, cfg, scales=scales, out_dtype=torch.float32, gated=gated)
     reduced = run()
+    if fp8:
+        monkeypatch.setattr(gemv, "QUANT_ROWS_TILED", True)
+        torch.testing.assert_close(run(), reduced, atol=0, rtol=0)
     monkeypatch.setattr(gemv, "FOLD_SPLIT_K", True)
     for _ in range(2):
         torch.testing.assert_close(run(), reduced, atol=0, rtol=0)

@@ -229,6 +229,9 @@ def _split_k_reduce_kernel(
     tl.store(out_ptr + m * stride_om + rn, out.to(dtype), mask=mask)
 
 
+# In-kernel quantisation of the rows there are (ROWS_Q, the power of two at or above M), tiled to the MMA's 16
+# rows, instead of all 16 (one row 16 times at batch 1). Off until run on a GPU (as FOLD_SPLIT_K)
+QUANT_ROWS_TILED = False
 # The split-K partial sums added by the last of a column block's programs (FOLD in the kernel; a
 # ``counters`` slot a column block), not by a second kernel. Off until run on a GPU: session 37 tested it in
 # the interpreter and compiled it for sm_90 (tests/kernels/sm90_compile.py) but got no GPU call to time it
@@ -286,7 +289,7 @@ def skinny_gemm(
         HAS_BIAS=bias is not None, PARTIAL=partial, EVEN_K=even_k, MODE=mode,
         SCALES=0 if scales is None else 2 if group_k else 1,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, QUANT_X=quant_x, GATED=gated,
-        ROWS_Q=min(triton.next_power_of_2(m), block_m) if quant_x else block_m, FOLD=fold,
+        ROWS_Q=min(triton.next_power_of_2(m), block_m) if quant_x and QUANT_ROWS_TILED else block_m, FOLD=fold,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if partial and not fold:  # gated: half the columns a program, as many programs as the plain reduction's
