@@ -83,7 +83,7 @@ def _skinny_gemm_kernel(
     # PARTIAL: the key range is split over programs, each storing its float32 partial sums at
     # part_ptr. FOLD: the last of a column block's programs to finish (a counter a block, as
     # CUTLASS's serial split-K semaphore) adds them up in split order and runs the epilogue (the
-    # bits of _split_k_reduce_kernel, one launch fewer); else that kernel does, after
+    # bits of _split_k_reduce_kernel, one launch fewer); else that kernel does, in a launch of its own
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
