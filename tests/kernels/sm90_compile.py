@@ -61,6 +61,25 @@ def skinny_variants():
         yield "_skinny_gemm_kernel", _skinny_gemm_kernel, sig, const
 
 
+def decode_gemm_helpers():
+    """The skinny kernel's split-K reduction (plain and gated) and the FP8 CUDA-core GEMV (float16 runs
+    or float32 products) at Qwen3-8B's decode launches."""
+    from atom.ops.triton.fp8_gemv import _fp8_gemv_kernel
+    from atom.ops.triton.gemv import _split_k_reduce_kernel
+
+    for gated in (False, True):
+        sig = dict(part_ptr="*fp32", b_ptr="*bf16", out_ptr="*bf16", N="i32", stride_pm="i32", stride_ps="i32",
+                   stride_om="i32")  # fmt: skip
+        const = dict(SPLIT_K=4, HAS_BIAS=False, BLOCK=512 if gated else 1024, GATED=gated)
+        yield "_split_k_reduce_kernel", _split_k_reduce_kernel, sig, const
+    for half in (True, False):
+        ints = ["N", "K", "stride_xm", "stride_wn", "stride_wsn", "stride_wsk", "stride_om"]
+        sig = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", ws_ptr="*fp32", b_ptr="*bf16", out_ptr="*bf16",
+                   **dict.fromkeys(ints, "i32"))  # fmt: skip
+        const = dict(HAS_BIAS=False, EVEN_K=True, BLOCK_N=16, BLOCK_K=1024, GROUP_K=128, HALF=half)
+        yield "_fp8_gemv_kernel", _fp8_gemv_kernel, sig, const
+
+
 def attention_variants():
     """The paged attention kernel at decode tiles (Qwen3-8B's heads): unsplit, key splits merged by
     a second kernel or by the last split's program; bf16 and an fp8 cache."""
@@ -86,7 +105,7 @@ def attention_variants():
 
 def main() -> int:
     failed = 0
-    for name, fn, sig, const in itertools.chain(skinny_variants(), attention_variants()):
+    for name, fn, sig, const in itertools.chain(skinny_variants(), decode_gemm_helpers(), attention_variants()):
         label = f"{name} " + " ".join(f"{k}={v}" for k, v in const.items())
         try:
             compile_sm90(fn, sig, const)
