@@ -62,8 +62,13 @@ def test_paged_attention_split_k(case, num_splits, fold, monkeypatch, assert_clo
     from atom.ops.triton import attention, counters
 
     monkeypatch.setattr(attention, "FOLD_MERGE", fold)
-    monkeypatch.setattr(attention, "split_partials", lambda *a: (torch.full((*a[:4],), float("nan")), *[
-        torch.empty(a[:3]) for _ in range(2)]))  # fmt: skip
+    split_partials = attention.split_partials
+
+    def nan_partials(*args):
+        part_out, part_max, part_sum = split_partials(*args)
+        return part_out.fill_(float("nan")), part_max, part_sum
+
+    monkeypatch.setattr(attention, "split_partials", nan_partials)
     dtype = torch.bfloat16
     q_lens, context_lens, num_q_heads, num_kv_heads, head_dim, block_size = CASES[case]
     q, k_cache, v_cache, cu, seq_lens, tables = make_batch(
