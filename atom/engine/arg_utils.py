@@ -151,7 +151,8 @@ class EngineArgs:
           help="the most logprobs a request may ask for per token (completions' logprobs, chat's top_logprobs); "
                "more is a 400; -1: no cap (the vocabulary)")
         a("--reasoning-parser", type=str, default=None, choices=sorted(REASONING_TAGS),
-          help="the model reasons in <think>...</think> first: the server returns it as reasoning_content and "
+          help="the model reasons in <think>...</think> first: the server returns it as reasoning (and "
+               "reasoning_content) and "
                "structured output constrains only what follows")
         return parser
 

@@ -45,9 +45,11 @@ from atom.entrypoints.openai.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from atom.entrypoints.openai.responses_protocol import ResponsesRequest
 from atom.entrypoints.openai.serving_chat import OpenAIServingChat
 from atom.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from atom.entrypoints.openai.serving_engine import OpenAIError, engine_dead_error
+from atom.entrypoints.openai.serving_responses import OpenAIServingResponses
 from atom.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from atom.entrypoints.openai.stat_logger import StatLogger, log_stats_interval
 from atom.entrypoints.openai.tool_parsers import TOOL_PARSERS
@@ -125,21 +127,27 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
               request_timeout: float | None = None, enable_auto_tool_choice: bool = False,
               tool_call_parser: str | None = None, trust_request_chat_template: bool = False,
               log_stats_interval: float | None = None, enable_log_requests: bool = False,
-              docs: bool = True, response_role: str = "assistant", return_tokens_as_token_ids: bool = False) -> FastAPI:
+              docs: bool = True, response_role: str = "assistant", return_tokens_as_token_ids: bool = False,
+              exclude_tools_when_tool_choice_none: bool = False, store_responses: bool = False) -> FastAPI:
     """The FastAPI app; its lifespan logs the engine's stats every ``log_stats_interval``
     seconds (None: never) and shuts the engine down (``serve`` starts it before the port
     opens). The reasoning parser is the engine's (``--reasoning-parser``). ``docs``: FastAPI's
-    /docs, /redoc and /openapi.json. ``response_role``, ``return_tokens_as_token_ids``: vLLM's
-    --response-role and --return-tokens-as-token-ids."""
+    /docs, /redoc and /openapi.json. ``response_role``, ``return_tokens_as_token_ids``,
+    ``exclude_tools_when_tool_choice_none``: vLLM's flags of those names. ``store_responses``: keep
+    /v1/responses' responses for ``previous_response_id`` (vLLM's VLLM_ENABLE_RESPONSES_API_STORE)."""
     metrics = ServerMetrics(served_model_names[0], engine.config.parallel_config.data_parallel_size)
     engine.finished_callbacks.append(metrics.observe_finished)
-    chat = OpenAIServingChat(engine, served_model_names, request_timeout, trust_request_chat_template,
-                             return_tokens_as_token_ids, enable_auto_tool_choice=enable_auto_tool_choice,
-                             tool_call_parser=tool_call_parser, reasoning_parser=engine.config.reasoning_parser,
-                             response_role=response_role)
+    # the chat endpoint's settings, the Responses API's too (it runs its requests through the chat's)
+    chat_args = dict(enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
+                     reasoning_parser=engine.config.reasoning_parser, response_role=response_role,
+                     exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none)
+    serving_args = (engine, served_model_names, request_timeout, trust_request_chat_template,
+                    return_tokens_as_token_ids)
+    chat = OpenAIServingChat(*serving_args, **chat_args)
+    responses = OpenAIServingResponses(*serving_args, **chat_args, store=store_responses)
     completion = OpenAIServingCompletion(engine, served_model_names, request_timeout,
                                          return_tokens_as_token_ids=return_tokens_as_token_ids)
-    chat.log_requests = completion.log_requests = enable_log_requests
+    chat.log_requests = completion.log_requests = responses.log_requests = enable_log_requests
     tokenization = OpenAIServingTokenization(engine, served_model_names,
                                              trust_request_chat_template=trust_request_chat_template)
 
@@ -170,6 +178,14 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request):
         return await run_until_disconnect(raw_request, chat.create_chat_completion(request))
+
+    @app.post("/v1/responses")
+    async def create_response(request: ResponsesRequest, raw_request: Request):
+        return await run_until_disconnect(raw_request, responses.create_response(request))
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str):
+        return await responses.retrieve_response(response_id)
 
     @app.post("/v1/completions")
     async def create_completion(request: CompletionRequest, raw_request: Request):
@@ -274,6 +290,9 @@ def make_arg_parser() -> argparse.ArgumentParser:
                         help='tool_choice "auto": parse tool calls out of the output (needs --tool-call-parser)')
     parser.add_argument("--tool-call-parser", type=str, default=None, choices=sorted(TOOL_PARSERS),
                         help="the format the model writes tool calls in (hermes: Qwen2.5/Qwen3, SmolLM2, Hermes)")
+    parser.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                        help='tool_choice "none": leave the tools out of the prompt (by default the chat template '
+                             "still shows them, as vLLM's)")
     parser.add_argument("--chat-template", type=str, default=None,
                         help="the chat template for every chat request (vLLM's flag): a file, or the Jinja template "
                              "itself; default: the tokenizer's")
@@ -353,7 +372,9 @@ def serve(args: argparse.Namespace) -> None:
     app = build_app(engine, names, api_key, args.max_request_body_size, args.request_timeout,
                     args.enable_auto_tool_choice, args.tool_call_parser, args.trust_request_chat_template,
                     stats_interval, args.enable_log_requests, docs=not args.disable_fastapi_docs,
-                    response_role=args.response_role, return_tokens_as_token_ids=args.return_tokens_as_token_ids)
+                    response_role=args.response_role, return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                    exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+                    store_responses=os.environ.get("VLLM_ENABLE_RESPONSES_API_STORE", "0") == "1")
     app.root_path = args.root_path or ""  # as vLLM's: paths with and without the prefix both route
     app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins, allow_credentials=args.allow_credentials,
                        allow_methods=args.allowed_methods, allow_headers=args.allowed_headers)

@@ -305,6 +305,12 @@ def test_request_chat_template_needs_trust(server, make_server, reference):
     r = trusting.post("/tokenize", bodies[0][1])
     assert r.json()["tokens"] == reference.tokenizer.encode("".join(m["content"] for m in MESSAGES),
                                                              add_special_tokens=False)
+    # an earlier turn's reasoning reaches the template under both names, sent under either (as vLLM)
+    shows = "{% for m in messages %}[{{ m.reasoning }}|{{ m.reasoning_content }}]{% endfor %}"
+    for name in ("reasoning", "reasoning_content"):
+        turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo", name: "think"}]
+        r = trusting.post("/tokenize", {"messages": turns, "chat_template": shows})
+        assert r.json()["tokens"] == reference.tokenizer.encode("[|][think|think]", add_special_tokens=False), r.text
 
 
 def test_chat_logprobs(client, tiny_model):

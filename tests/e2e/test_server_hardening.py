@@ -326,16 +326,17 @@ def cap_generation(body) -> None:
     samples of 500 tokens does not take minutes on a CPU."""
     if not isinstance(body, dict):
         return
-    for key, cap in (("n", 2), ("max_tokens", 8), ("max_completion_tokens", 8)):
+    limits = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+    for key, cap in (("n", 2), *((limit, 8) for limit in limits)):
         value = body.get(key)
         if isinstance(value, int) and not isinstance(value, bool) and cap < value <= MAX_MODEL_LEN:
             body[key] = cap
-    if "max_tokens" not in body and "max_completion_tokens" not in body:
-        body["max_tokens"] = 8
+    if not any(limit in body for limit in limits):
+        body["max_output_tokens" if "input" in body else "max_tokens"] = 8
 
 
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=["valid", "invalid"])
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/responses"])
 def test_fuzz_openapi_no_5xx(api_schema, path, mode):
     statuses = []
 

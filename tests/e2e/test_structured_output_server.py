@@ -42,7 +42,7 @@ def server(tiny_model, tmp_path_factory):
     srv = ServerProcess(
         tiny_model,
         tmp_path_factory.mktemp("so-server"),
-        extra_args=("--enable-auto-tool-choice", "--tool-call-parser", "hermes"),
+        extra_args=("--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--trust-request-chat-template"),
     )
     yield srv
     srv.stop()
@@ -296,10 +296,36 @@ def test_auto_without_a_call_is_plain_content(client, tiny_model):
     assert out.choices[0].finish_reason == "stop"
 
 
+# the tiny checkpoint's template with the tools' names after the messages (its own leaves tools out)
+TOOLS_TEMPLATE = ("{% for m in messages %}{{ m.content }}{% endfor %}"
+                  "{% for t in tools or [] %}{{ t.function.name }}{% endfor %}")
+
+
+def prompt_tokens(srv: ServerProcess, client: openai.OpenAI, tiny_model: str, **tools) -> tuple[int, int]:
+    """The prompt's tokens as /tokenize renders it, and as a chat completion with ``tools`` counts them."""
+    body = {"messages": MESSAGES, "chat_template": TOOLS_TEMPLATE}
+    tokenized = srv.post("/tokenize", {**body, **({"tools": tools["tools"]} if tools else {})})
+    chat = client.chat.completions.create(model=tiny_model, messages=MESSAGES, max_tokens=1,
+                                          extra_body={"chat_template": TOOLS_TEMPLATE}, **tools)  # fmt: skip
+    return tokenized.json()["count"], chat.usage.prompt_tokens
+
+
+def test_tool_choice_none_shows_the_tools(server, client, tiny_model):
+    """As vLLM: the prompt has the tools with tool_choice "none" too, and /tokenize with tools renders the
+    prompt the chat endpoint does."""
+    bare, _ = prompt_tokens(server, client, tiny_model)
+    tokenized, chat = prompt_tokens(server, client, tiny_model, tools=[WEATHER], tool_choice="none")
+    assert tokenized == chat > bare
+
+
 def test_reasoning_parser_splits_reasoning_content(tiny_model, tmp_path):
-    srv = ServerProcess(tiny_model, tmp_path, extra_args=("--reasoning-parser", "qwen3"))
+    # with --exclude-tools-when-tool-choice-none too (one server fewer): tool_choice "none" hides the tools
+    flags = ("--reasoning-parser", "qwen3", "--trust-request-chat-template", "--exclude-tools-when-tool-choice-none")
+    srv = ServerProcess(tiny_model, tmp_path, extra_args=flags)
     try:
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="EMPTY", max_retries=0, timeout=600)
+        bare, _ = prompt_tokens(srv, client, tiny_model)
+        assert prompt_tokens(srv, client, tiny_model, tools=[WEATHER], tool_choice="none")[1] == bare
         # the tiny vocabulary has no <think> token, so the grammar covers the whole output
         extra = {"guided_choice": ["<think>Paris is in France.</think>It is sunny."]}
         out = client.chat.completions.create(
@@ -307,13 +333,15 @@ def test_reasoning_parser_splits_reasoning_content(tiny_model, tmp_path):
         )
         message = out.choices[0].message
         assert (message.reasoning_content, message.content) == ("Paris is in France.", "It is sunny.")
+        assert message.reasoning == message.reasoning_content  # vLLM's name (0.26 on) too
         chunks = list(
             client.chat.completions.create(
                 model=tiny_model, messages=MESSAGES, max_tokens=200, temperature=0, extra_body=extra, stream=True
             )
         )
         deltas = [c.choices[0].delta for c in chunks if c.choices]
-        assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == "Paris is in France."
+        for name in ("reasoning_content", "reasoning"):
+            assert "".join(getattr(d, name, None) or "" for d in deltas) == "Paris is in France."
         assert "".join(d.content or "" for d in deltas) == "It is sunny."
     finally:
         srv.stop()

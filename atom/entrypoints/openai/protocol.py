@@ -8,7 +8,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, computed_field, field_validator, model_validator
 
 from atom.sampling_params import INT32_MAX, INT64_MAX, INT64_MIN, is_encodable
 
@@ -201,7 +201,15 @@ class ChatMessage(OpenAIRequest):
     name: Text | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
     tool_call_id: Text | None = None  # a tool turn: the call it answers
+    # an earlier turn's reasoning (interleaved thinking): vLLM's name, or the older one it still takes
+    reasoning: Text | None = None
     reasoning_content: Text | None = None
+
+    @model_validator(mode="after")
+    def _one_reasoning(self) -> ChatMessage:
+        if self.reasoning is None:
+            self.reasoning = self.reasoning_content
+        return self
 
     def text(self) -> str:
         if isinstance(self.content, list):  # vLLM's "string" content format joins parts by newlines
@@ -356,10 +364,21 @@ class ChatCompletionLogProbs(OpenAIBaseModel):
     content: list[ChatLogProbsContent] | None = None
 
 
-class ChatResponseMessage(OpenAIBaseModel):
+class _Reasoning(OpenAIBaseModel):
+    """The reasoning (``--reasoning-parser``) under vLLM's name, ``reasoning`` (0.26 on), and under the name
+    older vLLM and DeepSeek's API use, ``reasoning_content``: clients read one or the other."""
+
+    reasoning_content: str | None = None
+
+    @computed_field
+    @property
+    def reasoning(self) -> str | None:
+        return self.reasoning_content
+
+
+class ChatResponseMessage(_Reasoning):
     role: str = "assistant"
     content: str | None = None
-    reasoning_content: str | None = None
     tool_calls: list[dict[str, Any]] = Field(default_factory=list)
 
 
@@ -382,10 +401,9 @@ class ChatCompletionResponse(OpenAIBaseModel):
     prompt_token_ids: list[int] | None = None  # with return_token_ids
 
 
-class DeltaMessage(OpenAIBaseModel):
+class DeltaMessage(_Reasoning):
     role: str | None = None
     content: str | None = None
-    reasoning_content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
 
 
@@ -450,6 +468,7 @@ class TokenizeChatRequest(OpenAIRequest):
     return_token_strs: bool = False
     chat_template: Text | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
 
 
 class TokenizeResponse(OpenAIBaseModel):

@@ -4,7 +4,6 @@ structured output and reasoning as vLLM serves them (``chat_output``)."""
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncIterator
 
@@ -29,13 +28,16 @@ from atom.entrypoints.openai.protocol import (
 )
 from atom.entrypoints.openai.serving_engine import OpenAIError, OpenAIServing, Prompt, prepend, sse
 from atom.entrypoints.openai.structured_request import ToolPlan, structured_outputs, tool_plan
+from atom.sampling_params import SamplingParams
 
 
 class OpenAIServingChat(OpenAIServing):
     def __init__(self, *args, enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
-                 reasoning_parser: str | None = None, response_role: str = "assistant", **kwargs):
+                 reasoning_parser: str | None = None, response_role: str = "assistant",
+                 exclude_tools_when_tool_choice_none: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         self.response_role = response_role  # --response-role
+        self.exclude_tools_when_tool_choice_none = exclude_tools_when_tool_choice_none
         self.enable_auto_tool_choice = enable_auto_tool_choice
         self.tool_call_parser = tool_call_parser
         self.reasoning_parser = reasoning_parser
@@ -47,28 +49,7 @@ class OpenAIServingChat(OpenAIServing):
     async def _create(self, request: ChatCompletionRequest, request_id: str):
         self.check_model(request.model)
         self.check_alive()
-        if not request.messages:
-            raise OpenAIError("messages must be a non-empty list", param="messages")
-        plan = tool_plan(request, self.tool_call_parser, self.enable_auto_tool_choice)
-        structured = structured_outputs(request)
-        if plan.forced and structured is not None:
-            raise OpenAIError(f"tool_choice {plan.choice!r} constrains the output already: drop the structured "
-                              "output fields (response_format, structured_outputs, guided_*)", param="tool_choice")
-        self.check_chat_template(request.chat_template, request.chat_template_kwargs)
-        template_kwargs = dict(request.chat_template_kwargs or {})
-        if plan.tools and plan.choice != "none":
-            template_kwargs["tools"] = plan.tools
-        prompt = await self.engine.apply_chat_template(
-            [_template_message(m) for m in request.messages],
-            add_generation_prompt=request.add_generation_prompt,
-            continue_final_message=request.continue_final_message,
-            chat_template_kwargs=template_kwargs,
-            chat_template=request.chat_template,
-            truncate=request.truncate_prompt_tokens)
-        # left out: what the context leaves (or the model's max_new_tokens), as vLLM's chat
-        max_tokens = self.max_tokens(request.requested_max_tokens, len(prompt.token_ids), "messages", default=None)
-        logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        params = self.sampling_params(request, max_tokens, logprobs=logprobs, structured=plan.constraint or structured)
+        plan, prompt, params = await self.prepare(request)
         outputs = self.generate(request_id, [prompt], [params], request.n)
         if request.stream:
             first = await self.first_output(outputs)
@@ -78,7 +59,7 @@ class OpenAIServingChat(OpenAIServing):
         role, echoed = self.request_role(request), self.echoed(request)
         choices = []
         for i, out in enumerate(finals):
-            fields, finish_reason = self._choice_output(request, plan).message(out.text, out.finish_reason)
+            fields, finish_reason = self.choice_output(request, plan).message(out.text, out.finish_reason)
             if echoed:
                 fields["content"] = echoed + (fields["content"] or "")
             choices.append(ChatCompletionResponseChoice(
@@ -93,6 +74,26 @@ class OpenAIServingChat(OpenAIServing):
                                           prompt_token_ids=prompt.token_ids if request.return_token_ids else None)
         return JSONResponse(response.model_dump())
 
+    async def prepare(self, request: ChatCompletionRequest) -> tuple[ToolPlan, Prompt, SamplingParams]:
+        """The request's checks, its tools' plan, the prompt through the chat template and its sampling
+        parameters (also the Responses API's, ``serving_responses``)."""
+        if not request.messages:
+            raise OpenAIError("messages must be a non-empty list", param="messages")
+        plan = tool_plan(request, self.tool_call_parser, self.enable_auto_tool_choice)
+        structured = structured_outputs(request)
+        if plan.forced and structured is not None:
+            raise OpenAIError(f"tool_choice {plan.choice!r} constrains the output already: drop the structured "
+                              "output fields (response_format, structured_outputs, guided_*)", param="tool_choice")
+        # tool_choice "none" still shows the model its tools, as vLLM (unless the flag)
+        hidden = plan.choice == "none" and self.exclude_tools_when_tool_choice_none
+        tools = None if hidden else plan.tools
+        prompt = await self.render_chat(request, tools, truncate=request.truncate_prompt_tokens)
+        # left out: what the context leaves (or the model's max_new_tokens), as vLLM's chat
+        max_tokens = self.max_tokens(request.requested_max_tokens, len(prompt.token_ids), "messages", default=None)
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        params = self.sampling_params(request, max_tokens, logprobs=logprobs, structured=plan.constraint or structured)
+        return plan, prompt, params
+
     def request_role(self, request: ChatCompletionRequest) -> str:
         """The role of the response's messages: --response-role, or the last message's when no new
         turn is started (vLLM's get_chat_request_role)."""
@@ -103,7 +104,7 @@ class OpenAIServingChat(OpenAIServing):
         last = request.messages[-1]
         return last.text() if request.echo and last.role == self.request_role(request) else ""
 
-    def _choice_output(self, request: ChatCompletionRequest, plan: ToolPlan) -> ChoiceOutput:
+    def choice_output(self, request: ChatCompletionRequest, plan: ToolPlan) -> ChoiceOutput:
         thinking = (request.chat_template_kwargs or {}).get("enable_thinking", True)
         return ChoiceOutput(plan, self.reasoning_parser, self.tool_call_parser, enable_thinking=bool(thinking))
 
@@ -111,7 +112,7 @@ class OpenAIServingChat(OpenAIServing):
                       first: tuple[int, RequestOutput], rest: AsyncIterator[tuple[int, RequestOutput]]):
         created = int(time.time())
         finals: list[RequestOutput | None] = [None] * request.n
-        parsers = [self._choice_output(request, plan) for _ in range(request.n)]
+        parsers = [self.choice_output(request, plan) for _ in range(request.n)]
         plain = not plan.forced and not plan.parse_output and self.reasoning_parser is None
 
         def chunk(choices, usage=None, prompt_token_ids=None) -> str:
@@ -177,27 +178,6 @@ class OpenAIServingChat(OpenAIServing):
     def _entry(self, token_id: int, logprob: float, as_ids: bool) -> ChatLogProb:
         token = self.logprob_token(token_id, as_ids)
         return ChatLogProb(token=token, logprob=logprob, bytes=list(token.encode("utf-8")))
-
-
-def _template_message(message) -> dict:
-    """A request message as chat templates read it: a tool call's arguments as a mapping
-    (OpenAI sends them as JSON text; the templates serialise them), as vLLM passes them."""
-    out = {"role": message.role, "content": message.text()}
-    for key in ("name", "tool_call_id", "reasoning_content"):
-        if getattr(message, key) is not None:
-            out[key] = getattr(message, key)
-    if message.tool_calls:
-        calls = []
-        for call in message.tool_calls:
-            function = dict(call.get("function") or {})
-            if isinstance(function.get("arguments"), str):
-                try:
-                    function["arguments"] = json.loads(function["arguments"])
-                except json.JSONDecodeError as e:
-                    raise OpenAIError(f"messages: a tool call's arguments are not JSON ({e})", param="messages") from e
-            calls.append({**call, "function": function})
-        out["tool_calls"] = calls
-    return out
 
 
 def _merge_deltas(a, b):

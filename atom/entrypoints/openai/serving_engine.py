@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import re
 from collections.abc import AsyncIterator, Callable
@@ -17,7 +18,15 @@ from atom.engine.async_llm import AsyncLLM, EngineOverloadedError, RequestFailed
 from atom.engine.core_client import EngineDeadError
 from atom.engine.input_processor import InvalidInputError, ProcessedPrompt
 from atom.engine.output_processor import RequestOutput
-from atom.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, SamplingRequest, UsageInfo
+from atom.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    ErrorInfo,
+    ErrorResponse,
+    SamplingRequest,
+    TokenizeChatRequest,
+    UsageInfo,
+)
 from atom.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -100,6 +109,19 @@ class OpenAIServing:
         if given and not self.trust_request_chat_template:
             raise OpenAIError("Chat template is passed with request, but --trust-request-chat-template is not set. "
                               "Refused request with untrusted chat template.", param="chat_template")
+
+    async def render_chat(self, request: ChatCompletionRequest | TokenizeChatRequest, tools: list[dict] | None,
+                          **kwargs) -> Prompt:  # fmt: skip
+        """A request's messages (and ``tools``) through the chat template: the prompt the chat endpoint
+        and ``/tokenize`` give the same conversation. ``kwargs``: ``apply_chat_template``'s."""
+        self.check_chat_template(request.chat_template, request.chat_template_kwargs)
+        template_kwargs = dict(request.chat_template_kwargs or {})
+        if tools:
+            template_kwargs["tools"] = tools
+        return await self.engine.apply_chat_template(
+            [template_message(m) for m in request.messages], add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message, chat_template_kwargs=template_kwargs,
+            chat_template=request.chat_template, **kwargs)  # fmt: skip
 
     @property
     def model_name(self) -> str:
@@ -252,6 +274,29 @@ class OpenAIServing:
             await chunks.aclose()
             await outputs.aclose()
         yield sse("[DONE]")
+
+
+def template_message(message: ChatMessage) -> dict:
+    """A request message as chat templates read it: a tool call's arguments as a mapping
+    (OpenAI sends them as JSON text; the templates serialise them), as vLLM passes them."""
+    out = {"role": message.role, "content": message.text()}
+    for key in ("name", "tool_call_id"):
+        if getattr(message, key) is not None:
+            out[key] = getattr(message, key)
+    if message.reasoning is not None:  # under both names, as vLLM gives it: templates read one or the other
+        out["reasoning"] = out["reasoning_content"] = message.reasoning
+    if message.tool_calls:
+        calls = []
+        for call in message.tool_calls:
+            function = dict(call.get("function") or {})
+            if isinstance(function.get("arguments"), str):
+                try:
+                    function["arguments"] = json.loads(function["arguments"])
+                except json.JSONDecodeError as e:
+                    raise OpenAIError(f"messages: a tool call's arguments are not JSON ({e})", param="messages") from e
+            calls.append({**call, "function": function})
+        out["tool_calls"] = calls
+    return out
 
 
 async def with_timeout(outputs: AsyncIterator[T], timeout: float | None) -> AsyncIterator[T]:

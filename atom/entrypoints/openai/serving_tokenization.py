@@ -27,16 +27,9 @@ class OpenAIServingTokenization(OpenAIServing):
     async def _tokenize(self, request: TokenizeCompletionRequest | TokenizeChatRequest):
         self.check_model(request.model)
         if isinstance(request, TokenizeChatRequest):
-            self.check_chat_template(request.chat_template, request.chat_template_kwargs)
-            prompt = await self.engine.apply_chat_template(
-                [{"role": m.role, "content": m.text()} for m in request.messages],
-                add_generation_prompt=request.add_generation_prompt,
-                continue_final_message=request.continue_final_message,
-                chat_template_kwargs=request.chat_template_kwargs,
-                chat_template=request.chat_template,
-                add_special_tokens=request.add_special_tokens,
-                check_length=False,
-            )
+            tools = [t.model_dump(exclude_unset=True) for t in request.tools or []]  # as tool_plan gives them
+            prompt = await self.render_chat(request, tools, add_special_tokens=request.add_special_tokens,
+                                            check_length=False)  # fmt: skip
         else:
             prompt = await self.engine.tokenize(request.prompt, request.add_special_tokens, check_length=False)
         ids = prompt.token_ids
