@@ -272,11 +272,8 @@ def test_null_fields_and_vllm_request_options(server, reference, tiny_model):
     assert r.status_code == 200
     assert r.json()["tokens"] == chat_prompt_ids(reference, MESSAGES)[: r.json()["count"]]
     assert r.json()["count"] < len(chat_prompt_ids(reference, MESSAGES))  # no assistant turn started
-    for path, body, name in [("/v1/completions", {"prompt": "Hi", "prompt_logprobs": 1}, "prompt_logprobs"),
-                             ("/v1/completions", {"prompt": "Hi", "spaces_between_special_tokens": False},
-                              "spaces_between_special_tokens")]:
-        r = server.post(path, {**body, "max_tokens": 1})
-        assert r.status_code == 400 and name in r.json()["error"]["message"], r.text
+    r = server.post("/v1/completions", {"prompt": "Hi", "spaces_between_special_tokens": False, "max_tokens": 1})
+    assert r.status_code == 400 and "spaces_between_special_tokens" in r.json()["error"]["message"], r.text
 
 
 def test_content_parts_join_by_newlines(server, reference):
@@ -348,6 +345,34 @@ def test_completion_echo_logprobs(client, reference, tiny_model):
     assert lp.token_logprobs[-1] == pytest.approx(plain.choices[0].logprobs.token_logprobs[0], abs=1e-4)
     # greedy generated token: its logprob is the best of its top list
     assert lp.token_logprobs[-1] == pytest.approx(max(lp.top_logprobs[-1].values()), abs=1e-5)
+
+
+def test_prompt_logprobs(server, client, reference, tiny_model):
+    """vLLM's prompt_logprobs: None, then per prompt position its token (logprob, rank in the vocabulary,
+    text) and the top N; the in-process engine's values. Beside echo's logprobs (with their own N) on
+    completions, at the response's top level on chat; not with stream."""
+    prompt = PROMPTS[3]
+    ids = reference.tokenizer.encode(prompt)
+    reference.add_request([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=3))
+    [ref] = wait_until(reference.step, timeout=30, interval=0)
+    out = client.completions.create(model=tiny_model, prompt=prompt, max_tokens=1, temperature=0, echo=True,
+                                    logprobs=1, extra_body={"prompt_logprobs": 3})  # fmt: skip
+    got = out.choices[0].prompt_logprobs
+    assert len(got) == len(ids) and got[0] is None
+    for token_id, entry, want in zip(ids[1:], got[1:], ref.prompt_logprobs[1:]):
+        own = entry[str(token_id)]
+        assert own["logprob"] == pytest.approx(want.logprob, abs=1e-4) and own["rank"] == want.rank
+        assert own["decoded_token"] == reference.tokenizer.decode([token_id])
+        top = {int(t): v for t, v in entry.items() if int(t) != token_id or v["rank"] <= 3}
+        assert sorted(v["rank"] for v in top.values()) == [1, 2, 3]
+        assert {t: v["logprob"] for t, v in top.items()} == pytest.approx(dict(want.top), abs=1e-4)
+    # echo's logprobs keep their own N (1 alternative, the chosen token besides)
+    assert all(len(t) <= 2 for t in out.choices[0].logprobs.top_logprobs[1:])
+    chat = server.post("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 1, "prompt_logprobs": 0}).json()
+    assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"] and chat["prompt_logprobs"][0] is None
+    assert all(len(entry) == 1 for entry in chat["prompt_logprobs"][1:])
+    r = server.post("/v1/completions", {"prompt": "Hi", "max_tokens": 1, "stream": True, "prompt_logprobs": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", r.text
 
 
 def test_completion_echo_without_generation(client, tiny_model):

@@ -141,7 +141,8 @@ class SamplingRequest(OpenAIRequest):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT64_MAX)
-    prompt_logprobs: int | None = None
+    # vLLM's: each prompt position's logprob and the top N (at most --max-logprobs), not with stream
+    prompt_logprobs: int | None = Field(None, ge=0, le=INT64_MAX)
 
     @model_validator(mode="before")
     @classmethod
@@ -150,6 +151,13 @@ class SamplingRequest(OpenAIRequest):
         if isinstance(data, dict):
             return {k: v for k, v in data.items() if v is not None or k not in _NULLABLE_DEFAULTS}
         return data
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs_not_streamed(cls, v, info):
+        if v is not None and info.data.get("stream"):
+            raise ValueError("prompt_logprobs are not available when stream=true (as vLLM)")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -170,9 +178,6 @@ class SamplingRequest(OpenAIRequest):
 
     @model_validator(mode="after")
     def _unsupported(self):
-        if self.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported by atom (completions return the prompt's logprobs "
-                             "with echo=true and logprobs)")
         if not self.spaces_between_special_tokens:
             raise ValueError("spaces_between_special_tokens=false is not supported by atom")
         if self.truncate_prompt_tokens == 0:
@@ -331,10 +336,23 @@ class CompletionLogProbs(OpenAIBaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(OpenAIBaseModel):
+    """vLLM's ``Logprob``: one token of a prompt position (``prompt_logprobs``)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# a prompt's logprobs as vLLM gives them: None for the first token, then per position its token and the top N
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionResponseChoice(OpenAIBaseModel):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
+    prompt_logprobs: PromptLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_token_ids: list[int] | None = None  # with return_token_ids
@@ -399,6 +417,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo | None = None
     prompt_token_ids: list[int] | None = None  # with return_token_ids
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(_Reasoning):

@@ -70,8 +70,11 @@ class OpenAIServingChat(OpenAIServing):
                 token_ids=out.token_ids if request.return_token_ids else None,
             ))
         usage = self.usage([len(prompt.token_ids)], finals)
+        prompt_logprobs = (self.prompt_logprobs(finals[0].prompt_logprobs, request.prompt_logprobs)
+                           if request.prompt_logprobs is not None else None)  # fmt: skip
         response = ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage,
-                                          prompt_token_ids=prompt.token_ids if request.return_token_ids else None)
+                                          prompt_token_ids=prompt.token_ids if request.return_token_ids else None,
+                                          prompt_logprobs=prompt_logprobs)
         return JSONResponse(response.model_dump())
 
     async def prepare(self, request: ChatCompletionRequest) -> tuple[ToolPlan, Prompt, SamplingParams]:
@@ -91,7 +94,8 @@ class OpenAIServingChat(OpenAIServing):
         # left out: what the context leaves (or the model's max_new_tokens), as vLLM's chat
         max_tokens = self.max_tokens(request.requested_max_tokens, len(prompt.token_ids), "messages", default=None)
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        params = self.sampling_params(request, max_tokens, logprobs=logprobs, structured=plan.constraint or structured)
+        params = self.sampling_params(request, max_tokens, logprobs=logprobs, prompt_logprobs=request.prompt_logprobs,
+                                      structured=plan.constraint or structured)
         return plan, prompt, params
 
     def request_role(self, request: ChatCompletionRequest) -> str:

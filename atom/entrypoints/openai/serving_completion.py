@@ -38,13 +38,14 @@ class OpenAIServingCompletion(OpenAIServing):
         # echo shows the prompt's text: decode token-id prompts once, off the event loop
         echoed = [p.text if p.text is not None or not request.echo else await self.engine.detokenize(p.token_ids)
                   for p in prompts]
-        want_prompt_logprobs = request.echo and request.logprobs is not None
+        # the prompt's logprobs: prompt_logprobs' top N, and echo's with logprobs (computed once, the larger N)
+        wanted = [n for n in (request.prompt_logprobs, request.logprobs if request.echo else None) if n is not None]
         structured = structured_outputs(request)
         params = [
             self.sampling_params(request, self.max_tokens(1 if request.echo_only else request.max_tokens,
                                                           len(p.token_ids), "prompt"),
                                  logprobs=request.logprobs,
-                                 prompt_logprobs=request.logprobs if want_prompt_logprobs else None,
+                                 prompt_logprobs=max(wanted) if wanted else None,
                                  structured=structured)
             for p in prompts
         ]
@@ -71,9 +72,11 @@ class OpenAIServingCompletion(OpenAIServing):
             if request.logprobs is not None:
                 entries = list(zip(prompt.token_ids, out.prompt_logprobs or [])) + entries
         if request.logprobs is not None:
-            logprobs = self.logprobs(entries, 0, self.tokens_as_ids(request))
+            logprobs = self.logprobs(entries, 0, self.tokens_as_ids(request), request.logprobs)
         ids = dict(prompt_token_ids=prompt.token_ids, token_ids=out.token_ids) if request.return_token_ids else {}
-        return CompletionResponseChoice(index=index, text=text, logprobs=logprobs,
+        prompt_logprobs = (self.prompt_logprobs(out.prompt_logprobs, request.prompt_logprobs)
+                           if request.prompt_logprobs is not None else None)  # fmt: skip
+        return CompletionResponseChoice(index=index, text=text, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                                         finish_reason=out.finish_reason, stop_reason=out.stop_reason, **ids)
 
     async def _stream(self, request: CompletionRequest, request_id: str, prompts: list[Prompt],
@@ -102,7 +105,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     text = echoed[i // request.n] + text
                     if request.logprobs is not None:
                         entries = list(zip(prompt.token_ids, out.prompt_logprobs or [])) + entries
-            logprobs = (self.logprobs(entries, offsets[i], self.tokens_as_ids(request))
+            logprobs = (self.logprobs(entries, offsets[i], self.tokens_as_ids(request), request.logprobs)
                         if request.logprobs is not None else None)
             offsets[i] += len(text)
             choice = CompletionResponseChoice(index=i, text=text, logprobs=logprobs, finish_reason=out.finish_reason,
@@ -117,9 +120,10 @@ class OpenAIServingCompletion(OpenAIServing):
                                                usage=usage))
 
     def logprobs(self, entries: list[tuple[int, TokenLogprobs | None]], offset: int,
-                 as_ids: bool = False) -> CompletionLogProbs:
+                 as_ids: bool, top_n: int) -> CompletionLogProbs:
         """Legacy completion logprobs; ``None`` entries (the first prompt token) have none.
-        ``as_ids``: tokens as "token_id:{id}" (offsets count those strings, as vLLM's)."""
+        ``as_ids``: tokens as "token_id:{id}" (offsets count those strings, as vLLM's); ``top_n``
+        alternatives each (the prompt's may have been computed with more, for prompt_logprobs)."""
         result = CompletionLogProbs()
         for token_id, lp in entries:
             token = self.logprob_token(token_id, as_ids)
@@ -131,7 +135,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 result.top_logprobs.append(None)
                 continue
             result.token_logprobs.append(lp.logprob)
-            top = {self.logprob_token(t, as_ids): v for t, v in lp.top}
+            top = {self.logprob_token(t, as_ids): v for t, v in lp.top[:top_n]}
             top.setdefault(token, lp.logprob)  # the chosen token is always listed, as vLLM does
             result.top_logprobs.append(top)
         return result

@@ -18,11 +18,14 @@ from atom.engine.async_llm import AsyncLLM, EngineOverloadedError, RequestFailed
 from atom.engine.core_client import EngineDeadError
 from atom.engine.input_processor import InvalidInputError, ProcessedPrompt
 from atom.engine.output_processor import RequestOutput
+from atom.engine.outputs import TokenLogprobs
 from atom.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     ErrorInfo,
     ErrorResponse,
+    PromptLogprob,
+    PromptLogprobs,
     SamplingRequest,
     TokenizeChatRequest,
     UsageInfo,
@@ -255,6 +258,22 @@ class OpenAIServing:
         else the server's --return-tokens-as-token-ids (vLLM's)."""
         wanted = request.return_tokens_as_token_ids
         return self.return_tokens_as_token_ids if wanted is None else wanted
+
+    def prompt_logprobs(self, logprobs: list[TokenLogprobs | None] | None, top_n: int) -> PromptLogprobs:
+        """vLLM's ``prompt_logprobs``: None for the first token, then each position's own token (with its
+        rank in the vocabulary) and the ``top_n`` most likely, keyed by token id."""
+        result: PromptLogprobs = []
+        for lp in logprobs or []:
+            if lp is None:
+                result.append(None)
+                continue
+            entry = {lp.token_id: PromptLogprob(logprob=lp.logprob, rank=lp.rank,
+                                                decoded_token=self.token_str(lp.token_id))}  # fmt: skip
+            for rank, (token_id, value) in enumerate(lp.top[:top_n], 1):
+                entry.setdefault(token_id, PromptLogprob(logprob=value, rank=rank,
+                                                         decoded_token=self.token_str(token_id)))  # fmt: skip
+            result.append(entry)
+        return result
 
     def logprob_token(self, token_id: int, as_id: bool) -> str:
         """A token as logprobs show it: its text, or vLLM's "token_id:{id}"."""
