@@ -3,7 +3,6 @@ product, inside a CUDA graph, and under torch.compile with a dynamic batch.
 
 Run in its own pytest process (tests/kernels switches Triton to its interpreter)."""
 
-import functools
 import os
 
 import pytest
@@ -83,46 +82,3 @@ def test_gated_skinny_gemm(n, k, split_k, dtype):
     unfused = ops.silu_and_mul(torch.cat([product[:, 0::2], product[:, 1::2]], 1))
     torch.testing.assert_close(out, unfused, atol=0, rtol=0)
     assert_close(out, ops.reference.silu_and_mul(F.linear(x.float(), w.float())), dtype)
-
-
-# the split-K sums added by the last of a column block's programs (gemv.FOLD_SPLIT_K): the reduction kernel's
-# bits at Qwen3-8B's gate_up (gated) and down, bf16 and FP8 (activations quantised in the kernel, first with
-# the rows there are tiled to the MMA's, gemv.QUANT_ROWS_TILED: the same bits), 1-16 rows, the same bits again
-# on a second launch (the counters zero again) and inside a CUDA graph replayed twice
-@pytest.mark.parametrize("n,k,gated", [(2 * 12288, 4096, True), (4096, 12288, False)])
-@pytest.mark.parametrize("m", [1, 5, 16])
-@pytest.mark.parametrize("fp8", [False, True])
-def test_split_k_folded(n, k, gated, m, fp8, monkeypatch):
-    import dataclasses
-
-    from atom.ops import reference_fp8
-    from atom.ops.triton import counters, gemv
-    from atom.ops.triton.fp8_configs import skinny_config
-
-    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
-    w = torch.randn(n, k, device=DEV) / k**0.5
-    if fp8:
-        w, w_scale = reference_fp8.quantize_weight(w, 128, 128)
-        cfg, scales = skinny_config(n, k, 128), (None, w_scale.t().contiguous().t(), 128)
-    else:
-        w, scales = w.to(torch.bfloat16), None
-        cfg = gemv.pick_config(m, n, k)
-    cfg = dataclasses.replace(cfg, split_k=4, block_n=cfg.block_n + cfg.block_n % 2)
-    run = functools.partial(gemv.skinny_gemm, x, w, None, cfg, scales=scales, out_dtype=torch.float32, gated=gated)
-    reduced = run()
-    if fp8:
-        monkeypatch.setattr(gemv, "QUANT_ROWS_TILED", True)
-        torch.testing.assert_close(run(), reduced, atol=0, rtol=0)
-    monkeypatch.setattr(gemv, "FOLD_SPLIT_K", True)
-    for _ in range(2):
-        torch.testing.assert_close(run(), reduced, atol=0, rtol=0)
-    assert not counters.launch_counters(x.device).any()
-    out = torch.empty_like(reduced)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out.copy_(run())
-    for _ in range(2):
-        out.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        torch.testing.assert_close(out, reduced, atol=0, rtol=0)

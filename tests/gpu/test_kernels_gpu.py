@@ -211,23 +211,6 @@ def test_paged_attention_forced_splits(num_splits):
     assert_close(out, reference_attention(*args, 128**-0.5), torch.bfloat16)
 
 
-@pytest.mark.parametrize("num_splits", [2, 7, 64])
-@pytest.mark.parametrize("batch", [1, 32])
-def test_paged_attention_folded_merge(num_splits, batch, monkeypatch):
-    # the last split's program merges (attention.FOLD_MERGE): near the merge kernel's result and the
-    # reference, the same bits on a second launch (the counters zero again)
-    from atom.ops.triton import attention, counters
-
-    args = make_batch([1] * batch, torch.randint(1, 6000, (batch,)).tolist(), 32, 8, 128, 16, torch.bfloat16)
-    merged = tk.paged_attention(*args, 128**-0.5, num_splits=num_splits)
-    monkeypatch.setattr(attention, "FOLD_MERGE", True)
-    out = tk.paged_attention(*args, 128**-0.5, num_splits=num_splits)
-    assert_close(out, reference_attention(*args, 128**-0.5), torch.bfloat16)
-    assert (out.float() - merged.float()).abs().max().item() <= 1e-2
-    assert not counters.launch_counters(out.device).any()
-    torch.testing.assert_close(tk.paged_attention(*args, 128**-0.5, num_splits=num_splits), out, atol=0, rtol=0)
-
-
 @pytest.mark.parametrize("balance, min_keys", [(4, 512), (16, 128)])
 @pytest.mark.parametrize("kv_heads", [4, 8])
 def test_paged_attention_balance_splits(balance, min_keys, kv_heads, monkeypatch):

@@ -41,23 +41,21 @@ def compile_sm90(fn, signature: dict[str, str], constexprs: dict, num_warps: int
 
 
 def skinny_variants():
-    """The skinny GEMM's constexpr branches: bf16 and FP8 (activations quantised in the kernel, one row
-    or four tiled to the MMA's 16), key splits added by a second kernel or folded, gated or not."""
+    """The skinny GEMM's constexpr branches: bf16 and FP8 (activations quantised in the kernel), key
+    splits added by a second kernel or not, gated or not."""
     from atom.ops.triton.gemv import _skinny_gemm_kernel
 
-    ints = ["M", "N", "K", "k_per_split", "stride_xm", "stride_wn", "stride_om", "stride_pm", "stride_ps",
-            "stride_xsm", "stride_xsk", "stride_wsn", "stride_wsk"]  # fmt: skip
-    for fp8, mode, partial, fold, gated in itertools.product([False, True], [0, 3], [False, True], [False, True],
-                                                             [False, True]):  # fmt: skip
-        if fold and not partial:
-            continue
+    ints = ["M", "N", "K", "k_per_split", "stride_xm", "stride_wn", "stride_om", "stride_os", "stride_xsm",
+            "stride_xsk", "stride_wsn", "stride_wsk"]  # fmt: skip
+    for fp8, mode, partial, gated in itertools.product([False, True], [0, 3], [False, True], [False, True]):
         sig = dict.fromkeys(["x_ptr", "b_ptr", "out_ptr"], "*bf16")
-        sig.update(w_ptr="*fp8e4nv" if fp8 else "*bf16", xs_ptr="*fp32", ws_ptr="*fp32", part_ptr="*fp32",
-                   count_ptr="*i32", **dict.fromkeys(ints, "i32"))  # fmt: skip
-        block_m = 16 if mode else 1
+        sig.update(w_ptr="*fp8e4nv" if fp8 else "*bf16", xs_ptr="*fp32", ws_ptr="*fp32",
+                   **dict.fromkeys(ints, "i32"))  # fmt: skip
+        if partial:
+            sig["out_ptr"] = "*fp32"  # the partial sums
         const = dict(HAS_BIAS=True, PARTIAL=partial, EVEN_K=True, MODE=mode, SCALES=2 if fp8 else 0,
-                     BLOCK_M=block_m, BLOCK_N=64 if mode else 8, BLOCK_K=128, QUANT_X=fp8, GATED=gated,
-                     ROWS_Q=(4 if partial else 1) if fp8 and mode else block_m, FOLD=fold)  # fmt: skip
+                     BLOCK_M=16 if mode else 1, BLOCK_N=64 if mode else 8, BLOCK_K=128, QUANT_X=fp8,
+                     GATED=gated)  # fmt: skip
         yield "_skinny_gemm_kernel", _skinny_gemm_kernel, sig, const
 
 
@@ -81,25 +79,23 @@ def decode_gemm_helpers():
 
 
 def attention_variants():
-    """The paged attention kernel at decode tiles (Qwen3-8B's heads): unsplit, key splits merged by
-    a second kernel or by the last split's program; bf16 and an fp8 cache."""
+    """The paged attention kernel at decode tiles (Qwen3-8B's heads): unsplit and with key splits;
+    bf16 and an fp8 cache."""
     from atom.ops.triton.attention import _paged_attention_kernel
 
-    ptrs = ["out_ptr", "part_out_ptr", "part_max_ptr", "part_sum_ptr", "count_ptr", "q_ptr", "k_cache_ptr",
-            "v_cache_ptr", "cu_seqlens_q_ptr", "seq_lens_ptr", "block_tables_ptr", "k_scale_ptr", "v_scale_ptr"]
+    ptrs = ["out_ptr", "part_out_ptr", "part_max_ptr", "part_sum_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr",
+            "cu_seqlens_q_ptr", "seq_lens_ptr", "block_tables_ptr", "k_scale_ptr", "v_scale_ptr"]
     ints = ["num_seqs", "num_splits", "min_split_tiles", "stride_qt", "stride_qh", "stride_ot", "stride_oh",
             "stride_cb", "stride_ch", "stride_ct", "stride_bt"]  # fmt: skip
-    for split, fold, fp8 in itertools.product([False, True], [False, True], [False, True]):
-        if fold and not split:
-            continue
+    for split, fp8 in itertools.product([False, True], [False, True]):
         sig = dict.fromkeys(ptrs, "*bf16")
-        sig.update(part_out_ptr="*fp32", part_max_ptr="*fp32", part_sum_ptr="*fp32", count_ptr="*i32",
-                   cu_seqlens_q_ptr="*i32", seq_lens_ptr="*i32", block_tables_ptr="*i32", k_scale_ptr="*fp32",
-                   v_scale_ptr="*fp32", qk_scale="fp32", **dict.fromkeys(ints, "i32"))  # fmt: skip
+        sig.update(part_out_ptr="*fp32", part_max_ptr="*fp32", part_sum_ptr="*fp32", cu_seqlens_q_ptr="*i32",
+                   seq_lens_ptr="*i32", block_tables_ptr="*i32", k_scale_ptr="*fp32", v_scale_ptr="*fp32",
+                   qk_scale="fp32", **dict.fromkeys(ints, "i32"))  # fmt: skip
         if fp8:
             sig.update(k_cache_ptr="*fp8e4nv", v_cache_ptr="*fp8e4nv")
         const = dict(GROUP=4, GROUP_PAD=4, BLOCK_Q=4, BLOCK_N=64, HEAD_DIM=128, HEAD_DIM_PAD=128, PAGE_SIZE=16,
-                     SPLIT=split, FOLD=fold, DOT_PRECISION="tf32", HAS_SCALE=fp8)  # fmt: skip
+                     SPLIT=split, DOT_PRECISION="tf32", HAS_SCALE=fp8)  # fmt: skip
         yield "_paged_attention_kernel", _paged_attention_kernel, sig, const
 
 

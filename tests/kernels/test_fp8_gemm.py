@@ -169,19 +169,13 @@ def test_w8a8_matmul_takes_scaled_mm_above_the_skinny_rows():
 
 @pytest.mark.parametrize("m, n, k, group_k, cfg", [
     (1, 37, 200, 32, GemvConfig(block_n=64, block_k=128, split_k=2, mode="dot_t")),
-    (3, 40, 64, 32, GemvConfig(block_n=16, block_k=128, mode="dot_t")),  # 4 rows quantised, tiled to 16
     (5, 70, 72, 16, GemvConfig(block_n=8, block_k=128, split_k=2, mode="sum")),
     (16, 100, 96, 32, GemvConfig(block_n=16, block_k=128, mode="dot")),
 ])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("tiled", [False, True])
-def test_skinny_w8a8_quantises_activations_in_the_kernel(m, n, k, group_k, cfg, dtype, tiled, monkeypatch):
+def test_skinny_w8a8_quantises_activations_in_the_kernel(m, n, k, group_k, cfg, dtype):
     # 16-bit activations quantised group by group inside the skinny kernel give the bits of
-    # the quantisation kernel followed by the same launch (codes and scales bit for bit); tiled:
-    # only the rows there are quantised, then tiled to the block's
-    from atom.ops.triton import gemv
-
-    monkeypatch.setattr(gemv, "QUANT_ROWS_TILED", tiled)
+    # the quantisation kernel followed by the same launch (codes and scales bit for bit)
     x = (torch.randn(m, k) * torch.exp(torch.randn(m, 1) * 2)).to(dtype)
     x[0, :7] = 0  # a partly zero group
     w_q, w_s = ref.quantize_weight(torch.randn(n, k) * 0.1, group_k, 32)

@@ -1,10 +1,8 @@
-import functools
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-from atom.ops.triton import counters, gemv
+from atom.ops.triton import gemv
 from atom.ops.triton.gemv import GemvConfig, skinny_gemm
 
 CONFIGS = [
@@ -89,27 +87,6 @@ def test_skinny_gemm_gated(cfg, m, n, k, with_bias, dtype16, assert_close):
     torch.testing.assert_close(out, silu_and_mul(torch.cat([product[:, 0::2], product[:, 1::2]], 1)), atol=0, rtol=0)
     ref = F.linear(x.double(), w.double(), None if bias is None else bias.double())
     assert_close(out, reference.silu_and_mul(ref), dtype16)
-
-
-@pytest.mark.parametrize("cfg", [c for c in CONFIGS if c.split_k > 1], ids=_config_id)
-@pytest.mark.parametrize("gated", [False, True])
-def test_split_k_sums_folded_into_the_last_program(cfg, gated, monkeypatch):
-    # the last of a column block's programs adds the partial sums: the reduction kernel's bits, the
-    # counters zero again after every launch (a second launch reuses them), and the reduction kernel
-    # where a grid has more column blocks than counters
-    m, n, k = 3, 2 * 45, 130
-    x = torch.randn(m, k, dtype=torch.bfloat16)
-    w = (torch.randn(n, k) / k**0.5).to(torch.bfloat16)
-    bias = torch.randn(n, dtype=torch.bfloat16)
-    run = functools.partial(skinny_gemm, x, w, bias, cfg, out_dtype=torch.float32, gated=gated)  # every bit shows
-    monkeypatch.setattr(gemv, "FOLD_SPLIT_K", False)
-    reduced = run()
-    monkeypatch.setattr(gemv, "FOLD_SPLIT_K", True)
-    torch.testing.assert_close(run(), reduced, atol=0, rtol=0)
-    assert not counters.launch_counters(x.device).any()
-    torch.testing.assert_close(run(), reduced, atol=0, rtol=0)
-    monkeypatch.setattr(counters, "SLOTS", 1)
-    torch.testing.assert_close(run(), reduced, atol=0, rtol=0)
 
 
 def test_skinny_gemm_gated_needs_pairs():

@@ -16,8 +16,7 @@ Launches whose chunks fill 128-row tiles go to the prefill kernel of
 
 Split-K (flash decoding): with few sequences there are too few programs to fill the GPU,
 so the key range of each tile is cut into ``num_splits`` segments handled by separate
-programs that write unnormalised partial results; the last of them to finish merges them
-(``FOLD_MERGE``; else a second kernel, ``attention_merge.merge_splits``). Large decode
+programs that write unnormalised partial results; a second kernel merges them. Large decode
 batches of uneven contexts may split too, into segments of a minimum length, so that a long
 sequence's keys spread over several programs while short ones stay whole (``_num_splits``).
 
@@ -38,9 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
-from atom.ops.triton import counters
 from atom.ops.triton import prefill_attention_gluon as gluon
-from atom.ops.triton.attention_merge import merge_rows, merge_splits, split_partials, with_columns
+from atom.ops.triton.attention_merge import merge_splits, split_partials, with_columns
 from atom.ops.triton.prefill_attention import _find_seq, _num_sms, descriptor_ready, prefill_attention
 
 # Hopper: prefill chunks that fill the Gluon kernel's 128-row query tiles run there (docs/kernels.md);
@@ -65,7 +63,6 @@ def _paged_attention_kernel(
     part_out_ptr,
     part_max_ptr,
     part_sum_ptr,
-    count_ptr,
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
@@ -94,7 +91,6 @@ def _paged_attention_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     SPLIT: tl.constexpr,
-    FOLD: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     HAS_SCALE: tl.constexpr,
 ):
@@ -176,20 +172,6 @@ def _paged_attention_kernel(
         tl.store(part_sum_ptr + row, l_i, mask=row_ok)
         if tile_lo < tile_hi:
             tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc * v_scale, mask=row_mask)
-        if FOLD:
-            # the last of the tile's splits to finish merges them (a launch counter a tile and KV
-            # head): every thread's partials stored before the count, the others' read from L2
-            tl.debug_barrier()
-            slot = count_ptr + tile * tl.num_programs(1) + kv_head
-            if tl.atomic_add(slot, 1) == num_splits - 1:
-                out = merge_rows(part_out_ptr, part_max_ptr, part_sum_ptr, row - split, row_ok, offs_d, num_splits,
-                                 HEAD_DIM, HEAD_DIM_PAD)  # fmt: skip
-                tl.atomic_xchg(slot, 0)
-                tl.store(
-                    out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-                    out.to(out_ptr.dtype.element_ty),
-                    mask=row_mask,
-                )
     else:
         out = acc * v_scale / l_i[:, None]
         tl.store(
@@ -206,9 +188,6 @@ def _paged_attention_kernel(
 # 8 KV heads): 2 of >= 512 keys 1.5-7% faster than unsplit; 4-16 splits, or shorter ones, slower.
 BALANCE_SPLITS = 2
 SPLIT_MIN_KEYS = 512
-# Key-range splits merged by the last of a tile's programs (FOLD in the kernel), not by merge_splits' launch.
-# Off until run on a GPU (as gemv.FOLD_SPLIT_K)
-FOLD_MERGE = False
 
 
 def _num_splits(
@@ -295,13 +274,11 @@ def _attend(
         part_out, part_max, part_sum = split_partials(num_tokens, num_q_heads, num_splits, head_dim, q.device)
     else:
         part_out = part_max = part_sum = out  # unused: SPLIT is False
-    fold = split and FOLD_MERGE and num_tiles * num_kv_heads <= counters.SLOTS
     _paged_attention_kernel[(num_tiles, num_kv_heads, num_splits)](
         out,
         part_out,
         part_max,
         part_sum,
-        counters.launch_counters(q.device) if fold else out,
         q,
         k_cache,
         v_cache,
@@ -330,13 +307,12 @@ def _attend(
         HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
         PAGE_SIZE=page_size,
         SPLIT=split,
-        FOLD=fold,
         DOT_PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32",
         HAS_SCALE=kv_scales[0] is not None,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
-    if split and not fold:
+    if split:
         merge_splits(out, part_out, part_max, part_sum)
 
 

@@ -58,32 +58,6 @@ def _merge_splits_kernel(
                  mask=offs_d < HEAD_DIM)
 
 
-@triton.jit
-def merge_rows(part_out_ptr, part_max_ptr, part_sum_ptr, row0, row_ok, offs_d, num_splits, HEAD_DIM: tl.constexpr,
-               HEAD_DIM_PAD: tl.constexpr):  # fmt: skip
-    """The merged output rows [rows, HEAD_DIM_PAD] of the partials at rows ``row0`` (each row's splits
-    consecutive), split by split (the merge kernel's sums in another order): the largest max, then
-    each split's output and sum weighted by 2^(its max - that). Splits that saw no key (max -inf) weigh
-    0 and their output rows, never stored, are not read. Partials are read from L2 (``.cg``): other
-    programs of the launch wrote them."""
-    m_max = tl.full(row0.shape, float("-inf"), tl.float32)
-    for s in range(0, num_splits):
-        m_max = tl.maximum(m_max, tl.load(part_max_ptr + row0 + s, mask=row_ok, other=float("-inf"),
-                                          cache_modifier=".cg"))  # fmt: skip
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # rows out of range
-    acc = tl.zeros((row0.shape[0], HEAD_DIM_PAD), tl.float32)
-    l = tl.zeros(row0.shape, tl.float32)
-    for s in range(0, num_splits):
-        m = tl.load(part_max_ptr + row0 + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-        saw = row_ok & (m > float("-inf"))
-        w = tl.where(saw, tl.exp2(m - m_max), 0.0)
-        l += w * tl.load(part_sum_ptr + row0 + s, mask=saw, other=0.0, cache_modifier=".cg")
-        mask = with_columns(saw[:, None], offs_d[None, :], HEAD_DIM, HEAD_DIM_PAD)
-        acc += w[:, None] * tl.load(part_out_ptr + (row0 + s)[:, None] * HEAD_DIM + offs_d[None, :], mask=mask,
-                                    other=0.0, cache_modifier=".cg")  # fmt: skip
-    return acc / tl.where(l > 0, l, 1.0)[:, None]
-
-
 def split_partials(num_tokens: int, num_heads: int, num_splits: int, head_dim: int, device) -> tuple:
     """Partial output, max and sum buffers, [token, head, split, ...] in float32."""
     part_out = torch.empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32, device=device)

@@ -231,12 +231,11 @@ def fp8_linear(
 
 
 # Up to this many rows ``fp8_gated_linear`` applies SiLU-mul in the skinny kernel's epilogue (or its split-K
-# reduction's), one launch fewer a layer (0: never, ``fp8_linear`` then silu_and_mul). Off: on an H100 (session 36,
-# tests/gpu/decode_chain.py --trace, Qwen3-8B-FP8's layer at one row) it saved silu_and_mul's 1.1 us but its
-# gated split-K reduction took ~3.3 us against the plain one's 2.0 (12 programs of 1,024 outputs, each
-# reading gate and up partials two apart), 95.6 us a layer either way; that reduction has since been
-# reshaped (partials by weight row, 24 programs), not yet timed
-GATED_MAX_ROWS = 0
+# reduction's), one launch fewer a layer (0: never, ``fp8_linear`` then silu_and_mul). On since session 38 (one
+# H100): tests/gpu/test_fp8_gpu.py -k gated passed; Qwen3-8B-FP8's layer at one row 97.1-97.8 us against
+# 98.1-98.4 (tests/gpu/decode_chain.py), batch-1 TPOT 4.281 / 4.281 ms against 4.336 / 4.337 (ABBA,
+# tests/gpu/e2e_compare.py ... qwen3-8b-fp8:latency)
+GATED_MAX_ROWS = 1
 
 
 def fp8_gated_linear(

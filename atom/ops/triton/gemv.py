@@ -32,7 +32,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from atom.ops.triton import counters
 from atom.ops.triton.activation import silu_and_mul, silu_mul
 
 _MODES = {"sum": 0, "defer": 1, "dot": 2, "dot_t": 3}
@@ -56,34 +55,27 @@ class GemvConfig:
 
 
 # M is not specialised (M == 1 would be a variant of its own): one compiled variant per
-# power-of-two row bucket (BLOCK_M, or ROWS_Q where the kernel quantises), all of which
-# CUDA-graph capture and warm-up compile at start-up.
+# power-of-two row bucket, all of which CUDA-graph capture and warm-up compile at start-up.
 # Nor are the strides that follow M: the column-major activation scales' (M apart) and the
 # split-K partial sums' (M * N apart); Triton would compile variants for 1 and multiples of 16.
-@triton.jit(do_not_specialize=["M", "stride_ps", "stride_xsk"])
+@triton.jit(do_not_specialize=["M", "stride_os", "stride_xsk"])
 def _skinny_gemm_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, xs_ptr, ws_ptr, part_ptr, count_ptr,
+    x_ptr, w_ptr, b_ptr, out_ptr, xs_ptr, ws_ptr,
     M, N, K, k_per_split,
-    stride_xm, stride_wn, stride_om, stride_pm, stride_ps, stride_xsm, stride_xsk, stride_wsn, stride_wsk,
+    stride_xm, stride_wn, stride_om, stride_os, stride_xsm, stride_xsk, stride_wsn, stride_wsk,
     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr, MODE: tl.constexpr,
     SCALES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    QUANT_X: tl.constexpr, GATED: tl.constexpr, ROWS_Q: tl.constexpr, FOLD: tl.constexpr,
+    QUANT_X: tl.constexpr, GATED: tl.constexpr,
 ):  # fmt: skip
     # SCALES: 0 none; 1 one scale per input row (xs[m, 0]) and weight row (ws[n, 0]), applied
     # once; 2 one per row and BLOCK_K-wide key group (xs[m, g], ws[n, g]), applied every step.
     # QUANT_X (with SCALES 2): x is 16-bit and each step quantises its group to e4m3 here, as
-    # fp8_gemm's _group_quant_kernel does (the same codes and scales; xs_ptr is unused), ROWS_Q
-    # rows of it (the power of two at or above M), tiled to BLOCK_M after: the MMA's 16 rows
-    # would otherwise quantise one row 16 times at batch 1.
+    # fp8_gemm's _group_quant_kernel does (the same codes and scales; xs_ptr is unused).
     # GATED: the weight is gate rows then up rows (N / 2 each) and the output silu(gate) * up;
     # product row n is weight row n // 2 of the gate half (n even) or of the up half (n odd),
     # so a program's gate rows and their up rows part with one tl.split in the epilogue; split-K
     # partial sums are stored by weight row (gate rows then up rows), so the reduction reads both
-    # halves in contiguous runs.
-    # PARTIAL: the key range is split over programs, each storing its float32 partial sums at
-    # part_ptr. FOLD: the last of a column block's programs to finish (a counter a block, as
-    # CUTLASS's serial split-K semaphore) adds them up in split order and runs the epilogue (the
-    # bits of _split_k_reduce_kernel, one launch fewer); else that kernel does, in a launch of its own
+    # halves in contiguous runs
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
@@ -95,7 +87,7 @@ def _skinny_gemm_kernel(
         rn_load = tl.minimum(rn // 2, N // 2 - 1) + (rn % 2) * (N // 2)
     else:
         rn_load = tl.minimum(rn, N - 1)
-    x_rows = x_ptr + tl.minimum(tl.arange(0, ROWS_Q), M - 1).to(tl.int64)[:, None] * stride_xm
+    x_rows = x_ptr + rm_load.to(tl.int64)[:, None] * stride_xm
     w_rows = w_ptr + rn_load.to(tl.int64)[:, None] * stride_wn
     xs_rows = xs_ptr + rm_load * stride_xsm
     ws_rows = ws_ptr + rn_load * stride_wsn
@@ -135,10 +127,6 @@ def _skinny_gemm_kernel(
                 xf = x.to(tl.float32)
                 xs = tl.maximum(tl.max(tl.abs(xf), axis=1) * (1.0 / 448.0), 1e-12)
                 x = tl.clamp(tl.math.div_rn(xf, xs[:, None]), -448.0, 448.0).to(w.dtype)
-                if ROWS_Q < BLOCK_M:  # row r is quantised row r % ROWS_Q (rows from M on are not stored)
-                    x = tl.reshape(tl.broadcast_to(x[None, :, :], (BLOCK_M // ROWS_Q, ROWS_Q, BLOCK_K)),
-                                   (BLOCK_M, BLOCK_K))  # fmt: skip
-                    xs = tl.reshape(tl.broadcast_to(xs[None, :], (BLOCK_M // ROWS_Q, ROWS_Q)), (BLOCK_M,))
                 xs_next = xs
             else:
                 xs_next = tl.load(xs_rows + group_next * stride_xsk)
@@ -168,31 +156,19 @@ def _skinny_gemm_kernel(
         acc = acc * tl.load(xs_rows)[:, None] * tl.load(ws_rows)[None, :]
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     offs = rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
-    last = True
-    if PARTIAL:  # GATED: by weight row, as loaded; the gate applies after the sum
-        part_offs = rm.to(tl.int64)[:, None] * stride_pm + (rn_load if GATED else rn)[None, :]
-        tl.store(part_ptr + pid_k.to(tl.int64) * stride_ps + part_offs, acc, mask=mask)
-        if FOLD:
-            # every thread's partial sums stored before the (release, acquire) count: the
-            # last to count reads the others' from L2
-            tl.debug_barrier()
-            last = tl.atomic_add(count_ptr + pid_n, 1) == tl.num_programs(1) - 1
-            if last:
-                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for s in range(0, tl.num_programs(1)):  # split order: the reduction kernel's bits
-                    acc += tl.load(part_ptr + s * stride_ps + part_offs, mask=mask, other=0.0, cache_modifier=".cg")
-                tl.atomic_xchg(count_ptr + pid_n, 0)  # zero for the next launch
-        else:
-            last = False
-    if last:
+    if PARTIAL:  # GATED: by weight row, as loaded; the reduction applies the gate
+        if GATED:
+            offs = rm.to(tl.int64)[:, None] * stride_om + rn_load[None, :]
+        tl.store(out_ptr + pid_k.to(tl.int64) * stride_os + offs, acc, mask=mask)
+    else:
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn_load).to(tl.float32)[None, :]
         dtype = out_ptr.dtype.element_ty
         if GATED:
             gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N // 2, 2]))
             cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-            gated_offs = rm.to(tl.int64)[:, None] * stride_om + cols[None, :]
-            tl.store(out_ptr + gated_offs, silu_mul(gate, up, dtype).to(dtype),
+            offs = rm.to(tl.int64)[:, None] * stride_om + cols[None, :]
+            tl.store(out_ptr + offs, silu_mul(gate, up, dtype).to(dtype),
                      mask=(rm[:, None] < M) & (cols[None, :] < N // 2))  # fmt: skip
         else:
             tl.store(out_ptr + offs, acc.to(dtype), mask=mask)
@@ -227,15 +203,6 @@ def _split_k_reduce_kernel(
     else:
         out = _split_k_sum(part_ptr, b_ptr, rn, rn, mask, stride_ps, SPLIT_K, HAS_BIAS, BLOCK)
     tl.store(out_ptr + m * stride_om + rn, out.to(dtype), mask=mask)
-
-
-# In-kernel quantisation of the rows there are (ROWS_Q, the power of two at or above M), tiled to the MMA's 16
-# rows, instead of all 16 (one row 16 times at batch 1). Off until run on a GPU (as FOLD_SPLIT_K)
-QUANT_ROWS_TILED = False
-# The split-K partial sums added by the last of a column block's programs (FOLD in the kernel; a
-# ``counters`` slot a column block), not by a second kernel. Off until run on a GPU: session 37 tested it in
-# the interpreter and compiled it for sm_90 (tests/kernels/sm90_compile.py) but got no GPU call to time it
-FOLD_SPLIT_K = False
 
 
 def skinny_gemm(
@@ -277,25 +244,22 @@ def skinny_gemm(
     split_k = triton.cdiv(k, k_per_split)  # no empty split
     even_k = k % k_per_split == 0
     partial = split_k > 1
-    part = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if partial else out
+    target = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if partial else out
     b = bias if bias is not None else out
     grid = (triton.cdiv(n, cfg.block_n), split_k)
-    fold = partial and FOLD_SPLIT_K and grid[0] <= counters.SLOTS
-    counts = counters.launch_counters(x.device) if fold else out
     _skinny_gemm_kernel[grid](
-        x, weight, b, out, x_scale, w_scale, part, counts, m, n, k, k_per_split,
-        x.stride(0), weight.stride(0), out.stride(0), part.stride(1) if partial else 0,
-        part.stride(0) if partial else 0, x_scale.stride(0), x_scale.stride(1), w_scale.stride(0), w_scale.stride(1),
+        x, weight, b, target, x_scale, w_scale, m, n, k, k_per_split,
+        x.stride(0), weight.stride(0), target.stride(-2), target.stride(0) if partial else 0,
+        x_scale.stride(0), x_scale.stride(1), w_scale.stride(0), w_scale.stride(1),
         HAS_BIAS=bias is not None, PARTIAL=partial, EVEN_K=even_k, MODE=mode,
         SCALES=0 if scales is None else 2 if group_k else 1,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, QUANT_X=quant_x, GATED=gated,
-        ROWS_Q=min(triton.next_power_of_2(m), block_m) if quant_x and QUANT_ROWS_TILED else block_m, FOLD=fold,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    if partial and not fold:  # gated: half the columns a program, as many programs as the plain reduction's
+    if partial:  # gated: half the columns a program, as many programs as the plain reduction's
         block = min(triton.next_power_of_2(n_out), 512 if gated else 1024)
         _split_k_reduce_kernel[(m, triton.cdiv(n_out, block))](
-            part, b, out, n_out, part.stride(1), part.stride(0), out.stride(0),
+            target, b, out, n_out, target.stride(1), target.stride(0), out.stride(0),
             SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=block, GATED=gated, num_warps=4,
         )  # fmt: skip
     return out
