@@ -5,7 +5,8 @@ Qwen3-8B's layer minus attention, one row, bf16 and FP8 (block-128) weights: RMS
 first 4,096 of qkv's columns) -> RMS norm -> gate_up -> SiLU-mul -> down, over 8 layers of their own weights
 (past L2), captured in one CUDA graph and replayed: us a layer and the weight bytes / time as a share of
 the copy bandwidth measured in the same call; each also with SiLU-mul the other way than the default (in the
-gate_up launch or apart: ``gemv.GATED_MAX_ROWS``, ``fp8_gemm.GATED_MAX_ROWS``), then the default again.
+gate_up launch or apart: ``gemv.GATED_MAX_ROWS``, ``fp8_gemm.GATED_MAX_ROWS``), then the default again;
+FP8 also with the MLP's RMS norm writing gate_up's e4m3 codes (``rms_norm_fp8``), then the default again.
 ``fp8_gemm_probe.py`` times the same GEMMs one by one.
 ``--trace``: a torch-profiler trace of three replays each, and per kernel its launches a layer, mean time
 and mean idle gap before it (where the time between the GEMMs goes). ``--variants``: the FP8 chain again
@@ -37,6 +38,7 @@ from atom.ops.triton import fp8_gemm, gemv
 from atom.ops.triton.fp8_configs import skinny_config
 from atom.ops.triton.fp8_gemm import fp8_linear
 from atom.ops.triton.fp8_gemv import Fp8GemvConfig, fp8_gemv
+from atom.ops.triton.norm import rms_norm_fp8
 
 DEV = "cuda"
 HIDDEN, QKV, INTER = 4096, 6144, 12288
@@ -69,11 +71,24 @@ def chain(x, layers, norm_w):
     return x
 
 
-def captured(layers, norm_w, x) -> torch.cuda.CUDAGraph:
-    chain(x, layers, norm_w)  # compiled outside the capture
+def chain_norm_codes(x, layers, norm_w):
+    """The FP8 chain with the MLP's RMS norm writing gate_up's e4m3 codes and scales (``rms_norm_fp8``) and
+    the gated skinny launch given them, not quantising its input itself."""
+    for qkv, o, gate_up_act, down in layers:
+        h = o(qkv(ops.rms_norm(x, norm_w, 1e-6))[:, :HIDDEN])
+        _, _, (a, a_scale) = rms_norm_fp8(h, norm_w, 1e-6, group_k=128)
+        w, w_scale = gate_up_act.keywords["w"], gate_up_act.keywords["w_scale"]
+        cfg = skinny_config(w.shape[0], w.shape[1], 128)
+        x = down(gemv.skinny_gemm(a, w, None, cfg, scales=(a_scale, w_scale, 128), out_dtype=torch.bfloat16,
+                                  gated=True))  # fmt: skip
+    return x
+
+
+def captured(layers, norm_w, x, fn=chain) -> torch.cuda.CUDAGraph:
+    fn(x, layers, norm_w)  # compiled outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        chain(x, layers, norm_w)
+        fn(x, layers, norm_w)
     return graph
 
 
@@ -252,6 +267,14 @@ def main() -> None:
             rows.append(dict(weights=f"{name}, {label}", us=ms * 1e3, floor_pct=100 * built[0][1] / (ms * 1e-3) / bw))
             print(rows[-1], flush=True)
             del graph
+        if fp8:  # gate_up given its codes by the norm, then the default again
+            for label, fn in (("gate_up codes from the RMS norm", chain_norm_codes), ("again", chain)):
+                graph = captured([c for c, _ in built], norm_w, x, fn)
+                ms = bench_ms(graph.replay, 50) / args.layers
+                rows.append(dict(weights=f"{name}, {label}", us=ms * 1e3,
+                                 floor_pct=100 * built[0][1] / (ms * 1e-3) / bw))  # fmt: skip
+                print(rows[-1], flush=True)
+                del graph
         if fp8 and args.variants:
             rows += variant_rows(built, norm_w, x, bw, args.layers)
         del built

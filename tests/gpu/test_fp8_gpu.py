@@ -341,3 +341,19 @@ def test_fused_moe_fp8_candidates(num_tokens, override):
     out = fused_moe_fp8(x, w13, s13, w2, s2, weights, ids, 128, config=config)
     ref = reference_fp8.fused_moe_fp8(x, w13, s13, w2, s2, weights, ids, 128)
     assert_close(out, ref, tol=0.02)
+
+
+@pytest.mark.parametrize("rows", [1, 16, 300])
+def test_rms_norm_fp8_codes(rows):
+    # the norm's e4m3 codes and scales: per_token_group_quant_fp8 of its output, bit for bit, at Qwen3-8B's hidden
+    from atom.ops.triton.fp8_gemm import per_token_group_quant_fp8
+    from atom.ops.triton.norm import rms_norm_fp8
+
+    x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16) * 2
+    res = torch.randn_like(x)
+    weight = torch.rand(4096, device="cuda", dtype=torch.bfloat16) + 0.5
+    out, new_res, (codes, scales) = rms_norm_fp8(x, weight, 1e-6, res)
+    want_out, want_res = ops.rms_norm(x, weight, 1e-6, res)
+    assert torch.equal(out, want_out) and torch.equal(new_res, want_res)
+    want_codes, want_scales = per_token_group_quant_fp8(out, 128)
+    assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8)) and torch.equal(scales, want_scales)

@@ -99,9 +99,22 @@ def attention_variants():
         yield "_paged_attention_kernel", _paged_attention_kernel, sig, const
 
 
+def norm_variants():
+    """The RMS norm with a residual, alone and writing its output's e4m3 codes and group scales."""
+    from atom.ops.triton.norm import _rms_norm_kernel
+
+    ints = ["n_cols", "stride_x", "stride_res", "stride_out", "stride_res_out", "stride_q", "stride_qsm",
+            "stride_qsg"]  # fmt: skip
+    for group in (0, 128):
+        sig = dict.fromkeys(["x_ptr", "res_ptr", "w_ptr", "out_ptr", "res_out_ptr"], "*bf16")
+        sig.update(q_ptr="*fp8e4nv", qs_ptr="*fp32", eps="fp32", **dict.fromkeys(ints, "i32"))
+        yield "_rms_norm_kernel", _rms_norm_kernel, sig, dict(HAS_RESIDUAL=True, BLOCK=4096, GROUP=group)
+
+
 def main() -> int:
     failed = 0
-    for name, fn, sig, const in itertools.chain(skinny_variants(), decode_gemm_helpers(), attention_variants()):
+    variants = itertools.chain(skinny_variants(), decode_gemm_helpers(), attention_variants(), norm_variants())
+    for name, fn, sig, const in variants:
         label = f"{name} " + " ".join(f"{k}={v}" for k, v in const.items())
         try:
             compile_sm90(fn, sig, const)
