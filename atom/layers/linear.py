@@ -43,6 +43,9 @@ class LinearBase(nn.Module):
     # dequantised to the model dtype after loading, as vLLM does; with --quantization fp8 it is
     # left unquantised
     dequantize_after_loading = False
+    # the activation group its FP8 method reads codes in (``forward``'s ``x_q``): set by a block-scaled
+    # method, so the RMS norm before the layer writes them (``RMSNorm.forward``'s ``quant_group``); 0: none
+    input_group = 0
 
     def __init__(self, input_size: int, output_size: int, bias: bool, tp: TPInfo, shard_dim: int | None):
         super().__init__()
@@ -62,7 +65,10 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         default_weight_loader(param, self._shard(param, loaded))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, x_q: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """``x_q``: ``x``'s e4m3 codes and scales in groups of ``input_group`` (only where that is set)."""
+        if x_q is not None:
+            return self.quant_method.apply(self, x, self.bias, x_q)
         if self.quant_method is not None:
             return self.quant_method.apply(self, x, self.bias)
         return apply_linear(x, self.weight, self.bias)
@@ -101,10 +107,12 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             loaded = loaded.narrow(0, self.tp.rank * size, size)
         default_weight_loader(target, loaded)
 
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+    def silu_and_mul(self, x: torch.Tensor, x_q: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """``silu_and_mul(self(x))`` of a gate / up pair: unquantised on CUDA one op (``ops.gated_linear``:
         at decode sizes the activation in the GEMM's epilogue, a launch fewer), quantised its method's
-        ``apply_gated`` where it has one."""
+        ``apply_gated`` where it has one (given ``x_q`` as ``forward`` is)."""
+        if x_q is not None:
+            return self.quant_method.apply_gated(self, x, self.bias, x_q)
         if self.quant_method is None and x.is_cuda:
             return ops.gated_linear(x, self.weight, self.bias)
         if self.quant_method is not None and hasattr(self.quant_method, "apply_gated"):

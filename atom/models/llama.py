@@ -48,8 +48,13 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias, tp)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, tp)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj.silu_and_mul(x))
+    @property
+    def input_group(self) -> int:
+        """The group of columns gate_up_proj reads its input's FP8 codes in (0: it reads ``x`` only)."""
+        return self.gate_up_proj.input_group
+
+    def forward(self, x: torch.Tensor, x_q: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        return self.down_proj(self.gate_up_proj.silu_and_mul(x, x_q))
 
 
 MlpFactory = Callable[[PretrainedConfig, TPInfo, int], nn.Module]
@@ -77,6 +82,11 @@ class DecoderLayer(nn.Module):
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
         hidden_states = self.self_attn(positions, hidden_states)
+        # an FP8 block-scaled MLP (LlamaMLP.input_group) takes its input's codes from the norm
+        group = getattr(self.mlp, "input_group", 0)
+        if group:
+            hidden_states, residual, x_q = self.post_attention_layernorm(hidden_states, residual, group)
+            return self.mlp(hidden_states, x_q), residual
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 

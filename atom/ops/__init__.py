@@ -29,6 +29,7 @@ __all__ = [
     "fused_moe",
     "fp8_gated_linear",
     "fp8_linear",
+    "fused_add_rms_norm_fp8",
     "fused_moe_fp8",
     "gated_linear",
     "grouped_topk",
@@ -306,10 +307,20 @@ w8a8_matmul = register_op(
         (a.shape[0], w.shape[0]), dtype=out_dtype
     ),
 )(reference_fp8.w8a8_matmul)
+fused_add_rms_norm_fp8 = register_op(
+    "fused_add_rms_norm_fp8",
+    triton=f"{_T}.norm:rms_norm_fp8",
+    fake=lambda x, weight, eps, residual, group_k: (
+        _empty_like(x),
+        _empty_like(x),
+        x.new_empty((x.numel() // x.shape[-1], x.shape[-1]), dtype=torch.float8_e4m3fn),
+        x.new_empty((x.shape[-1] // group_k, x.numel() // x.shape[-1]), dtype=torch.float32).t(),
+    ),
+)(reference_fp8.fused_add_rms_norm_fp8)
 fp8_linear = register_op(
     "fp8_linear",
     triton=f"{_T}.fp8_gemm:fp8_linear",
-    fake=lambda x, w, w_scale, group_k, bias=None, w_block_scale=None: x.new_empty((x.shape[0], w.shape[0])),
+    fake=lambda x, w, *args: x.new_empty((x.shape[0], w.shape[0])),
 )(reference_fp8.fp8_linear)
 
 
@@ -320,11 +331,14 @@ fp8_linear = register_op(
 )
 def fp8_gated_linear(
     x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, group_k: int, bias: torch.Tensor | None = None,
-    w_block_scale: torch.Tensor | None = None,
+    w_block_scale: torch.Tensor | None = None, x_codes: torch.Tensor | None = None,
+    x_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``silu_and_mul(fp8_linear(...))`` for a gate-then-up e4m3 weight; on CUDA, at decode sizes, the
     activation in the skinny kernel's launch."""
-    return reference.silu_and_mul(reference_fp8.fp8_linear(x, w, w_scale, group_k, bias, w_block_scale))
+    return reference.silu_and_mul(
+        reference_fp8.fp8_linear(x, w, w_scale, group_k, bias, w_block_scale, x_codes, x_scales)
+    )
 
 
 fused_moe_fp8 = register_op(

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from atom.ops import reference
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 # smallest scale: keeps an all-zero row finite
@@ -35,15 +37,28 @@ def per_token_group_quant_fp8(x: torch.Tensor, group_k: int) -> tuple[torch.Tens
     return q.view(m, groups * group_k)[:, :k].contiguous(), scale.t().contiguous().t()
 
 
+def fused_add_rms_norm_fp8(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor, group_k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``reference.rms_norm(x, weight, eps, residual)`` (normed, summed) and the normed rows' e4m3 codes and
+    scales (``per_token_group_quant_fp8``): what an FP8 linear after the norm would compute from them."""
+    out, summed = reference.rms_norm(x, weight, eps, residual)
+    return out, summed, *per_token_group_quant_fp8(out.reshape(-1, out.shape[-1]), group_k)
+
+
 def fp8_linear(
     x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, group_k: int, bias: torch.Tensor | None = None,
-    w_block_scale: torch.Tensor | None = None,
+    w_block_scale: torch.Tensor | None = None, x_codes: torch.Tensor | None = None,
+    x_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """An FP8 linear layer with dynamic activation scales: ``x`` [M, K] quantised 1 x ``group_k``
     per row (``per_token_group_quant_fp8``; per token where ``group_k`` is 0), times the e4m3
     ``w`` [N, K] with its scales, plus ``bias``, in ``x``'s dtype. ``w_block_scale`` (the same
-    scales per 128 x 128 block, for ``torch._scaled_mm`` on a GPU) does not change the product."""
-    return w8a8_matmul(*per_token_group_quant_fp8(x, group_k), w, w_scale, group_k, x.dtype, bias)
+    scales per 128 x 128 block, for ``torch._scaled_mm`` on a GPU) does not change the product.
+    ``x_codes`` and ``x_scales``, where given, are that quantisation of ``x`` already made (by
+    ``fused_add_rms_norm_fp8``): the same product, one quantisation fewer."""
+    a, a_scale = (x_codes, x_scales) if x_codes is not None else per_token_group_quant_fp8(x, group_k)
+    return w8a8_matmul(a, a_scale, w, w_scale, group_k, x.dtype, bias)
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, group_k: int) -> torch.Tensor:

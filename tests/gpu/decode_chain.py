@@ -73,14 +73,11 @@ def chain(x, layers, norm_w):
 
 def chain_norm_codes(x, layers, norm_w):
     """The FP8 chain with the MLP's RMS norm writing gate_up's e4m3 codes and scales (``rms_norm_fp8``) and
-    the gated skinny launch given them, not quantising its input itself."""
+    gate_up given them (as the models run with ``fp8.NORM_WRITES_CODES``), not quantising its input itself."""
     for qkv, o, gate_up_act, down in layers:
         h = o(qkv(ops.rms_norm(x, norm_w, 1e-6))[:, :HIDDEN])
-        _, _, (a, a_scale) = rms_norm_fp8(h, norm_w, 1e-6, group_k=128)
-        w, w_scale = gate_up_act.keywords["w"], gate_up_act.keywords["w_scale"]
-        cfg = skinny_config(w.shape[0], w.shape[1], 128)
-        x = down(gemv.skinny_gemm(a, w, None, cfg, scales=(a_scale, w_scale, 128), out_dtype=torch.bfloat16,
-                                  gated=True))  # fmt: skip
+        normed, _, codes, scales = rms_norm_fp8(h, norm_w, 1e-6, group_k=128)
+        x = down(gate_up_act(normed, x_codes=codes, x_scales=scales))
     return x
 
 

@@ -352,8 +352,28 @@ def test_rms_norm_fp8_codes(rows):
     x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16) * 2
     res = torch.randn_like(x)
     weight = torch.rand(4096, device="cuda", dtype=torch.bfloat16) + 0.5
-    out, new_res, (codes, scales) = rms_norm_fp8(x, weight, 1e-6, res)
+    out, new_res, codes, scales = rms_norm_fp8(x, weight, 1e-6, res)
     want_out, want_res = ops.rms_norm(x, weight, 1e-6, res)
     assert torch.equal(out, want_out) and torch.equal(new_res, want_res)
     want_codes, want_scales = per_token_group_quant_fp8(out, 128)
     assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8)) and torch.equal(scales, want_scales)
+
+
+# the FP8 linears given the norm's codes (the models' post-attention norm -> gate_up) at Qwen3-8B's gate_up and
+# down, the GEMV's row, the skinny kernel (the gated launch at one row) and the tile GEMM / cuBLASLt: the bits
+# of quantising in the op
+@pytest.mark.parametrize("m", [1, 4, 16, 64])
+@pytest.mark.parametrize("gated", [False, True])
+def test_fp8_linear_given_the_norms_codes(m, gated):
+    from atom.ops.triton import fp8_gemm
+    from atom.ops.triton.norm import rms_norm_fp8
+
+    n, k = (2 * 12288, 4096) if gated else (4096, 4096)
+    h = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+    normed, _, codes, scales = rms_norm_fp8(h, torch.rand(k, device=DEV, dtype=torch.bfloat16) + 0.5, 1e-6)
+    w, w_s = reference_fp8.quantize_weight(torch.randn(n, k, device=DEV) * 0.02, 128, 128)
+    w_s = w_s.t().contiguous().t()
+    block = fp8_gemm.scaled_mm_block_scales(w, w_s, 128)
+    op = fp8_gemm.fp8_gated_linear if gated else fp8_gemm.fp8_linear
+    given = op(normed, w, w_s, 128, None, block, codes, scales)
+    torch.testing.assert_close(given, op(normed, w, w_s, 128, None, block), atol=0, rtol=0)

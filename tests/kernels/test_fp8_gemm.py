@@ -285,3 +285,23 @@ def test_fp8_gated_linear_fuses_up_to_its_row_count(m, k, monkeypatch, assert_cl
     if m == 1:
         assert torch.equal(fp8_gemm.fp8_gated_linear(x, w_q, w_s, 128, b),
                            silu_and_mul(fp8_gemv(x, w_q, w_s, 128, fp8_configs.gemv_config(n, k, 128), b)))  # fmt: skip
+
+
+@pytest.mark.parametrize("m", [1, 3, SKINNY_MAX_ROWS + 3])  # the GEMV's row, the skinny kernel, the tile GEMM
+@pytest.mark.parametrize("gated", [False, True])
+def test_fp8_linear_given_the_norms_codes(m, gated, monkeypatch):
+    # the activation's codes and scales made before (the RMS norm's, per_token_group_quant_fp8's bits) read
+    # instead of quantising x: the same output bits on every path, the gated skinny launch included
+    n, k = 2 * 40, 256
+    x = torch.randn(m, k).to(torch.bfloat16)
+    w_q, w_s = ref.quantize_weight(torch.randn(n, k) * 0.1, 128, 128)
+    w_s = w_s.t().contiguous().t()
+    b = torch.randn(n).to(torch.bfloat16)
+    monkeypatch.setattr(fp8_gemm, "GATED_MAX_ROWS", 3)
+    op = fp8_gemm.fp8_gated_linear if gated else fp8_gemm.fp8_linear
+    codes, scales = per_token_group_quant_fp8(x, 128)
+    given = op(x, w_q, w_s, 128, b, None, codes, scales)
+    assert torch.equal(given, op(x, w_q, w_s, 128, b))
+    # the codes are read (not x): where x is quantised in the launch, zeroed codes change the output
+    zeroed = op(x, w_q, w_s, 128, b, None, torch.zeros_like(codes), scales)
+    assert torch.equal(zeroed, given) == (m == 1)  # the GEMV (the gated op's too) quantises x as it reads it

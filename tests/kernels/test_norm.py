@@ -44,7 +44,7 @@ def test_rms_norm_fp8_codes_are_the_group_quantisation_of_its_output(rows, hidde
     x = torch.randn(rows, hidden, dtype=torch.bfloat16) * 3
     res = torch.randn(rows, hidden, dtype=torch.bfloat16) if residual else None
     weight = 1 + 0.1 * torch.randn(hidden, dtype=torch.bfloat16)
-    out, new_res, (codes, scales) = rms_norm_fp8(x, weight, 1e-6, res, group_k=128)
+    out, new_res, codes, scales = rms_norm_fp8(x, weight, 1e-6, res, group_k=128)
     want = rms_norm(x, weight, 1e-6, res)
     assert torch.equal(out, want[0] if residual else want)
     assert new_res is None if not residual else torch.equal(new_res, want[1])

@@ -44,7 +44,7 @@ def prompt_logits(path: str, **kwargs) -> tuple[torch.Tensor, torch.nn.Module]:
         return model.compute_logits(model(IDS, positions)).float(), model
 
 
-def _dequantized_linear(self, layer, x, bias):
+def _dequantized_linear(self, layer, x, bias, x_q=None):
     w = reference_fp8.dequantize(layer.weight, getattr(layer, self.config.scale_name), self.group_k)
     return torch.nn.functional.linear(x, w.to(x.dtype), bias)
 
@@ -53,7 +53,8 @@ def _dequantize_linears(monkeypatch) -> None:
     """The FP8 linear layers (and the gate / up pairs' one op) as float linears over the dequantized weights."""
     monkeypatch.setattr(Fp8LinearMethod, "apply", _dequantized_linear)
     monkeypatch.setattr(Fp8LinearMethod, "apply_gated",
-                        lambda self, layer, x, bias: reference.silu_and_mul(_dequantized_linear(self, layer, x, bias)))
+                        lambda self, layer, x, bias, x_q=None: reference.silu_and_mul(
+                            _dequantized_linear(self, layer, x, bias)))
 
 
 def _dequantized_moe(self, moe, x, weights, ids):
@@ -95,6 +96,28 @@ def test_fp8_checkpoint_loads_exact_weights(tiny_model, tmp_path, fmt, arch, mon
     logits, _ = prompt_logits(path)
     ref, _ = prompt_logits(str(tmp_path / "deq"))
     assert (logits - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+@pytest.mark.parametrize("fmt", ["block", "ct_block"])
+def test_the_mlp_norm_writes_gate_ups_fp8_codes(tmp_path, fmt, monkeypatch):
+    # with block scales over whole groups of the hidden size, the post-attention RMS norm writes gate_up's e4m3
+    # codes and scales and the layer reads them instead of quantising its input (fp8.NORM_WRITES_CODES): the
+    # logits of quantising in the layer
+    from atom import ops
+    from atom.layers.quantization import fp8
+
+    src = build(str(tmp_path / "src"), "qwen3", hidden_size=64)
+    path = write(src, str(tmp_path / "fp8"), fmt, str(tmp_path / "deq"), block=32)
+    calls = []
+    norm_fp8 = ops.fused_add_rms_norm_fp8
+    monkeypatch.setattr(ops, "fused_add_rms_norm_fp8", lambda *args: calls.append(args[-1]) or norm_fp8(*args))
+    logits, model = prompt_logits(path)
+    assert {layer.mlp.input_group for layer in model.model.layers} == {32}
+    assert calls == [32] * len(model.model.layers)
+    monkeypatch.setattr(fp8, "NORM_WRITES_CODES", False)
+    unfused, model = prompt_logits(path)
+    assert {layer.mlp.input_group for layer in model.model.layers} == {0} and len(calls) == 3
+    assert torch.equal(logits, unfused)
 
 
 def test_quantization_fp8_on_load(tiny_model):

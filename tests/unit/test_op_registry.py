@@ -71,3 +71,27 @@ def test_fp8_gated_linear_is_silu_and_mul_of_the_fp8_linear_on_cpu():
     torch.testing.assert_close(ops.fp8_gated_linear(x, w_q, w_s, 128), ref, atol=0, rtol=0)
     compiled = torch.compile(lambda x: ops.fp8_gated_linear(x, w_q, w_s, 128) * 2, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(x), ref * 2)
+
+
+def test_the_norm_writing_fp8_codes_feeds_the_fp8_linear_on_cpu():
+    # fused_add_rms_norm_fp8: the norm, the summed residual, and the normed rows' codes and group scales
+    # (per_token_group_quant_fp8's); the FP8 linear given them computes what it computes from the normed rows;
+    # compiled, the fake tensors' shapes and layouts carry through
+    from atom.ops import reference_fp8
+
+    ops.init_device_ops("cpu")
+    x, res, w = torch.randn(3, 256), torch.randn(3, 256), 1 + 0.1 * torch.randn(256)
+    w_q, w_s = reference_fp8.quantize_weight(torch.randn(10, 256) * 0.1, 128, 128)
+
+    def block(x, res):
+        out, summed, codes, scales = ops.fused_add_rms_norm_fp8(x, w, 1e-6, res, 128)
+        return ops.fp8_gated_linear(out, w_q, w_s, 128, None, None, codes, scales), summed, scales
+
+    normed, summed = ops.rms_norm(x, w, 1e-6, res)
+    want = ops.fp8_gated_linear(normed, w_q, w_s, 128)
+    got, got_summed, scales = block(x, res)
+    assert torch.equal(got, want) and torch.equal(got_summed, summed)
+    assert scales.shape == (3, 2) and scales.stride() == (1, 3)  # group-major, as the kernels write them
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    for a, b in zip(compiled(x, res), (want, summed, scales)):
+        assert torch.equal(a, b)

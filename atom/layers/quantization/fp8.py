@@ -26,6 +26,11 @@ from atom.model_loader.checkpoint_slice import materialize
 from atom.ops import reference_fp8
 
 FP8 = torch.float8_e4m3fn
+# an activation's e4m3 codes [M, K] and group scales [M, K / group] (per_token_group_quant_fp8's)
+Codes = tuple[torch.Tensor, torch.Tensor]
+# block-scaled layers ask the RMS norm before them for their input's codes (``layer.input_group``), so the
+# GEMM reads them instead of quantising its input itself: the same bits, one quantisation fewer
+NORM_WRITES_CODES = True
 
 
 def _param(data: torch.Tensor, loader) -> nn.Parameter:
@@ -122,9 +127,15 @@ class Fp8LinearMethod:
                 from atom.ops.triton.fp8_gemm import scaled_mm_block_scales
 
                 self.block_scale = scaled_mm_block_scales(layer.weight.data, scale, self.group_k)
+            if NORM_WRITES_CODES and layer.input_size % self.group_k == 0:
+                layer.input_group = self.group_k
         self.scale = getattr(layer, self.config.scale_name)
 
-    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(
+        self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None, x_q: Codes | None = None
+    ) -> torch.Tensor:
+        """``x_q``: ``x``'s codes and scales, 1 x ``layer.input_group`` per row, where the norm before made
+        them (block scales only)."""
         x2 = x.reshape(-1, x.shape[-1])
         scale = getattr(layer, self.config.scale_name)
         # rowwise-scaled _scaled_mm: bf16 output, dims multiples of 16
@@ -135,10 +146,12 @@ class Fp8LinearMethod:
             out = out if bias is None else out + bias
         else:
             block_scale = self.block_scale if x.dtype == torch.bfloat16 else None
-            out = ops.fp8_linear(x2, layer.weight, scale, self.group_k, bias, block_scale)
+            out = ops.fp8_linear(x2, layer.weight, scale, self.group_k, bias, block_scale, *(x_q or (None, None)))
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
-    def apply_gated(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def apply_gated(
+        self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None, x_q: Codes | None = None
+    ) -> torch.Tensor:
         """``silu_and_mul(apply(...))`` of a gate / up pair: with block scales one op
         (``ops.fp8_gated_linear``: at decode sizes the activation in the skinny kernel's launch)."""
         if not self.group_k:
@@ -146,7 +159,7 @@ class Fp8LinearMethod:
         x2 = x.reshape(-1, x.shape[-1])
         block_scale = self.block_scale if x.dtype == torch.bfloat16 else None
         out = ops.fp8_gated_linear(x2, layer.weight, getattr(layer, self.config.scale_name), self.group_k, bias,
-                                   block_scale)  # fmt: skip
+                                   block_scale, *(x_q or (None, None)))  # fmt: skip
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
 

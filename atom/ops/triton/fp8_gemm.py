@@ -210,24 +210,35 @@ def _one_launch(m: int, n: int, k: int, group_k: int) -> Fp8GemvConfig | str | N
 
 def fp8_linear(
     x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, group_k: int, bias: torch.Tensor | None = None,
-    w_block_scale: torch.Tensor | None = None,
+    w_block_scale: torch.Tensor | None = None, x_codes: torch.Tensor | None = None,
+    x_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """``reference_fp8.fp8_linear``: ``x`` [M, K] quantised 1 x ``group_k`` per row, times the
     e4m3 weight, in ``x``'s dtype. Block scales at decode sizes (the skinny kernel's rows and
     columns) take one launch: the skinny kernel, or at one row the CUDA-core GEMV
     (``gemv_config``), quantises each activation group as it reads it. Otherwise
-    ``per_token_group_quant_fp8`` then ``w8a8_matmul``."""
+    ``per_token_group_quant_fp8`` then ``w8a8_matmul``. ``x_codes`` / ``x_scales`` (that quantisation,
+    made by the RMS norm before) are read instead of quantising, except by the GEMV."""
     m, k = x.shape
     n = w.shape[0]
     launch = _one_launch(m, n, k, group_k)
-    if launch is not None:
-        x = x if x.stride(-1) == 1 else x.contiguous()
-        if launch != "skinny":
-            return fp8_gemv(x, w, w_scale, group_k, launch, bias)
-        return skinny_gemm(x, w, bias, skinny_config(n, k, group_k), scales=(None, w_scale, group_k),
+    if launch is not None and launch != "skinny":
+        return fp8_gemv(x if x.stride(-1) == 1 else x.contiguous(), w, w_scale, group_k, launch, bias)
+    if launch == "skinny":
+        a, a_scale = _skinny_operand(x, x_codes, x_scales)
+        return skinny_gemm(a, w, bias, skinny_config(n, k, group_k), scales=(a_scale, w_scale, group_k),
                            out_dtype=x.dtype)  # fmt: skip
-    a, a_scale = per_token_group_quant_fp8(x, group_k)
+    a, a_scale = (x_codes, x_scales) if x_codes is not None else per_token_group_quant_fp8(x, group_k)
     return w8a8_matmul(a, a_scale, w, w_scale, group_k, x.dtype, bias, w_block_scale)
+
+
+def _skinny_operand(
+    x: torch.Tensor, x_codes: torch.Tensor | None, x_scales: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What the skinny kernel reads: the given codes and scales, else the 16-bit rows and no scales (it
+    quantises them itself)."""
+    a, a_scale = (x, None) if x_codes is None else (x_codes, x_scales)
+    return (a if a.stride(-1) == 1 else a.contiguous()), a_scale
 
 
 # Up to this many rows ``fp8_gated_linear`` applies SiLU-mul in the skinny kernel's epilogue (or its split-K
@@ -240,17 +251,18 @@ GATED_MAX_ROWS = 1
 
 def fp8_gated_linear(
     x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, group_k: int, bias: torch.Tensor | None = None,
-    w_block_scale: torch.Tensor | None = None,
+    w_block_scale: torch.Tensor | None = None, x_codes: torch.Tensor | None = None,
+    x_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """``silu_and_mul(fp8_linear(...))`` for a gate-then-up ``w`` [2 I, K]; where ``fp8_linear`` takes the
     skinny kernel, up to ``GATED_MAX_ROWS`` rows, with the activation in that launch: the same bits."""
     m, k = x.shape
     n = w.shape[0]
     if m > GATED_MAX_ROWS or n % 2 or _one_launch(m, n, k, group_k) != "skinny":
-        return silu_and_mul(fp8_linear(x, w, w_scale, group_k, bias, w_block_scale))
+        return silu_and_mul(fp8_linear(x, w, w_scale, group_k, bias, w_block_scale, x_codes, x_scales))
     cfg = skinny_config(n, k, group_k)  # 64 or 128 rows a program: gate rows with their up rows
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    return skinny_gemm(x, w, bias, cfg, scales=(None, w_scale, group_k), out_dtype=x.dtype, gated=True)
+    a, a_scale = _skinny_operand(x, x_codes, x_scales)
+    return skinny_gemm(a, w, bias, cfg, scales=(a_scale, w_scale, group_k), out_dtype=x.dtype, gated=True)
 
 
 def scaled_mm_block(

@@ -72,16 +72,16 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    out, res_out, _ = _launch(x, weight, eps, residual, 0)
+    out, res_out, _, _ = _launch(x, weight, eps, residual, 0)
     return out if residual is None else (out, res_out)
 
 
 def rms_norm_fp8(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, group_k: int = 128
-) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor]]:
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """``rms_norm`` (out, and the summed residual or None) and ``per_token_group_quant_fp8(out, group_k)``'s
-    codes and scales [rows, groups] (group-major) from the same launch, the same bits: an FP8 GEMM that
-    follows the norm is given the codes instead of quantising its input itself."""
+    codes [rows, hidden] and scales [rows, groups] (group-major) from the same launch, the same bits: an FP8
+    GEMM that follows the norm is given the codes instead of quantising its input itself."""
     if x.shape[-1] % group_k or group_k & (group_k - 1):
         raise ValueError(f"rms_norm_fp8: {x.shape[-1]} columns are not groups of {group_k} (a power of two)")
     return _launch(x, weight, eps, residual, group_k)
@@ -107,11 +107,11 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
     if group:
         codes = torch.empty((rows, hidden), dtype=torch.float8_e4m3fn, device=x.device)
         scales = torch.empty((hidden // group, rows), dtype=torch.float32, device=x.device).t()
-        quant = (codes, scales)
     else:
-        codes, scales, quant = out2, out2, None  # unused: GROUP is 0
+        codes = scales = out2  # unused: GROUP is 0
+    result = (out, res_out) + ((codes, scales) if group else (None, None))
     if rows == 0:
-        return out, res_out, quant
+        return result
     block = triton.next_power_of_2(hidden)
     num_warps = min(max(block // 512, 1), 16)
     _rms_norm_kernel[(rows,)](
@@ -119,4 +119,4 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
         x2.stride(0), res2.stride(0), out2.stride(0), res_out2.stride(0), codes.stride(0), scales.stride(0),
         scales.stride(1), eps, HAS_RESIDUAL=residual is not None, BLOCK=block, GROUP=group, num_warps=num_warps,
     )  # fmt: skip
-    return out, res_out, quant
+    return result
