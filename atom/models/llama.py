@@ -36,8 +36,14 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+    @property
+    def input_group(self) -> int:
+        """The group of columns qkv_proj reads its input's FP8 codes in (0: it reads ``hidden_states`` only)."""
+        return self.qkv_proj.input_group
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                x_q: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
+        q, k, v = self.qkv_proj(hidden_states, x_q).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         o = self.attn(q, k, v, positions, self.rotary_emb, self.q_norm, self.k_norm)
         return self.o_proj(o)
 
@@ -78,17 +84,23 @@ class DecoderLayer(nn.Module):
     def forward(self, positions, hidden_states, residual):
         if residual is None:
             residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
+            hidden_states = self.self_attn(positions, self.input_layernorm(hidden_states))
         else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states)
-        # an FP8 block-scaled MLP (LlamaMLP.input_group) takes its input's codes from the norm
-        group = getattr(self.mlp, "input_group", 0)
-        if group:
-            hidden_states, residual, x_q = self.post_attention_layernorm(hidden_states, residual, group)
-            return self.mlp(hidden_states, x_q), residual
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+            hidden_states, residual = _call_normed(self.self_attn, self.input_layernorm, hidden_states, residual,
+                                                   positions)  # fmt: skip
+        return _call_normed(self.mlp, self.post_attention_layernorm, hidden_states, residual)
+
+
+def _call_normed(module: nn.Module, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor, *args):
+    """``(module(*args, norm(x + residual)), x + residual)``; where ``module`` reads its input's FP8 codes
+    (an ``input_group``: LlamaAttention's qkv_proj, LlamaMLP's gate_up_proj with block scales), the norm writes
+    them in its launch and the module is given them: its GEMM does not quantise its input itself."""
+    group = getattr(module, "input_group", 0)
+    if group:
+        normed, summed, x_q = norm(x, residual, group)
+        return module(*args, normed, x_q), summed
+    normed, summed = norm(x, residual)
+    return module(*args, normed), summed
 
 
 class DecoderModel(nn.Module):

@@ -99,10 +99,10 @@ def test_fp8_checkpoint_loads_exact_weights(tiny_model, tmp_path, fmt, arch, mon
 
 
 @pytest.mark.parametrize("fmt", ["block", "ct_block"])
-def test_the_mlp_norm_writes_gate_ups_fp8_codes(tmp_path, fmt, monkeypatch):
-    # with block scales over whole groups of the hidden size, the post-attention RMS norm writes gate_up's e4m3
-    # codes and scales and the layer reads them instead of quantising its input (fp8.NORM_WRITES_CODES): the
-    # logits of quantising in the layer
+def test_the_rms_norms_write_the_fp8_codes_of_qkv_and_gate_up(tmp_path, fmt, monkeypatch):
+    # with block scales over whole groups of the hidden size, the RMS norms (with a residual: all but the first)
+    # write qkv's and gate_up's e4m3 codes and scales and the layers read them instead of quantising their input
+    # (fp8.NORM_WRITES_CODES): the logits of quantising in the layers
     from atom import ops
     from atom.layers.quantization import fp8
 
@@ -112,11 +112,12 @@ def test_the_mlp_norm_writes_gate_ups_fp8_codes(tmp_path, fmt, monkeypatch):
     norm_fp8 = ops.fused_add_rms_norm_fp8
     monkeypatch.setattr(ops, "fused_add_rms_norm_fp8", lambda *args: calls.append(args[-1]) or norm_fp8(*args))
     logits, model = prompt_logits(path)
-    assert {layer.mlp.input_group for layer in model.model.layers} == {32}
-    assert calls == [32] * len(model.model.layers)
+    layers = model.model.layers
+    assert {(layer.self_attn.input_group, layer.mlp.input_group) for layer in layers} == {(32, 32)}
+    assert calls == [32] * (2 * len(layers) - 1)
     monkeypatch.setattr(fp8, "NORM_WRITES_CODES", False)
     unfused, model = prompt_logits(path)
-    assert {layer.mlp.input_group for layer in model.model.layers} == {0} and len(calls) == 3
+    assert {layer.mlp.input_group for layer in model.model.layers} == {0} and len(calls) == 2 * len(layers) - 1
     assert torch.equal(logits, unfused)
 
 
