@@ -86,6 +86,25 @@ def test_stream_of_events(client, tiny_model):
     assert events[-1].response.usage.output_tokens == 10 and events[0].response.status == "in_progress"
 
 
+def test_streamed_text_deltas_carry_their_tokens_logprobs(client, tiny_model):
+    # as vLLM: each output_text delta has the logprobs of the tokens it adds; together, the final message's
+    kwargs = dict(model=tiny_model, input="Hello", max_output_tokens=12, temperature=0, top_logprobs=2,
+                  include=["message.output_text.logprobs"])  # fmt: skip
+    events = list(client.responses.create(**kwargs, stream=True))
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    final = events[-1].response.output[0].content[0].logprobs
+    streamed = [lp for e in deltas for lp in e.logprobs]
+
+    def key(lp):  # the delta event's fields (the final message's have bytes too)
+        return lp.token, lp.logprob, [(t.token, t.logprob) for t in lp.top_logprobs]
+
+    assert len(final) == 12 and list(map(key, streamed)) == list(map(key, final))
+    assert all(len(lp.top_logprobs) == 2 for lp in streamed)
+    assert "bytes" not in deltas[0].model_dump()["logprobs"][0]  # OpenAI's delta schema
+    plain = client.responses.create(**{**kwargs, "include": None}, stream=True)
+    assert all(e.logprobs == [] for e in plain if e.type == "response.output_text.delta")
+
+
 def test_input_items_reach_the_template(server, client, tiny_model):
     """Developer messages as system, a function call joined to the assistant turn before it, its output as
     a tool message, a reasoning item on the next assistant turn: the prompt is that conversation's."""

@@ -98,6 +98,15 @@ class OpenAIServingResponses(OpenAIServingChat):
             return None
         return [c.model_dump() for c in self.logprobs(final.token_ids, final.logprobs).content]
 
+    def delta_logprobs(self, request: ResponsesRequest, out: RequestOutput) -> list[dict]:
+        """The logprobs of the tokens new in ``out``, [] unless asked for: a streamed text delta's (OpenAI's
+        delta event schema: token, logprob, top_logprobs of token and logprob; no bytes)."""
+        if not request.wants_logprobs or not out.new_token_ids:
+            return []
+        return [{"token": c.token, "logprob": c.logprob,
+                 "top_logprobs": [{"token": t.token, "logprob": t.logprob} for t in c.top_logprobs]}
+                for c in self.logprobs(out.new_token_ids, out.new_logprobs).content]  # fmt: skip
+
     def response(self, request: ResponsesRequest, response_id: str, items: list, final: RequestOutput | None,
                  prompt: Prompt) -> ResponsesResponse:  # fmt: skip
         """The response object: in progress (``final`` None) or done, with the request's settings."""
@@ -258,6 +267,8 @@ class _Events:
         self.open: ReasoningItem | OutputMessage | FunctionCallOutput | None = None
         self.call_index: int | None = None  # the open function call's index in the parser's deltas
         self.text = ""  # the open item's text (reasoning, output text or arguments)
+        # logprobs of tokens not yet on a text delta (a token whose text the detokenizer or parser holds back)
+        self.pending_logprobs: list[dict] = []
 
     def event(self, type_: str, **fields) -> str:
         payload = {"type": type_, "sequence_number": self.seq, **fields}
@@ -272,6 +283,7 @@ class _Events:
             yield self.event("response.in_progress", response=snapshot)
             outputs = prepend(first, rest)
             async for _, out in outputs:
+                self.pending_logprobs += self.serving.delta_logprobs(self.request, out)
                 delta = self.parser.delta(out.delta_text) if out.delta_text else None
                 if out.finished:
                     final = out
@@ -303,6 +315,8 @@ class _Events:
         if piece is None:
             return []
         events = []
+        if piece.reasoning_content or piece.tool_calls:
+            self.pending_logprobs = []  # as vLLM: logprobs ride on output text deltas only
         if piece.reasoning_content:
             events += self.switch(ReasoningItem, None)
             events.append(self.event("response.reasoning_text.delta", item_id=self.open.id,
@@ -313,7 +327,8 @@ class _Events:
             events += self.switch(OutputMessage, None)
             events.append(self.event("response.output_text.delta", item_id=self.open.id,
                                      output_index=len(self.items), content_index=0, delta=piece.content,
-                                     logprobs=[]))  # fmt: skip
+                                     logprobs=self.pending_logprobs))  # fmt: skip
+            self.pending_logprobs = []
             self.text += piece.content
         for call in piece.tool_calls:
             if self.call_index != call.index:
