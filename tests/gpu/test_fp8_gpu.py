@@ -377,3 +377,4 @@ def test_fp8_linear_given_the_norms_codes(m, gated):
     op = fp8_gemm.fp8_gated_linear if gated else fp8_gemm.fp8_linear
     given = op(normed, w, w_s, 128, None, block, codes, scales)
     torch.testing.assert_close(given, op(normed, w, w_s, 128, None, block), atol=0, rtol=0)
+    assert not torch.equal(op(normed, w, w_s, 128, None, block, torch.zeros_like(codes), scales), given)  # read

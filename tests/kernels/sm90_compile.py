@@ -61,21 +61,29 @@ def skinny_variants():
 
 def decode_gemm_helpers():
     """The skinny kernel's split-K reduction (plain and gated) and the FP8 CUDA-core GEMV (float16 runs
-    or float32 products) at Qwen3-8B's decode launches."""
+    or float32 products; quantising the row or given its codes) at Qwen3-8B's decode launches."""
     from atom.ops.triton.fp8_gemv import _fp8_gemv_kernel
     from atom.ops.triton.gemv import _split_k_reduce_kernel
+    from atom.ops.triton.moe_gemv import _moe_gemv_down_kernel, _moe_gemv_gated_kernel
 
     for gated in (False, True):
         sig = dict(part_ptr="*fp32", b_ptr="*bf16", out_ptr="*bf16", N="i32", stride_pm="i32", stride_ps="i32",
                    stride_om="i32")  # fmt: skip
         const = dict(SPLIT_K=4, HAS_BIAS=False, BLOCK=512 if gated else 1024, GATED=gated)
         yield "_split_k_reduce_kernel", _split_k_reduce_kernel, sig, const
-    for half in (True, False):
-        ints = ["N", "K", "stride_xm", "stride_wn", "stride_wsn", "stride_wsk", "stride_om"]
-        sig = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", ws_ptr="*fp32", b_ptr="*bf16", out_ptr="*bf16",
-                   **dict.fromkeys(ints, "i32"))  # fmt: skip
-        const = dict(HAS_BIAS=False, EVEN_K=True, BLOCK_N=16, BLOCK_K=1024, GROUP_K=128, HALF=half)
+    for half, codes in ((True, False), (False, False), (True, True)):
+        ints = ["N", "K", "stride_xm", "stride_xsm", "stride_xsk", "stride_wn", "stride_wsn", "stride_wsk", "stride_om"]
+        sig = dict(x_ptr="*fp8e4nv" if codes else "*bf16", xs_ptr="*fp32", w_ptr="*fp8e4nv", ws_ptr="*fp32",
+                   b_ptr="*bf16", out_ptr="*bf16", **dict.fromkeys(ints, "i32"))  # fmt: skip
+        const = dict(HAS_BIAS=False, EVEN_K=True, BLOCK_N=16, BLOCK_K=1024, GROUP_K=128, HALF=half, CODES=codes)
         yield "_fp8_gemv_kernel", _fp8_gemv_kernel, sig, const
+    # the MoE GEMVs share its row loop (``_gemv_rows``, called without codes): FP8 experts at Qwen3-30B-A3B's
+    ints = ["N", "K", "stride_xm", "stride_we", "stride_wn", "stride_wse", "stride_wsn", "stride_wsk", "stride_om"]
+    sig = dict(x_ptr="*bf16", ids_ptr="*i32", weights_ptr="*fp32", w_ptr="*fp8e4nv", ws_ptr="*fp32", out_ptr="*bf16",
+               **dict.fromkeys(ints, "i32"))  # fmt: skip
+    const = dict(EVEN_K=True, BLOCK_N=16, BLOCK_K=512, GROUP_K=128, HALF=True, SCALED=True)
+    yield "_moe_gemv_gated_kernel", _moe_gemv_gated_kernel, sig, dict(const, TOP_K=8)
+    yield "_moe_gemv_down_kernel", _moe_gemv_down_kernel, sig, const
 
 
 def attention_variants():

@@ -218,11 +218,13 @@ def fp8_linear(
     columns) take one launch: the skinny kernel, or at one row the CUDA-core GEMV
     (``gemv_config``), quantises each activation group as it reads it. Otherwise
     ``per_token_group_quant_fp8`` then ``w8a8_matmul``. ``x_codes`` / ``x_scales`` (that quantisation,
-    made by the RMS norm before) are read instead of quantising, except by the GEMV."""
+    made by the RMS norm before) are read instead of quantising."""
     m, k = x.shape
     n = w.shape[0]
     launch = _one_launch(m, n, k, group_k)
     if launch is not None and launch != "skinny":
+        if x_codes is not None:
+            return fp8_gemv(x, w, w_scale, group_k, launch, bias, *_skinny_operand(x, x_codes, x_scales))
         return fp8_gemv(x if x.stride(-1) == 1 else x.contiguous(), w, w_scale, group_k, launch, bias)
     if launch == "skinny":
         a, a_scale = _skinny_operand(x, x_codes, x_scales)
