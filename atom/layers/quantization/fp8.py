@@ -29,8 +29,10 @@ FP8 = torch.float8_e4m3fn
 # an activation's e4m3 codes [M, K] and group scales [M, K / group] (per_token_group_quant_fp8's)
 Codes = tuple[torch.Tensor, torch.Tensor]
 # block-scaled layers ask the RMS norm before them for their input's codes (``layer.input_group``), so the
-# GEMM reads them instead of quantising its input itself: the same bits, one quantisation fewer
-NORM_WRITES_CODES = True
+# GEMM reads them instead of quantising its input itself: the same bits, one quantisation fewer. Off: on one
+# H100 (session 39) Qwen3-8B-FP8's latency run with it on did not finish the start-up warm-up in 125 s or,
+# caches warm, 150 s, where with it off the whole run took 105 s (docs/performance.md); not yet diagnosed
+NORM_WRITES_CODES = False
 
 
 def _param(data: torch.Tensor, loader) -> nn.Parameter:
