@@ -16,12 +16,14 @@ in a machine session may matter (session 15: the second of two vLLM processes ra
 Python ~1.3x slower; each run's log starts with the busiest processes of the machine).
 Each run's log and JSON go to $OUT (or ./gpu-results), named by position and run. A run that times out has its whole
 process group killed (engine and rank processes included), after ``py-spy dump`` of every
-process in it where ``py-spy`` is on PATH (the stacks go to the run's log).
+process in it where ``py-spy`` is on PATH, else a SIGABRT to each, which ``PYTHONFAULTHANDLER`` turns
+into every thread's Python stack (the stacks go to the run's log).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -51,7 +53,7 @@ def run_one(spec: str, trees: dict[str, str], out: str, timeout: int, index: int
     cmd += [a for f in flags if f.startswith("level") for a in ("--level", f[5:])]
     cmd += [a for f in flags if f.startswith("bs") for a in ("--block-size", f[2:])]
     env = dict(os.environ, PYTHONPATH=":".join(p for p in ("/tmp/site", path) if os.path.isdir(p)),
-               ATOM_DISABLE_VLLM_PLUGIN="1", PYTHONUNBUFFERED="1")
+               ATOM_DISABLE_VLLM_PLUGIN="1", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
     start = time.time()
     with open(f"{out}/{name}.log", "w") as log:
         log.write(busiest_processes())
@@ -78,10 +80,17 @@ def busiest_processes(n: int = 4) -> str:
 
 
 def dump_stacks(pgid: int, log) -> None:
-    """Where a hung run's processes are: py-spy's Python stacks of each, into its log."""
-    if shutil.which("py-spy") is None:
-        return
+    """Where a hung run's processes are, into its log: py-spy's Python stacks of each or, without py-spy (the
+    GPU machine has none), SIGABRT, on which ``PYTHONFAULTHANDLER`` (set for every run) prints each thread's
+    stack to the log before the process dies."""
     pids = subprocess.run(["pgrep", "-g", str(pgid)], capture_output=True, text=True).stdout.split()
+    log.flush()
+    if shutil.which("py-spy") is None:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGABRT)
+        time.sleep(5)
+        return
     for pid in pids:
         log.flush()
         subprocess.run(["py-spy", "dump", "--pid", pid], stdout=log, stderr=subprocess.STDOUT, timeout=60)
