@@ -224,21 +224,21 @@ def fp8_linear(
     launch = _one_launch(m, n, k, group_k)
     if launch is not None and launch != "skinny":
         if x_codes is not None:
-            return fp8_gemv(x, w, w_scale, group_k, launch, bias, *_skinny_operand(x, x_codes, x_scales))
+            return fp8_gemv(x, w, w_scale, group_k, launch, bias, *_operand(x, x_codes, x_scales))
         return fp8_gemv(x if x.stride(-1) == 1 else x.contiguous(), w, w_scale, group_k, launch, bias)
     if launch == "skinny":
-        a, a_scale = _skinny_operand(x, x_codes, x_scales)
+        a, a_scale = _operand(x, x_codes, x_scales)
         return skinny_gemm(a, w, bias, skinny_config(n, k, group_k), scales=(a_scale, w_scale, group_k),
                            out_dtype=x.dtype)  # fmt: skip
     a, a_scale = (x_codes, x_scales) if x_codes is not None else per_token_group_quant_fp8(x, group_k)
     return w8a8_matmul(a, a_scale, w, w_scale, group_k, x.dtype, bias, w_block_scale)
 
 
-def _skinny_operand(
+def _operand(
     x: torch.Tensor, x_codes: torch.Tensor | None, x_scales: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """What the skinny kernel reads: the given codes and scales, else the 16-bit rows and no scales (it
-    quantises them itself)."""
+    """What the one-launch kernels (the skinny kernel, the GEMV) read: the given codes and scales, else the
+    16-bit rows and no scales (they quantise them themselves); rows contiguous along K."""
     a, a_scale = (x, None) if x_codes is None else (x_codes, x_scales)
     return (a if a.stride(-1) == 1 else a.contiguous()), a_scale
 
@@ -263,7 +263,7 @@ def fp8_gated_linear(
     if m > GATED_MAX_ROWS or n % 2 or _one_launch(m, n, k, group_k) != "skinny":
         return silu_and_mul(fp8_linear(x, w, w_scale, group_k, bias, w_block_scale, x_codes, x_scales))
     cfg = skinny_config(n, k, group_k)  # 64 or 128 rows a program: gate rows with their up rows
-    a, a_scale = _skinny_operand(x, x_codes, x_scales)
+    a, a_scale = _operand(x, x_codes, x_scales)
     return skinny_gemm(a, w, bias, cfg, scales=(a_scale, w_scale, group_k), out_dtype=x.dtype, gated=True)
 
 
